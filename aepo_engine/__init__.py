@@ -1,0 +1,1 @@
+"""aepo_engine: entropy-balanced rollouts, tools, rewards and training for AEPO."""

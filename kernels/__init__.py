@@ -1,0 +1,1 @@
+"""aepo_kernels: fused AEPO loss kernels (import name ``aepo_kernels``; folder ``kernels/``)."""

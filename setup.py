@@ -1,0 +1,37 @@
+"""aepo_engine: AEPO (Agentic Entropy-Balanced Policy Optimization) for tool-using LLM agents.
+
+Two import packages ship from this repository:
+- ``aepo_kernels`` (the folder ``kernels/``): fused AEPO loss kernels; depends on torch (+ triton
+  for the GPU path) only. The folder is *not* importable as ``kernels`` because Hugging Face's
+  ``kernels`` package (imported by TRL) already owns that name.
+- ``aepo_engine``: rollouts, tools, rewards, training.
+"""
+from setuptools import find_packages, setup
+
+engine_packages = [p for p in find_packages(include=["aepo_engine", "aepo_engine.*"])]
+
+setup(
+    name="aepo_engine",
+    version="0.1.0",
+    description="Agentic Entropy-Balanced Policy Optimization: fused kernels and an RL engine",
+    python_requires=">=3.10",
+    packages=["aepo_kernels"] + engine_packages,
+    package_dir={"aepo_kernels": "kernels"},
+    install_requires=[
+        "torch>=2.13",
+        "numpy",
+        "msgspec>=0.18",
+        "safetensors",
+        "transformers>=4.56,<5.20",
+        "tokenizers",
+        "pyarrow",
+    ],
+    extras_require={
+        # The CPU machine set-up: torch pinned to the local CPU build, triton for the
+        # interpreter-mode kernel tests (triton 3.7.1 pairs with torch 2.13).
+        "cpu": ["torch==2.13.0", "triton==3.7.1"],
+        "dev": ["pytest", "pytest-benchmark"],
+        # GPU machines: install a CUDA torch first, then `pip install -e ".[gpu]"`.
+        "gpu": ["triton", "flash-attn", "vllm"],
+    },
+)
