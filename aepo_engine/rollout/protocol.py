@@ -1,0 +1,74 @@
+"""The contract between the rollout scheduler and a generation backend.
+
+A backend turns token ids into sampled token ids (token-in/token-out: the scheduler never
+re-tokenizes model output, so training sees exactly what was sampled), with the sampling
+log-prob and the entropy of the sampling distribution at every generated position.
+
+Backends: ``aepo_engine.rollout.backends.hf`` (Hugging Face ``generate``; exact entropy from full
+logits) and ``aepo_engine.rollout.backends.vllm`` (vLLM; entropy estimated from top-k logprobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Protocol, Sequence
+
+import torch
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One continuation to sample.
+
+    Args:
+        prompt_ids: the whole context so far (prompt + trajectory tokens, tool results included).
+        max_new_tokens: hard cap on generated tokens for this call.
+        stop_strings: generation ends right after the decoded output ends with one of these
+            (e.g. ``"</search>"``); the stop string's tokens are part of ``token_ids``.
+        seed: per-request sampling seed; the same seed, model and context give the same tokens.
+        temperature, top_p: sampling parameters.
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class GenOutput:
+    """What one :class:`GenRequest` produced.
+
+    ``logprobs[i]`` is log pi(token_ids[i]) under the sampling distribution (temperature
+    applied); ``entropies[i]`` is the entropy of that distribution at position i (exact, or an
+    estimate when ``GenerationBackend.entropy_is_exact`` is False).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    finish_reason: FinishReason
+    stop_string: str | None = None
+    text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GenerationBackend(Protocol):
+    """A batched sampler. Implementations must be deterministic given the request seeds."""
+
+    tokenizer: Any
+    entropy_is_exact: bool
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+        """Sample every request (batched as the backend sees fit); outputs in request order."""
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load new policy weights (HF parameter names) without restarting the backend."""
+        ...
