@@ -1,0 +1,1 @@
+"""Generated tasks: a fictional knowledge base plus tool-use questions (see ``synthetic``)."""

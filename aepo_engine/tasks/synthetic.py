@@ -1,0 +1,382 @@
+"""A generated tool-use task small enough for a tiny model on two CPU cores.
+
+A seeded fictional world: people with short made-up names, each with two numbers (age, score),
+a colour, a home town and one friend (another person). Every person is one short document of a
+JSONL corpus ``{"id", "contents"}``; the name is written twice (title line + sentence), so a
+BM25 query that is just the name ranks the person's own document above the documents that only
+mention them as a friend.
+
+Questions need tools and come in three kinds:
+    lookup      "What is the age of Zorva?"                    <search>Zorva</search> -> answer
+    two_hop     "What is the city of the friend of Zorva?"     search Zorva, then the friend
+    arithmetic  "What is the age of Zorva plus the score of Kelmu?"
+                                                               two searches, then <python>
+Answers are short strings or integers. The intended response (AEPO_SPEC §3):
+    <think></think>
+    <search>Zorva</search> <result>
+    ...
+    </result>
+    <answer> \\boxed{34} </answer>
+The tiny policy never has to know a fact or do arithmetic: every search query is copied from the
+question or from a result, every number in the python code is copied from a result and the answer
+is copied from the last result. What it must learn is the format and *which* span to copy - the
+part RL can improve after a short supervised warm-start.
+
+Deliberately left out: natural-language variety (one template per kind), distractor documents,
+questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks;
+the engine's real tools live in ``aepo_engine.tools``.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import msgspec
+
+QuestionKind = Literal["lookup", "two_hop", "arithmetic"]
+ToolFn = Callable[[str, str], str]
+
+SYSTEM_PROMPT = (
+    "Answer the question with tools. <search>name</search> looks up a name. "
+    "<python>print(...)</python> runs code. Tool output comes in <result></result>. "
+    "End with <answer> \\boxed{answer} </answer>."
+)
+# How the rollout appends a tool result to a trajectory (AEPO_SPEC §1b); loss mask 0.
+RESULT_TEMPLATE = " <result>\n{}\n</result>"
+
+NUMERIC_ATTRIBUTES = ("age", "score")
+ATTRIBUTES = ("age", "score", "color", "city", "friend")
+COLORS = ("red", "blue", "green", "gold", "gray", "pink", "black", "white")
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Size and mix of the generated task."""
+
+    seed: int = 0  # one seed fixes the world, the questions and the split
+    num_people: int = 200  # documents in the corpus (one per person)
+    num_cities: int = 10  # distinct home towns (a categorical attribute)
+    num_train: int = 1000  # questions for SFT demonstrations and RL prompts
+    num_heldout: int = 200  # evaluation questions, disjoint from train
+    # Relative frequency of each question kind (normalized).
+    lookup_weight: float = 0.4
+    two_hop_weight: float = 0.3
+    arithmetic_weight: float = 0.3
+
+    def __post_init__(self) -> None:
+        weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight)
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError("question-kind weights must be >= 0 with a positive sum")
+        if self.num_people < 3:
+            raise ValueError("num_people must be >= 3 because arithmetic needs two other people")
+        if self.num_cities < 1:
+            raise ValueError("num_cities must be >= 1")
+
+
+@dataclass(frozen=True)
+class Person:
+    name: str
+    age: int
+    score: int
+    color: str
+    city: str
+    friend: str
+
+    def attribute(self, name: str) -> str:
+        return str(getattr(self, name))
+
+    def document(self) -> str:
+        return (f"{self.name}\n{self.name}: age {self.age}, score {self.score}, color {self.color}, "
+                f"city {self.city}, friend {self.friend}.")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool: Literal["search", "python"]
+    payload: str
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question with its gold tool plan (the calls a correct response makes, in order)."""
+
+    qid: str
+    kind: QuestionKind
+    text: str
+    answer: str
+    plan: tuple[ToolCall, ...]
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat prompt: system message describing the tags, user = the question."""
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.text}]
+
+    def record(self) -> dict:
+        """A JSON-able prompt record (chat prompt + ground truth) for RL datasets."""
+        return {"id": self.qid, "kind": self.kind, "prompt": self.messages(),
+                "ground_truth": [self.answer]}
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    people: tuple[Person, ...]
+    train: tuple[Question, ...]
+    heldout: tuple[Question, ...]
+
+    @property
+    def corpus(self) -> list[dict[str, str]]:
+        """The knowledge base as search-corpus rows ``{"id", "contents"}``."""
+        return [{"id": str(i), "contents": p.document()} for i, p in enumerate(self.people)]
+
+    def write_corpus(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for row in self.corpus:
+                f.write(json.dumps(row) + "\n")
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# World
+
+
+def _make_names(rng: random.Random, count: int, syllables: int, taken: set[str]) -> list[str]:
+    names: list[str] = []
+    while len(names) < count:
+        name = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
+        name = name.capitalize()
+        if name not in taken:
+            taken.add(name)
+            names.append(name)
+    return names
+
+
+def make_people(config: SyntheticTaskConfig, rng: random.Random) -> tuple[Person, ...]:
+    taken: set[str] = set()
+    names = _make_names(rng, config.num_people, 2, taken)  # "Zorva": two consonant-vowel pairs
+    cities = _make_names(rng, config.num_cities, 3, taken)  # "Tarunu": three, never a person
+    people = []
+    for i, name in enumerate(names):
+        friend = names[(i + rng.randrange(1, len(names))) % len(names)]  # anyone but oneself
+        people.append(Person(name=name, age=rng.randint(20, 79), score=rng.randint(10, 99),
+                             color=rng.choice(COLORS), city=rng.choice(cities), friend=friend))
+    return tuple(people)
+
+
+# ---------------------------------------------------------------------------------------------
+# Questions
+
+
+def _lookup(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
+    person = rng.choice(list(people.values()))
+    attr = rng.choice(ATTRIBUTES)
+    return (f"What is the {attr} of {person.name}?", person.attribute(attr),
+            (ToolCall("search", person.name),))
+
+
+def _two_hop(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
+    person = rng.choice(list(people.values()))
+    friend = people[person.friend]
+    attr = rng.choice(ATTRIBUTES[:-1])  # friend-of-friend would be a three-hop question
+    return (f"What is the {attr} of the friend of {person.name}?", friend.attribute(attr),
+            (ToolCall("search", person.name), ToolCall("search", friend.name)))
+
+
+def _arithmetic(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
+    first, second = rng.sample(list(people.values()), 2)
+    attr1, attr2 = rng.choice(NUMERIC_ATTRIBUTES), rng.choice(NUMERIC_ATTRIBUTES)
+    word, sign = rng.choice((("plus", "+"), ("minus", "-")))
+    value1, value2 = getattr(first, attr1), getattr(second, attr2)
+    answer = value1 + value2 if sign == "+" else value1 - value2
+    text = f"What is the {attr1} of {first.name} {word} the {attr2} of {second.name}?"
+    plan = (ToolCall("search", first.name), ToolCall("search", second.name),
+            ToolCall("python", f"print({value1} {sign} {value2})"))
+    return text, str(answer), plan
+
+
+_MAKERS = {"lookup": _lookup, "two_hop": _two_hop, "arithmetic": _arithmetic}
+
+
+def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticTask:
+    """Generate the world, the corpus and a train / held-out split of distinct questions.
+
+    Each kind gets its share of both splits (weights normalized, rounded). The split is by
+    question text: a held-out question never appears among the train questions (so never in SFT
+    demonstrations or RL prompts); the people and documents are shared.
+    """
+    rng = random.Random(config.seed)
+    people = make_people(config, rng)
+    by_name = {p.name: p for p in people}
+    weights = {"lookup": config.lookup_weight, "two_hop": config.two_hop_weight,
+               "arithmetic": config.arithmetic_weight}
+    total_weight = sum(weights.values())
+    train: list[Question] = []
+    heldout: list[Question] = []
+    for kind, weight in weights.items():
+        num_heldout = round(config.num_heldout * weight / total_weight)
+        num_train = round(config.num_train * weight / total_weight)
+        questions = _distinct_questions(kind, num_heldout + num_train, by_name, rng)
+        heldout += questions[:num_heldout]
+        train += questions[num_heldout:]
+    rng.shuffle(train)
+    rng.shuffle(heldout)
+    return SyntheticTask(people=people,
+                         train=tuple(_with_id(q, f"train-{i}") for i, q in enumerate(train)),
+                         heldout=tuple(_with_id(q, f"heldout-{i}") for i, q in enumerate(heldout)))
+
+
+def _distinct_questions(kind: QuestionKind, count: int, people: dict[str, Person],
+                        rng: random.Random) -> list[Question]:
+    seen: dict[str, Question] = {}
+    for _ in range(50 * count):
+        if len(seen) == count:
+            break
+        text, answer, plan = _MAKERS[kind](people, rng)
+        seen.setdefault(text, Question(qid="", kind=kind, text=text, answer=answer, plan=plan))
+    if len(seen) < count:
+        raise ValueError(f"cannot draw {count} distinct {kind} questions from {len(people)} "
+                         "people; raise num_people or lower num_train/num_heldout")
+    return list(seen.values())
+
+
+def _with_id(question: Question, qid: str) -> Question:
+    return Question(qid=qid, kind=question.kind, text=question.text, answer=question.answer,
+                    plan=question.plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Demonstrations
+
+
+def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn) -> list[str]:
+    """Write one gold response per question, with tool results produced by ``tool_fn``.
+
+    Args:
+        questions: the questions (use train questions only: held-out ones must stay unseen).
+        tool_fn: ``tool_fn(tool_name, payload) -> str`` with tool_name "search" or "python";
+            at integration the engine's real tools, in tests ``reference_tool_fn``.
+
+    Returns:
+        Response texts (the assistant turn without the end-of-turn token), e.g.
+        ``<think></think>\\n<search>Zorva</search> <result>\\n...\\n</result>\\n<answer> \\boxed{34} </answer>``.
+
+    Raises:
+        ValueError: a value the response must copy is missing from the tool results (the tool
+            did not return the document the plan relies on), so the demonstration would teach
+            the model to answer from nowhere.
+    """
+    return [_demonstration(q, tool_fn) for q in questions]
+
+
+def _demonstration(question: Question, tool_fn: ToolFn) -> str:
+    parts = ["<think></think>"]
+    results = []
+    for call in question.plan:
+        output = tool_fn(call.tool, call.payload).strip()
+        results.append(output)
+        parts.append(f"\n<{call.tool}>{call.payload}</{call.tool}>")
+        parts.append(RESULT_TEMPLATE.format(output))
+    _check_grounded(question, results)
+    parts.append(f"\n<answer> \\boxed{{{question.answer}}} </answer>")
+    return "".join(parts)
+
+
+def _check_grounded(question: Question, results: list[str]) -> None:
+    """Every copied token (query, code number, answer) must be in the question or an earlier result."""
+    needed = [(i, call.payload) for i, call in enumerate(question.plan) if call.tool == "search"]
+    needed += [(i, num) for i, call in enumerate(question.plan) if call.tool == "python"
+               for num in re.findall(r"\d+", call.payload)]
+    needed.append((len(question.plan), question.answer))
+    for step, value in needed:
+        if not any(_contains_token(text, value) for text in [question.text, *results[:step]]):
+            raise ValueError(f"{question.qid}: {value!r} is in neither the question nor the tool "
+                             f"results before step {step}; results={results[:step]}")
+
+
+def _contains_token(text: str, value: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(value)}(?!\w)", text) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference tools and scoring (oracles for tests and benchmarks)
+
+
+def exact_search(task: SyntheticTask, query: str) -> str:
+    """The document of the person whose name equals the query (case-insensitive)."""
+    wanted = query.strip().lower()
+    for person in task.people:
+        if person.name.lower() == wanted:
+            return person.document()
+    return "No results."
+
+
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _eval_arithmetic(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval_arithmetic(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _eval_arithmetic(node.left), _eval_arithmetic(node.right)
+        if max(abs(left), abs(right)) > 10**9:
+            raise ValueError("number too large")
+        return _BINARY_OPS[type(node.op)](left, right)
+    raise ValueError("unsupported expression")
+
+
+def safe_print_eval(code: str) -> str:
+    """Run ``print(<integer + - * expression>)`` lines without exec; anything else is an error.
+
+    The oracle for generated code in benchmarks: the engine's python sandbox runs real code.
+    """
+    try:
+        lines = []
+        for statement in ast.parse(code.strip()).body:
+            call = statement.value if isinstance(statement, ast.Expr) else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "print" and len(call.args) == 1 and not call.keywords):
+                raise ValueError("only print(expression) is supported")
+            lines.append(str(_eval_arithmetic(call.args[0])))
+        return "\n".join(lines)
+    except (SyntaxError, ValueError, RecursionError) as error:
+        return f"Error: {error}"
+
+
+def reference_tool_fn(task: SyntheticTask) -> ToolFn:
+    """``tool_fn`` backed by exact lookup and ``safe_print_eval`` (not the engine's tools)."""
+
+    def tool_fn(tool: str, payload: str) -> str:
+        if tool == "search":
+            return exact_search(task, payload)
+        if tool == "python":
+            return safe_print_eval(payload)
+        return f"Error: unknown tool {tool}"
+
+    return tool_fn
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def extract_answer(response: str) -> str | None:
+    """The last ``\\boxed{...}`` inside ``<answer>...</answer>``, stripped; None if absent."""
+    answers = re.findall(r"<answer>(.*?)</answer>", response, flags=re.DOTALL)
+    if not answers:
+        return None
+    boxed = _BOXED.findall(answers[-1])
+    return boxed[-1].strip() if boxed else None
+
+
+def is_correct(response: str, question: Question) -> bool:
+    """Exact match (case-insensitive) of the boxed answer with the gold answer."""
+    answer = extract_answer(response)
+    return answer is not None and answer.lower() == question.answer.lower()
