@@ -1,0 +1,130 @@
+"""Reward result type, the name -> function registry, and ground-truth parsing.
+
+A reward function has the signature
+``(response: str, ground_truth: str | list[str], **options) -> RewardResult``, its options
+declared as keyword arguments with defaults so that a misspelt option is a ``TypeError``.
+Every reward reads each reference through ``text.reference_answer`` (a reference that is a
+whole solution is cut down to its ``\\boxed{}`` or its ``#### answer``).
+``response`` is the model's text only (no prompt). Functions are pure and cheap, so the caller
+may run them in a thread or process pool; nothing here touches torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+__all__ = ["RewardResult", "RewardFn", "register_reward", "get_reward", "list_rewards",
+           "as_references"]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Outcome of scoring one response.
+
+    Attributes:
+        score: the scalar reward fed to the advantage estimator.
+        correct: whether the answer counts as right for accuracy metrics (not the same as
+            ``score > 0``: an F1 of 0.4 is a positive reward but not a correct answer).
+        details: free-form diagnostics, e.g. ``{"format_error": "...", "f1": 0.67}``.
+    """
+
+    score: float
+    correct: bool
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    def __call__(self, response: str, ground_truth: Any, **options: Any) -> RewardResult: ...
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name``.
+
+    Args:
+        name: registry key; registering the same name twice is an error (it would silently
+            replace the reward a config refers to).
+
+    Returns:
+        The decorator, which returns the function unchanged.
+    """
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name]!r})")
+        _REGISTRY[name] = fn
+        return fn
+    return decorator
+
+
+def get_reward(name: str) -> RewardFn:
+    """Look up a registered reward function.
+
+    Args:
+        name: registry key, e.g. ``"deep_research"``.
+
+    Returns:
+        The reward function.
+
+    Raises:
+        KeyError: unknown name; the message lists the registered names.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward {name!r}; registered rewards: {list_rewards()}") from None
+
+
+def list_rewards() -> list[str]:
+    """Names of all registered reward functions, sorted."""
+    return sorted(_REGISTRY)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ground truth as stored in the datasets: a string, a list, or a JSON-encoded list of strings.
+
+
+def as_references(ground_truth: Any) -> list[str]:
+    """Normalise a ground-truth field to a non-empty list of reference strings.
+
+    Accepted forms: a string; a list/tuple (or anything iterable that is not a string, e.g. a
+    numpy array) of strings or numbers; a number (AIME answers are ints); a JSON-encoded list
+    of strings such as ``'["New York", "NYC"]'``. A JSON list is only decoded when *every*
+    element is a string: ``"[1, 2]"`` and ``"[-1, 0)"`` are maths intervals, not lists, and are
+    kept whole.
+
+    Args:
+        ground_truth: the raw field (``reward_model.ground_truth`` in the parquet files).
+
+    Returns:
+        The reference strings (at least one).
+
+    Raises:
+        ValueError: ``None`` or an empty list.
+    """
+    if ground_truth is None:
+        raise ValueError("ground truth is None")
+    if isinstance(ground_truth, str):
+        refs = _decode_json_list(ground_truth) or [ground_truth]
+    elif isinstance(ground_truth, (int, float)):
+        refs = [str(ground_truth)]
+    else:
+        refs = [str(item) for item in ground_truth]
+    if not refs:
+        raise ValueError("ground truth is an empty list")
+    return refs
+
+
+def _decode_json_list(text: str) -> list[str] | None:
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return None
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    return None

@@ -1,0 +1,57 @@
+"""Short-answer QA rewards: exact match (``qa_em``) and token F1 (``qa_f1``).
+
+The answer is taken from the response by :func:`~aepo_engine.rewards.text.extract_answer`:
+the last ``\\boxed{}`` if present, else the last ``<answer>...</answer>`` block, else the whole
+response. Neither takes options (an unknown option is a ``TypeError``, not ignored). There is
+no format penalty here; use ``deep_research`` for that. Both rewards take
+the best score over all references and report ``em`` and ``f1`` in ``details``;
+``correct`` is the exact match in both.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import RewardResult, as_references, register_reward
+from .text import exact_match, extract_answer, reference_answer, token_f1
+
+__all__ = ["qa_em", "qa_f1"]
+
+
+def _qa_scores(response: str, ground_truth: Any) -> dict[str, Any]:
+    answer = extract_answer(response)
+    refs = [reference_answer(ref) for ref in as_references(ground_truth)]
+    return {
+        "answer": answer,
+        "em": float(any(exact_match(answer, ref) for ref in refs)),
+        "f1": max(token_f1(answer, ref) for ref in refs),
+    }
+
+
+@register_reward("qa_em")
+def qa_em(response: str, ground_truth: Any) -> RewardResult:
+    """1.0 if the extracted answer matches any reference after SQuAD normalisation, else 0.0.
+
+    Args:
+        response: the model's text.
+        ground_truth: a string, a list of strings, or a JSON-encoded list.
+
+    Returns:
+        ``RewardResult(score=em, correct=em == 1, details={answer, em, f1})``.
+    """
+    details = _qa_scores(response, ground_truth)
+    return RewardResult(details["em"], details["em"] == 1.0, details)
+
+
+@register_reward("qa_f1")
+def qa_f1(response: str, ground_truth: Any) -> RewardResult:
+    """Token F1 of the extracted answer, maximised over the references.
+
+    Args:
+        response: the model's text.
+        ground_truth: a string, a list of strings, or a JSON-encoded list.
+
+    Returns:
+        ``RewardResult(score=f1, correct=em == 1, details={answer, em, f1})``.
+    """
+    details = _qa_scores(response, ground_truth)
+    return RewardResult(details["f1"], details["em"] == 1.0, details)
