@@ -1,0 +1,145 @@
+"""Tests for GRPO group advantages (spec §2a) and their broadcast to tokens."""
+import math
+
+import pytest
+import torch
+
+from aepo_engine.algorithms import broadcast_to_tokens, dense_group_index, group_advantages
+
+
+def loop_reference(rewards, group_ids, normalize_std=True, unbiased=True, eps=1e-6):
+    """Plain-Python oracle: one pass per group, float64."""
+    rewards, group_ids = rewards.tolist(), group_ids.tolist()
+    out = []
+    for r, g in zip(rewards, group_ids):
+        members = [x for x, h in zip(rewards, group_ids) if h == g]
+        mean = sum(members) / len(members)
+        if not normalize_std:
+            out.append(r - mean)
+            continue
+        dof = len(members) - 1 if unbiased else len(members)
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / max(dof, 1))
+        out.append((r - mean) / (std + eps))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-worked numbers.
+
+
+def test_hand_worked_two_groups():
+    # Group 7: rewards 1, 0, 0, 1 -> mean 0.5, deviations +-0.5, sum of squares 4 * 0.25 = 1,
+    #   unbiased var 1/3, std 0.57735; A = 0.5 / 0.57735 = 0.866025 (eps 1e-6 moves the 6th
+    #   decimal at most).
+    # Group 3: rewards 2, -1 -> mean 0.5, deviations +1.5 / -1.5, unbiased var 4.5 / 1 = 4.5,
+    #   std 2.12132; A = 1.5 / 2.12132 = +-0.707107.
+    rewards = torch.tensor([1.0, 2.0, 0.0, 0.0, -1.0, 1.0])
+    group_ids = torch.tensor([7, 3, 7, 7, 3, 7])
+    expected = torch.tensor([0.866025, 0.707107, -0.866025, -0.866025, -0.707107, 0.866025])
+    torch.testing.assert_close(group_advantages(rewards, group_ids), expected, atol=2e-6, rtol=0)
+
+
+def test_hand_worked_population_std_and_centring_only():
+    # rewards 1, 0, 0, 1: population var = 1 / 4 = 0.25, std 0.5 -> A = +-0.5 / 0.5 = +-1.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    group_ids = torch.zeros(4, dtype=torch.long)
+    torch.testing.assert_close(group_advantages(rewards, group_ids, unbiased=False),
+                               torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=5e-6, rtol=0)
+    # normalize_std=False: A = R - mean = +-0.5.
+    torch.testing.assert_close(group_advantages(rewards, group_ids, normalize_std=False),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_singleton_groups_are_zero():
+    # A group of one: R - mean = 0 exactly, and n - 1 = 0 is never divided by.
+    rewards = torch.tensor([3.0, -1.1, 0.4])
+    out = group_advantages(rewards, torch.tensor([0, 1, 2]))
+    assert torch.equal(out, torch.zeros(3))
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 0.1, -1.0, 1.1, 1 / 3])
+@pytest.mark.parametrize("size", [2, 5, 12, 16])
+def test_equal_rewards_give_exact_zero(value, size):
+    # Without the pivot shift, twelve float32 rewards of 1.1 average to 1.1 + ~1e-7, and
+    # ~1e-7 / (std ~1e-7 + eps 1e-6) gives |A| ~ 0.1: noise, not 0.
+    rewards = torch.full((size,), value)
+    out = group_advantages(rewards, torch.zeros(size, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Random inputs against the loop reference.
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("normalize_std,unbiased", [(True, True), (True, False), (False, True)])
+def test_random_against_loop(seed, normalize_std, unbiased):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 60, (1,), generator=gen))
+    # Sparse, unsorted, negative and repeated ids; groups of uneven sizes (some of size 1).
+    group_ids = torch.randint(-5, 12, (n,), generator=gen) * 1000
+    rewards = torch.randn(n, generator=gen, dtype=torch.float64)
+    out = group_advantages(rewards, group_ids, normalize_std=normalize_std, unbiased=unbiased)
+    assert out.dtype == torch.float64
+    expected = loop_reference(rewards, group_ids, normalize_std, unbiased)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_and_int32_ids():
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(40, generator=gen)
+    group_ids = torch.randint(0, 6, (40,), generator=gen, dtype=torch.int32)
+    out = group_advantages(rewards, group_ids)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), loop_reference(rewards.double(), group_ids),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_rewards_are_computed_in_float32():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.bfloat16)
+    out = group_advantages(rewards, torch.tensor([0, 0, 1, 1]))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([0.707106, -0.707106, 0.0, 0.0]),
+                               atol=2e-6, rtol=0)
+
+
+def test_dense_group_index():
+    ids = torch.tensor([40, -2, 40, 7, -2, 99])
+    assert dense_group_index(ids).tolist() == [2, 0, 2, 1, 0, 3]
+
+
+def test_invariant_to_permutation():
+    gen = torch.Generator().manual_seed(1)
+    rewards, group_ids = torch.randn(30, generator=gen), torch.randint(0, 5, (30,), generator=gen)
+    perm = torch.randperm(30, generator=gen)
+    torch.testing.assert_close(group_advantages(rewards, group_ids)[perm],
+                               group_advantages(rewards[perm], group_ids[perm]))
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError):
+        group_advantages(torch.zeros(3), torch.zeros(3))
+
+
+def test_no_graph_breaks_under_compile():
+    # fullgraph=True fails on any .item()/data-dependent shape, i.e. on a host sync.
+    compiled = torch.compile(group_advantages, backend="aot_eager", fullgraph=True)
+    rewards, group_ids = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3]), torch.tensor([5, 5, 2, 2, 9])
+    torch.testing.assert_close(compiled(rewards, group_ids), group_advantages(rewards, group_ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# Broadcast to tokens.
+
+
+def test_broadcast_to_tokens():
+    adv = torch.tensor([0.5, -2.0])
+    # Row 0: 3 response tokens, then a tool result (mask 0), then 1 token, then padding.
+    mask = torch.tensor([[1, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0]])
+    expected = torch.tensor([[0.5, 0.5, 0.5, 0.0, 0.5, 0.0], [-2.0, 0, 0, 0, 0, 0]])
+    assert torch.equal(broadcast_to_tokens(adv, mask), expected)
+    assert torch.equal(broadcast_to_tokens(adv, mask.bool()), expected)
+    with pytest.raises(ValueError):
+        broadcast_to_tokens(adv, mask[:1])
