@@ -1,1 +1,30 @@
-"""aepo_kernels: fused AEPO loss kernels (import name ``aepo_kernels``; folder ``kernels/``)."""
+"""aepo_kernels: fused AEPO loss kernels (import name ``aepo_kernels``; folder ``kernels/``).
+
+Depends on torch (and triton for the GPU path) only. Three lines in any trainer::
+
+    from aepo_kernels import aepo_policy_loss, LossConfig
+    loss, stats = aepo_policy_loss(logits, labels, old_logprobs, advantages, loss_mask,
+                                   config=LossConfig(clip="aepo", entropy_adv_alpha=0.2))
+
+See ``logprob_entropy`` (the one-pass logits kernel), ``fused_linear_logprob_entropy`` (from
+hidden states, no ``[N, V]`` tensor) and ``policy_loss`` (clip rules, advantages, aggregation).
+"""
+from .api import AEPOLoss, aepo_policy_loss, fused_linear_aepo_policy_loss
+from .config import AGGREGATIONS, CLIP_RULES, LossConfig
+from .fused_linear import fused_linear_logprob_entropy
+from .logprob_entropy import BACKENDS, logprob_entropy
+from .policy_loss import (
+    aggregate,
+    clipped_token_loss,
+    entropy_aware_advantages,
+    entropy_moments,
+    entropy_stats_from_moments,
+    policy_loss_from_logprobs,
+)
+
+__all__ = [
+    "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "LossConfig", "aepo_policy_loss",
+    "aggregate", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
+    "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
+    "logprob_entropy", "policy_loss_from_logprobs",
+]

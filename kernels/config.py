@@ -1,0 +1,73 @@
+"""Hyper-parameters of the AEPO policy loss (AEPO_SPEC.md §2), one frozen object.
+
+Independent choices stay independent fields: the clip rule, the entropy-aware advantage, KL,
+the entropy bonus and the aggregation. Every value is a runtime argument of plain torch code or a
+Triton launch (never a ``tl.constexpr``), so changing an epsilon never recompiles anything.
+
+This is a plain dataclass so ``aepo_kernels`` depends on torch (and triton) only; msgspec decodes
+it directly, so the engine's config embeds it as its ``loss`` section with no second copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+ClipRule = Literal["ppo", "aepo", "gppo", "cispo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+CLIP_RULES: tuple[str, ...] = ("ppo", "aepo", "gppo", "cispo")
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Hyper-parameters of the AEPO policy loss.
+
+    Attributes:
+        clip: ratio clip rule. ``ppo``: PPO clip (+ dual clip). ``aepo``: stop-gradient high clip
+            (spec §2c: value as PPO, gradient -A(1+eps_high) above the high bound when A>0).
+            ``gppo``: gradient-preserving clip on both bounds. ``cispo``: REINFORCE with a
+            clipped, stop-gradient importance weight, ``-sg(clip(r)) * A * logp``.
+        eps_low: lower clip range, bound ``1 - eps_low``.
+        eps_high: upper clip range, bound ``1 + eps_high`` (DAPO's clip-higher: e.g. 0.28).
+        dual_clip: dual-clip constant c for A<0 (``None`` disables; not used by cispo).
+        log_ratio_clamp: log(r) is clamped to [-x, x] before exp.
+        entropy_adv_alpha: alpha_H of the entropy-aware advantage
+            ``A_t = A * (1 + alpha_H * zscore(H_t))`` (spec §2b); 0 turns it off.
+        kl_coef: coefficient of the k3 KL to reference log-probs (0 = off).
+        entropy_coef: entropy bonus coefficient (subtracted from the loss; 0 = off).
+        aggregation: ``token-mean`` (over valid tokens; pass a global token count for
+            micro-batch/world-size invariance), ``seq-mean-token-mean``, or
+            ``seq-mean-token-sum-norm`` (Dr. GRPO: per-sequence sum / ``seq_norm_length``).
+        seq_norm_length: the constant of ``seq-mean-token-sum-norm`` (default: T of the batch).
+    """
+
+    clip: ClipRule = "aepo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: Optional[float] = 3.0
+    log_ratio_clamp: float = 20.0
+    entropy_adv_alpha: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    aggregation: Aggregation = "token-mean"
+    seq_norm_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.clip not in CLIP_RULES:
+            raise ValueError(f"clip={self.clip!r}: choose one of {CLIP_RULES}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r}: choose one of {AGGREGATIONS}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low={self.eps_low}: must be in [0, 1) because 1 - eps_low is a ratio bound")
+        if self.eps_high < 0.0:
+            raise ValueError(f"eps_high={self.eps_high}: must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0 + self.eps_high:
+            raise ValueError(
+                f"dual_clip={self.dual_clip}: must exceed 1 + eps_high = {1 + self.eps_high} "
+                "because the dual clip only bounds ratios above the high clip"
+            )
+        if self.log_ratio_clamp <= 0.0:
+            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp}: must be > 0")
+        if self.seq_norm_length is not None and self.seq_norm_length <= 0:
+            raise ValueError(f"seq_norm_length={self.seq_norm_length}: must be positive")

@@ -1,0 +1,131 @@
+"""Log-probs and entropies straight from hidden states and the lm_head weight: no ``[N, V]`` tensor.
+
+``logits = hidden @ weight.T (+ bias)`` is computed block by block, ``[token_chunk, vocab_chunk]``
+at a time, and folded into per-token online-softmax statistics (see
+:func:`aepo_kernels.logprob_entropy.block_stats`). Forward keeps ``lse`` and ``Eu`` per token;
+backward recomputes each logits block, forms its dlogits block with the same formula as the
+logits-level backward, and accumulates
+    d hidden += dlogits_block @ weight_block          (fp32, [N, D] buffer)
+    d weight_block += dlogits_block.T @ hidden_chunk  (fp32, one [vocab_chunk, D] buffer at a time)
+The loops run vocabulary-outer so each weight block is read once per pass and the full-size fp32
+weight gradient never exists (only the final gradient in the weight's dtype).
+
+Cost: the logits matmul is done twice (forward and backward recompute) plus the two gradient
+matmuls: 4 N V D multiply-adds against 3 for a materialised path; that is the price of never
+holding ``[N, V]``. Gradients of the loss w.r.t. logp and H are only known after the whole batch
+(the entropy z-score is a batch statistic), which is why backward recomputes instead of
+computing gradients during forward.
+
+Matmuls run in the input dtype on CUDA (tensor cores, fp32 accumulation) and in fp32 on CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from .logprob_entropy import _chunk_backward, accumulate_dtype, block_stats, finish_stats, merge_stats
+
+
+def _mm_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.is_cuda or t.dtype == torch.float64 else torch.float32
+
+
+def _logits_block(hidden_chunk, weight_block, bias_block, dtype):
+    z = hidden_chunk.to(dtype) @ weight_block.to(dtype).T
+    return z if bias_block is None else z + bias_block.to(dtype)
+
+
+class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
+    """autograd for ``(hidden [N, D], weight [V, D], bias [V] | None) -> (logp [N], H [N])``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, token_chunk, vocab_chunk):
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        inv_t, dtype = 1.0 / temperature, _mm_dtype(hidden)
+        f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
+        stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
+        target = torch.zeros(n_tokens, **f32)
+        valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
+        for v0 in range(0, vocab, vocab_chunk):
+            w, b = weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk]
+            in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
+            for i0 in range(0, n_tokens, token_chunk):
+                rows = slice(i0, i0 + token_chunk)
+                u = _logits_block(hidden[rows], w, b, dtype).to(f32["dtype"]).mul_(inv_t)  # [tc, vc]
+                hit = in_block[rows]
+                local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
+                target[rows] += torch.where(hit, u.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+                merged = merge_stats(tuple(x[rows] for x in stats), block_stats(u))
+                for acc, value in zip(stats, merged):
+                    acc[rows] = value
+        lse, eu = finish_stats(*stats)
+        logp = torch.where(valid, target - lse, torch.zeros_like(lse))
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, eu, valid)
+        ctx.config = (inv_t, token_chunk, vocab_chunk)
+        return logp, lse - eu
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        hidden, weight, bias, labels, lse, eu, valid = ctx.saved_tensors
+        inv_t, token_chunk, vocab_chunk = ctx.config
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).masked_fill(~valid, 0.0)
+        g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
+        acc = dict(dtype=lse.dtype, device=hidden.device)
+        dtype, vocab = _mm_dtype(hidden), weight.shape[0]
+        d_hidden = torch.zeros(hidden.shape, **acc)
+        d_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        d_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        for v0 in range(0, vocab, vocab_chunk):
+            w, b = weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk]
+            in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
+            d_w = torch.zeros(w.shape, **acc)
+            d_b = torch.zeros(w.shape[0], **acc)
+            for i0 in range(0, hidden.shape[0], token_chunk):
+                rows = slice(i0, i0 + token_chunk)
+                h = hidden[rows]
+                z = _logits_block(h, w, b, dtype)
+                dz = _chunk_backward(z, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t)  # [tc, vc] fp32
+                hit = in_block[rows]
+                local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
+                dz.scatter_add_(-1, local.unsqueeze(-1), torch.where(hit, g_lp[rows] * inv_t, 0.0).unsqueeze(-1))
+                dz_mm = dz.to(dtype)
+                d_hidden[rows] += (dz_mm @ w.to(dtype)).to(acc["dtype"])
+                d_w += (dz_mm.T @ h.to(dtype)).to(acc["dtype"])
+                d_b += dz.sum(0)
+            if d_weight is not None:
+                d_weight[v0 : v0 + vocab_chunk] = d_w.to(weight.dtype)
+            if d_bias is not None:
+                d_bias[v0 : v0 + vocab_chunk] = d_b.to(bias.dtype)
+        return d_hidden.to(hidden.dtype), d_weight, d_bias, None, None, None, None, None
+
+
+def fused_linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    token_chunk: int = 1024,
+    vocab_chunk: int = 8192,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` and entropies of ``softmax((hidden @ weight.T + bias) / T)``.
+
+    Args:
+        hidden: ``[N, D]`` or ``[B, T, D]`` final hidden states (after the last norm).
+        weight: ``[V, D]`` lm_head weight; bias: optional ``[V]``.
+        labels: ``[N]`` / ``[B, T]``; ``ignore_index`` gives log-prob 0 and no gradient.
+        token_chunk, vocab_chunk: block sizes; peak extra memory is a few fp32
+            ``[token_chunk, vocab_chunk]`` blocks plus an fp32 ``[N, D]`` and ``[vocab_chunk, D]``.
+    Returns:
+        ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = FusedLinearLogprobEntropyFunction.apply(
+        flat_hidden, weight, bias, labels.reshape(-1).long(), float(temperature), ignore_index, token_chunk, vocab_chunk
+    )
+    return logp.reshape(labels.shape), entropy.reshape(labels.shape)

@@ -1,0 +1,186 @@
+"""The AEPO policy loss on per-token log-probs and entropies (AEPO_SPEC.md §2b-2d).
+
+The ``[N, V]`` work (log-probs and entropies from logits or from hidden states) is done once by
+:func:`aepo_kernels.logprob_entropy` or :func:`aepo_kernels.fused_linear_logprob_entropy`; what is
+left is elementwise over tokens (O(N) bytes, nothing next to the O(N V) pass) and stays plain
+torch code, so autograd derives ``g_lp`` and ``g_H`` and hands them to the kernels' backward.
+
+Pieces, each an independent choice of :class:`LossConfig`:
+1. entropy-aware advantage ``A_t = A * (1 + alpha_H * zscore(H_t))`` with H detached; the z-score
+   statistics are the call's own or supplied by the caller (global mean/std from
+   :func:`entropy_moments` all-reduced), which makes the loss independent of micro-batching;
+2. the ratio ``r = exp(clamp(logp - old_logp))`` and a clip rule (ppo / aepo / gppo / cispo);
+3. optional k3 KL to reference log-probs and entropy bonus;
+4. aggregation: token-mean (optionally over a caller-supplied global token count), seq-mean-
+   token-mean, seq-mean-token-sum-norm.
+Statistics come back as detached tensors: no ``.item()`` / host sync anywhere here.
+
+Gradient of the ``aepo`` rule w.r.t. logp (the change from PPO is the first line):
+    A > 0, r > 1 + eps_high : -A (1 + eps_high)      (PPO: 0)
+    A < 0, r < 1 - eps_low  : 0
+    A < 0, r > c            : 0                        (dual clip)
+    otherwise               : -A r
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import LossConfig
+
+
+def entropy_moments(entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[3]`` float64 ``(sum H, sum H^2, count)`` over valid tokens, detached.
+
+    All-reduce (sum) these over micro-batches and ranks, then call
+    :func:`entropy_stats_from_moments` to get statistics that do not depend on the split.
+    """
+    h = entropy.detach().double()
+    mask = loss_mask.double()
+    return torch.stack([(h * mask).sum(), (h * h * mask).sum(), mask.sum()])
+
+
+def entropy_stats_from_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, std)`` (population std, fp32 scalars) from :func:`entropy_moments` output."""
+    total, total_sq, count = moments.unbind()
+    count = count.clamp(min=1)
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp(min=0)
+    return mean.float(), var.sqrt().float()
+
+
+def entropy_aware_advantages(
+    advantages: torch.Tensor,
+    entropy: torch.Tensor,
+    loss_mask: torch.Tensor,
+    alpha: float,
+    entropy_mean: torch.Tensor | None = None,
+    entropy_std: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Spec §2b: ``A_t = A * (1 + alpha * (H_t - mean) / std)``, H detached, std 0 -> 1."""
+    if alpha == 0.0:
+        return advantages
+    if entropy_mean is None or entropy_std is None:
+        entropy_mean, entropy_std = entropy_stats_from_moments(entropy_moments(entropy, loss_mask))
+    std = torch.where(entropy_std > 0, entropy_std, torch.ones_like(entropy_std))
+    return advantages * (1 + alpha * (entropy.detach() - entropy_mean) / std)
+
+
+def clipped_token_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss of the configured clip rule; returns ``(loss, ratio)``."""
+    log_ratio = (logprobs - old_logprobs).clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
+    ratio = log_ratio.exp()
+    low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
+    if config.clip == "cispo":
+        return -advantages * ratio.clamp(low, high).detach() * logprobs, ratio
+    # unit: value 1, gradient that of log r -- "bound * unit" is the stop-gradient bound of §2c.
+    unit = (log_ratio - log_ratio.detach()).exp()
+    high_bound = high * unit if config.clip in ("aepo", "gppo") else torch.full_like(ratio, high)
+    low_bound = low * unit if config.clip == "gppo" else torch.full_like(ratio, low)
+    clipped = torch.where(ratio > high, high_bound, torch.where(ratio < low, low_bound, ratio))
+    pg_unclipped, pg_clipped = -advantages * ratio, -advantages * clipped
+    loss = torch.where(pg_clipped > pg_unclipped, pg_clipped, pg_unclipped)
+    if config.dual_clip is not None:
+        dual = -advantages * config.dual_clip  # constant: no gradient through the dual clip
+        loss = torch.where((advantages < 0) & (loss > dual), dual, loss)
+    return loss, ratio
+
+
+def aggregate(
+    token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    global_token_count: torch.Tensor | float | None = None,
+    global_num_seqs: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses to a scalar (spec §2d).
+
+    ``token-mean`` divides the masked sum by ``global_token_count`` when given (the number of
+    valid tokens of the whole optimizer step, over all micro-batches and ranks), so that summing
+    the losses (or gradients) of the parts gives exactly the whole-batch loss. Sequence-level
+    modes need ``[B, T]`` inputs and divide by ``global_num_seqs`` (default B) the same way.
+    """
+    mask = loss_mask.to(token_loss.dtype)
+    masked = token_loss * mask
+    if config.aggregation == "token-mean":
+        denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        return masked.sum() / denom
+    if token_loss.dim() != 2:
+        raise ValueError(f"aggregation={config.aggregation!r} needs [B, T] inputs, got {tuple(token_loss.shape)}")
+    if config.aggregation == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+    else:
+        per_seq = masked.sum(-1) / (config.seq_norm_length or token_loss.shape[-1])
+    denom = token_loss.shape[0] if global_num_seqs is None else global_num_seqs
+    return per_seq.sum() / denom
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return (values.detach().float() * mask).sum() / count
+
+
+def _loss_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str, torch.Tensor]:
+    """Detached per-call statistics (means over this call's valid tokens), no host syncs."""
+    mask = loss_mask.float()
+    count = mask.sum().clamp(min=1)
+    pos, neg = advantages > 0, advantages < 0
+    stats = {
+        "entropy": _masked_mean(entropy, mask, count),
+        "ratio": _masked_mean(ratio, mask, count),
+        "clipfrac_high": _masked_mean(pos & (ratio > 1 + config.eps_high), mask, count),
+        "clipfrac_low": _masked_mean(neg & (ratio < 1 - config.eps_low), mask, count),
+        "num_tokens": mask.sum(),
+    }
+    if config.dual_clip is not None and config.clip != "cispo":
+        stats["clipfrac_dual"] = _masked_mean(neg & (ratio > config.dual_clip), mask, count)
+    if kl is not None:
+        stats["kl"] = _masked_mean(kl, mask, count)
+    return stats
+
+
+def policy_loss_from_logprobs(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    config: LossConfig = LossConfig(),
+    entropy_mean: torch.Tensor | None = None,
+    entropy_std: torch.Tensor | None = None,
+    global_token_count: torch.Tensor | float | None = None,
+    global_num_seqs: torch.Tensor | float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The AEPO loss given per-token ``logprobs`` and ``entropy`` (both ``[N]`` or ``[B, T]``).
+
+    Args:
+        old_logprobs: log-probs of the sampling (old) policy, shaped like ``logprobs``.
+        advantages: per-token (shaped like ``logprobs``) or per-sequence (``[B]`` for ``[B, T]``).
+        loss_mask: 1/True on tokens that count (model-written response tokens).
+        entropy_mean, entropy_std: global z-score statistics (see :func:`entropy_moments`);
+            computed over this call's valid tokens when omitted.
+        global_token_count, global_num_seqs: normalizers of the aggregation (see :func:`aggregate`).
+        ref_logprobs: reference-policy log-probs for the k3 KL (needed when ``kl_coef != 0``).
+    Returns:
+        ``(loss, stats)``: a scalar and a dict of detached scalar tensors.
+    """
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    if config.kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    shaped_adv = entropy_aware_advantages(
+        advantages.float(), entropy, loss_mask, config.entropy_adv_alpha, entropy_mean, entropy_std
+    )
+    token_loss, ratio = clipped_token_loss(logprobs, old_logprobs.float(), shaped_adv, config)
+    kl = None
+    if ref_logprobs is not None:
+        delta = ref_logprobs.float() - logprobs
+        kl = delta.exp() - delta - 1
+        if config.kl_coef != 0.0:
+            token_loss = token_loss + config.kl_coef * kl
+    if config.entropy_coef != 0.0:
+        token_loss = token_loss - config.entropy_coef * entropy
+    loss = aggregate(token_loss, loss_mask, config, global_token_count, global_num_seqs)
+    return loss, _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl)

@@ -1,0 +1,111 @@
+"""Plain fp32 reference for the AEPO loss: the spec written as torch code, the test oracle.
+
+Everything here is written for clarity, not speed: full ``[N, V]`` fp32 log-softmax and softmax,
+autograd for every gradient, the clip rule written literally as in AEPO_SPEC.md §2c with
+``torch.clamp`` and a stop-gradient, one loop-free expression per formula. The fast backends
+(`aepo_kernels.logprob_entropy`, `aepo_kernels.policy_loss`) are tested against these functions.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import LossConfig
+
+
+def logprob_entropy_reference(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t) and H_t of softmax(z_t / T) (spec §0), fp32, differentiable in both.
+
+    Args:
+        logits: ``[..., V]`` any float dtype.
+        labels: ``[...]`` int; ``ignore_index`` rows get log-prob 0.
+    Returns:
+        ``(logprobs, entropy)``, both ``[...]`` fp32.
+    """
+    scaled = logits.float() / temperature
+    log_p = torch.log_softmax(scaled, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    logprobs = log_p.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, logprobs, torch.zeros_like(logprobs)), entropy
+
+
+def token_loss_reference(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    entropy_mean: torch.Tensor | None = None,
+    entropy_std: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token loss ``L_t`` (before aggregation), spec §2b-2c, written literally."""
+    mask = loss_mask.float()
+    if config.entropy_adv_alpha != 0.0:
+        h = entropy.detach()
+        if entropy_mean is None:
+            count = mask.sum()
+            entropy_mean = (h * mask).sum() / count
+            entropy_std = (((h - entropy_mean) ** 2 * mask).sum() / count).sqrt()
+        std = entropy_std if float(entropy_std) > 0 else torch.ones_like(entropy_std)
+        advantages = advantages * (1 + config.entropy_adv_alpha * (h - entropy_mean) / std)
+
+    log_ratio = torch.clamp(logprobs - old_logprobs, -config.log_ratio_clamp, config.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    low, high = 1 - config.eps_low, 1 + config.eps_high
+    sg_unit = ratio / ratio.detach()  # value 1, gradient d ratio / ratio
+    if config.clip == "cispo":
+        weight = torch.clamp(ratio, low, high).detach()
+        loss = -advantages * weight * logprobs
+    else:
+        low_bound = low * sg_unit if config.clip == "gppo" else torch.full_like(ratio, low)
+        high_bound = high * sg_unit if config.clip in ("aepo", "gppo") else torch.full_like(ratio, high)
+        pg1 = -advantages * ratio
+        pg2 = -advantages * torch.clamp(ratio, low_bound, high_bound)
+        loss = torch.max(pg1, pg2)
+        if config.dual_clip is not None:
+            dual = torch.min(loss, -advantages * config.dual_clip)
+            loss = torch.where(advantages < 0, dual, loss)
+    if config.kl_coef != 0.0 and ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        loss = loss + config.kl_coef * (torch.exp(delta) - delta - 1)
+    if config.entropy_coef != 0.0:
+        loss = loss - config.entropy_coef * entropy
+    return loss
+
+
+def aggregate_reference(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, config: LossConfig
+) -> torch.Tensor:
+    """Aggregate ``[B, T]`` (or ``[N]`` for token-mean) per-token losses, spec §2d."""
+    mask = loss_mask.float()
+    if config.aggregation == "token-mean":
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1)
+    per_seq_sum = (token_loss * mask).sum(-1)
+    if config.aggregation == "seq-mean-token-mean":
+        per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)
+    else:  # seq-mean-token-sum-norm
+        per_seq = per_seq_sum / (config.seq_norm_length or token_loss.shape[-1])
+    return per_seq.mean()
+
+
+def aepo_loss_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig = LossConfig(),
+    temperature: float = 1.0,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole AEPO loss of one batch, statistics computed over this batch."""
+    logprobs, entropy = logprob_entropy_reference(logits, labels, temperature)
+    token_loss = token_loss_reference(
+        logprobs, entropy, old_logprobs, advantages, loss_mask, config, ref_logprobs=ref_logprobs
+    )
+    return aggregate_reference(token_loss, loss_mask, config)
