@@ -1,0 +1,155 @@
+"""Typed configuration of the tools, and ``build_tools`` that turns it into tool instances.
+
+One source of truth for defaults: the field defaults below. Unknown fields are rejected and
+cross-field checks say *why* they fail. Load from a file with ``msgspec.json.decode(raw,
+type=ToolsConfig)`` (or ``msgspec.convert(dict, ToolsConfig)``).
+
+Deliberately left out: per-tool result budgets (one ``result_max_chars`` for every tool keeps
+the context arithmetic simple) and tool-specific knobs of user tools (pass those to
+``build_tool`` directly).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class SearchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``<search>`` tool.
+
+    Fields:
+        backend: ``"cache"`` (offline JSON cache in the reference format, BM25 fallback on a
+            miss), ``"corpus"`` (BM25 over a local JSONL corpus) or ``"http"`` (a Search-R1-style
+            retrieval server, e.g. ``python -m aepo_engine.tools.retrieval_server``).
+        cache_path: for ``cache``: JSON object query -> ``"Page 1: ...\\nPage 2: ..."``.
+        cache_bm25_fallback: for ``cache``: on a miss, answer with the ``topk`` best cached pages
+            by BM25; False reports "no results" on a miss.
+        corpus_path: for ``corpus``: JSONL with one ``{"id": ..., "contents": ...}`` per line.
+        url: for ``http``: the full ``/retrieve`` endpoint URL.
+        topk: pages returned by BM25 and by the HTTP server.
+        timeout_s: for ``http``: seconds to wait for the server (connect + response).
+    """
+
+    backend: Literal["cache", "corpus", "http"] = "http"
+    cache_path: str = ""
+    cache_bm25_fallback: bool = True
+    corpus_path: str = ""
+    url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 5
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend == "cache" and not self.cache_path:
+            raise ValueError("search.cache_path is required because search.backend is 'cache'")
+        if self.backend == "corpus" and not self.corpus_path:
+            raise ValueError("search.corpus_path is required because search.backend is 'corpus'")
+        if self.backend == "http" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"search.url must be an http(s) URL, got {self.url!r}")
+        if self.topk < 1:
+            raise ValueError(f"search.topk must be >= 1, got {self.topk}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"search.timeout_s must be > 0, got {self.timeout_s}")
+
+
+class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``<python>`` sandbox (see ``aepo_engine.tools.sandbox`` for what it contains).
+
+    Fields:
+        timeout_s: wall-clock limit; on expiry the whole process tree is killed.
+        cpu_s: CPU-seconds limit per process (RLIMIT_CPU).
+        memory_mb: address-space limit per process (RLIMIT_AS), MiB.
+        file_size_mb: largest file the code may write (RLIMIT_FSIZE), MiB.
+        open_files: open file descriptors per process (RLIMIT_NOFILE).
+        nproc: processes/threads of the sandbox user (RLIMIT_NPROC). The kernel ignores it for
+            root, so it only bites when the sandbox runs under its own uid (``run_as_uid``).
+        max_output_bytes: stdout+stderr kept; past this the run is killed and marked failed.
+        isolation: ``"auto"`` uses Linux namespaces (no network, own PID space) when
+            ``unshare`` works here and falls back to ``"none"`` otherwise; ``"namespaces"``
+            fails loudly if they do not work; ``"none"`` only uses the process group.
+        run_as_uid: when the engine runs as root, sandboxes run as uids
+            ``run_as_uid .. run_as_uid + uid_pool_size - 1`` (one per concurrent run; pick
+            uids no real user has). None keeps the engine's uid (no file-permission containment).
+        uid_pool_size: how many sandbox uids, i.e. the most concurrent sandboxes.
+        site_packages: let code import installed packages (numpy, sympy...); False runs a bare
+            ``python -I -S`` with the standard library only.
+        python_executable: interpreter to run; empty means the engine's own.
+    """
+
+    timeout_s: float = 10.0
+    cpu_s: int = 10
+    memory_mb: int = 1024
+    file_size_mb: int = 16
+    open_files: int = 64
+    nproc: int = 32
+    max_output_bytes: int = 65_536
+    isolation: Literal["auto", "namespaces", "none"] = "auto"
+    run_as_uid: int | None = 61_000
+    uid_pool_size: int = 64
+    site_packages: bool = False
+    python_executable: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "cpu_s", "file_size_mb", "open_files", "nproc",
+                     "max_output_bytes", "uid_pool_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"python.{name} must be > 0, got {getattr(self, name)}")
+        if self.memory_mb < 128:
+            raise ValueError(f"python.memory_mb must be >= 128 because the interpreter itself "
+                             f"needs that much address space, got {self.memory_mb}")
+        if self.open_files < 16:
+            raise ValueError("python.open_files must be >= 16 because the interpreter opens "
+                             f"files at start-up, got {self.open_files}")
+        if self.run_as_uid is not None and self.run_as_uid < 1000:
+            raise ValueError(f"python.run_as_uid must be >= 1000 so it is no system account, "
+                             f"got {self.run_as_uid}")
+
+
+class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """All tools of a rollout.
+
+    Fields:
+        enabled: tool names (tags) offered to the model, e.g. ``["search", "python"]``.
+        max_workers: tool calls run at once by the ``ToolRunner``.
+        result_max_chars: every tool result is cut to this many characters before it is
+            appended to the trajectory.
+        search: the ``<search>`` tool.
+        python: the ``<python>`` tool.
+    """
+
+    enabled: list[str] = msgspec.field(default_factory=lambda: ["search", "python"])
+    max_workers: int = 4
+    result_max_chars: int = 3000
+    search: SearchConfig = msgspec.field(default_factory=SearchConfig)
+    python: PythonConfig = msgspec.field(default_factory=PythonConfig)
+
+    def __post_init__(self) -> None:
+        if len(set(self.enabled)) != len(self.enabled):
+            raise ValueError(f"tools.enabled has duplicates: {self.enabled}")
+        if self.max_workers < 1:
+            raise ValueError(f"tools.max_workers must be >= 1, got {self.max_workers}")
+        if self.result_max_chars < 100:
+            raise ValueError("tools.result_max_chars must be >= 100 because error messages must "
+                             f"fit, got {self.result_max_chars}")
+
+
+def build_tools(cfg: ToolsConfig) -> dict:
+    """Instantiate the enabled tools.
+
+    Args:
+        cfg: the tools config. ``search`` and ``python`` get their sections; any other enabled
+            (user-registered) tool is built with ``max_result_chars`` only.
+
+    Returns:
+        ``{name: Tool}`` in ``cfg.enabled`` order.
+    """
+    from aepo_engine.tools import build_tool  # the package import registers the built-ins
+
+    sections = {"search": cfg.search, "python": cfg.python}
+    tools = {}
+    for name in cfg.enabled:
+        options = {"max_result_chars": cfg.result_max_chars}
+        if name in sections:
+            options["config"] = sections[name]
+        tools[name] = build_tool(name, **options)
+    return tools
