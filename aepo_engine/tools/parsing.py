@@ -62,10 +62,10 @@ def find_tool_call(
     name = match.group(1)
     if name not in names:
         return _unknown_tool_call(segment_text[: match.start()], name, names)
-    return _closed_call(segment_text[: match.start()], name, names, max_payload_chars)
+    return _closed_call(segment_text[: match.start()], name, max_payload_chars)
 
 
-def _closed_call(body: str, name: str, names: tuple[str, ...], max_chars: int):
+def _closed_call(body: str, name: str, max_chars: int):
     """The call whose closing tag ``</name>`` ends the segment; ``body`` is the text before it."""
     open_tag = f"<{name}>"
     start = body.rfind(open_tag)
@@ -74,11 +74,8 @@ def _closed_call(body: str, name: str, names: tuple[str, ...], max_chars: int):
     earlier = body[:start]
     if earlier.rfind(open_tag) > earlier.rfind(f"</{name}>"):
         return MalformedToolCall(f"nested or unclosed {open_tag} before this call", name)
-    payload = body[start + len(open_tag):]
-    for other in names:
-        if f"<{other}>" in payload or f"</{other}>" in payload:
-            return MalformedToolCall(f"{open_tag} payload contains a <{other}> tag", name)
-    payload = payload.strip()
+    # Other tools' tags inside the payload are allowed: code may legitimately print "<search>".
+    payload = body[start + len(open_tag):].strip()
     if not payload:
         return MalformedToolCall(f"empty {open_tag} payload", name)
     if len(payload) > max_chars:
