@@ -48,6 +48,8 @@ def _step(scan: _Scan, closing: bool, name: str) -> str | None:
     """Advance the scan by one tag; return an error message or ``None``."""
     if scan.awaiting_result and name != "result":
         return "tool call not followed by <result>"
+    if scan.open_call is not None and name != scan.open_call:
+        return f"<{'/' * closing}{name}> inside <{scan.open_call}>"
     if name == "result":
         if closing:
             return "</result> without <result>"
@@ -112,7 +114,7 @@ def check_format(response: str) -> FormatCheck:
     Returns:
         A :class:`FormatCheck`.
     """
-    scan, span = _Scan(), [0, 0]
+    scan, answer_start, answer_end = _Scan(), 0, 0
     for match in _TAG.finditer(response):
         closing, name = match.group(1) == "/", match.group(2)
         if scan.in_result:
@@ -121,10 +123,12 @@ def check_format(response: str) -> FormatCheck:
         error = _step(scan, closing, name)
         if error is not None:
             return FormatCheck(error, frozenset(scan.tools_used))
-        if name == "answer":
-            span[closing] = match.start() if closing else match.end()
+        if name == "answer" and closing:
+            answer_end = match.start()
+        elif name == "answer":
+            answer_start = match.end()
     error = _final_error(scan)
-    answer = response[span[0]:span[1]] if error is None else None
+    answer = response[answer_start:answer_end] if error is None else None
     return FormatCheck(error, frozenset(scan.tools_used), answer)
 
 

@@ -14,7 +14,8 @@ Equivalence, tried in order:
 
 Clean-up drops ``$``, spaces, ``\\left``/``\\right``, LaTeX spacing, ``\\text{}`` wrappers,
 degree signs, percent signs (``50\\%`` == ``50``: the percent is read as a unit), trailing
-unit words after a number (``5 cm``, ``90 degrees``) and a leading ``x =``.
+unit words after a number (``5 cm``, ``90 degrees``) and a leading ``x =``. Cleaned-up answers
+over 1,000 characters are compared as strings only (bounded time on adversarial output).
 Not supported, on purpose (no sympy): symbolic algebra, pi/e arithmetic, unordered sets,
 nested radicals and division by sums of radicals (these fall back to string comparison).
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from math import isqrt
 from typing import Any
 
 from .base import RewardResult, as_references, register_reward
@@ -67,6 +67,8 @@ def normalize_math(text: str) -> str:
 Value = dict[int, Fraction]
 _MAX_RADICAND = 10**8  # trial division up to 10**4 then fully factors the square part
 _MAX_EXPONENT = 64
+_MAX_CHARS = 1000  # longer cleaned-up answers are only compared as strings
+_MAX_BITS = 4096  # of any numerator/denominator built by a power: \boxed{(10^{64})^{64}} etc.
 
 
 class Unsupported(ValueError):
@@ -132,6 +134,9 @@ def _power(base: Value, exponent: Value) -> Value:
     out: Value = {1: Fraction(1)}
     for _ in range(abs(n)):
         out = _mul(out, base)
+        if any(max(c.numerator.bit_length(), c.denominator.bit_length()) > _MAX_BITS
+               for c in out.values()):
+            raise Unsupported("number too large")
     return _reciprocal(out) if n < 0 else out
 
 
@@ -231,7 +236,7 @@ def parse_value(text: str) -> Value | None:
         parser = _Parser(text)
         value = parser.expr()
         return value if parser.peek() is None else None
-    except (Unsupported, ZeroDivisionError):
+    except (Unsupported, ZeroDivisionError, RecursionError):  # RecursionError: "((((...1"
         return None
 
 
@@ -271,6 +276,8 @@ def math_equal(prediction: str, reference: str, rel_tol: float = 0.0) -> bool:
     pred, ref = normalize_math(prediction), normalize_math(reference)
     if pred == ref:
         return True
+    if max(len(pred), len(ref)) > _MAX_CHARS:
+        return False
     pred_value, ref_value = parse_value(pred), parse_value(ref)
     if pred_value is not None and ref_value is not None:
         if rel_tol <= 0:
