@@ -1,0 +1,385 @@
+"""Entropy-balanced rollout (spec §1): pre-monitoring, batched tool rounds, entropy branching.
+
+``EntropyBalancedRollout.rollout(prompts, step)`` returns exactly ``k`` trajectories per prompt.
+Per prompt:
+
+1. Pre-monitoring (§1a). One probe trajectory runs to completion with real tool calls.
+   H_root = mean entropy of the first n_e tokens of its first segment (they are n_e tokens sampled
+   from the bare prompt, so no separate call is needed); H_tool = mean over its segments that
+   follow a tool result of the same head-entropy measure. A probe that made no tool call gives no
+   evidence about post-tool uncertainty: we set H_tool = H_root, i.e. the neutral
+   m = floor(k / 2) + 1, close to the reference scripts' fixed m = k / 2 (unused branch budget is
+   refilled with global samples anyway, so nothing is wasted). Then
+   m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
+   reused probe counts as one of them, and its branch decisions are taken once m is known, with
+   the same rule and the same seeded draws as online decisions (it could not branch earlier: the
+   budget k - m was unknown while it ran).
+2. Rounds (§1b). Every active trajectory of every prompt generates in ONE ``backend.generate``
+   call until a tool stop string, EOS or a length cap. The round's tool calls go to
+   ``tool_runner.run`` in one batch; each result is appended as ``format_tool_result(text)``,
+   tokenized (only the result text is ever tokenized), loss mask 0. A trajectory stops at EOS,
+   ``max_response_tokens``, a call beyond ``max_tool_calls``, or a malformed/empty call (counted;
+   not executed).
+3. Branching (§1c). H_now is the head entropy of the segment that reacts to the latest tool
+   result, so it exists only after that segment is sampled. The decision is therefore taken right
+   after the reaction segment is generated, in the same round and before that segment's own tool
+   call is handled: P = (alpha + gamma * (H_now - H_init)) * (1 - min(1, penalty_slope * l)); on
+   P > tau (and budget left) a child copies the trajectory up to and including the tool result
+   and samples its own reaction next round; the parent keeps its reaction. One decision per tool
+   result, taken by the trajectory that received it (a child never re-decides the inherited one).
+   Lineage counter l: the number of consecutive decisions along this trajectory's own history
+   that branched. A branch sets l <- l + 1 for the parent and the child (the branch is part of
+   both histories); a decision that does not branch resets l to 0. Two lineages never share l.
+   H_init is the trajectory's own first-segment entropy from this rollout call, never stored
+   across steps.
+4. Budget: at most k trajectories per prompt. A prompt whose trajectories have all ended with
+   fewer than k starts the missing number of fresh global samples at once (which can then no
+   longer branch: the budget is spent).
+
+Randomness: every sampling seed and branch draw derives from (config.seed, step, prompt index,
+trajectory id, counter) through ``numpy.random.SeedSequence``, so results do not depend on
+batching order and the same seed reproduces the same rollouts.
+
+Deliberately left out: multiple children per decision (Z = 1 as in the reference scripts),
+asynchronous/continuous batching across rounds, and re-tokenizing model text (token-in/out).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
+from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
+from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, find_tool_call,
+                               format_tool_result)
+
+# ---------------------------------------------------------------------------------------------
+# The maths (pure functions, hand-checked in tests)
+
+
+def sigmoid(x: float) -> float:
+    """Numerically safe logistic function."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+def global_sample_count(k: int, beta: float, h_root: float, h_tool: float) -> int:
+    """m = clamp(floor(k * sigmoid(beta * (h_root - h_tool))) + 1, 1, k)  (spec §1a)."""
+    m = math.floor(k * sigmoid(beta * (h_root - h_tool))) + 1
+    return min(max(m, 1), k)
+
+
+def branch_probability(alpha: float, gamma: float, delta_h: float, consecutive_branches: int,
+                       penalty_slope: float, penalty: bool = True) -> float:
+    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l))  (spec §1c; penalty off: ARPO)."""
+    phat = min(1.0, penalty_slope * consecutive_branches) if penalty else 0.0
+    return (alpha + gamma * delta_h) * (1.0 - phat)
+
+
+_SAMPLE, _ALPHA = 0, 1  # seed purposes, so sampling seeds and branch draws never coincide
+
+
+def derive_seed(root_seed: int, step: int, prompt_index: int, traj_id: int, counter: int,
+                purpose: int) -> int:
+    """A 63-bit seed from the identifying integers (independent of batch order)."""
+    seq = np.random.SeedSequence([root_seed, step, prompt_index, traj_id, counter, purpose])
+    return int(seq.generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bookkeeping
+
+
+@dataclass
+class _PromptState:
+    """The trajectories of one prompt during a rollout call."""
+
+    index: int
+    prompt_ids: list[int]
+    members: list[Trajectory] = field(default_factory=list)  # returned; at most k
+    probe: Trajectory | None = None      # while probing, and afterwards if discarded
+    m: int | None = None                 # global samples; None while probing
+    h_root: float | None = None
+    h_tool: float | None = None
+    next_id: int = 0
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def running(self) -> list[Trajectory]:
+        pool = self.members + ([self.probe] if self.probe and self.probe not in self.members else [])
+        return [t for t in pool if not t.done]
+
+
+@dataclass
+class _Stats:
+    rounds: int = 0
+    tokens_generated: int = 0
+    tool_tokens: int = 0
+    tool_calls_executed: int = 0
+    tool_errors: int = 0
+    malformed_calls: int = 0
+    fresh_global_samples: int = 0
+    discarded_probes: int = 0
+    decisions: list[BranchDecision] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler
+
+
+class EntropyBalancedRollout:
+    """Samples k tool-using trajectories per prompt with AEPO's entropy-balanced rollout.
+
+    Args:
+        backend: a :class:`GenerationBackend` (token-in/token-out, per-token entropies).
+        tool_runner: an object with ``run(calls) -> list[ToolResult]`` (e.g. ``ToolRunner``).
+        config: the rollout knobs.
+        tokenizer: encodes tool-result text (``encode(text, add_special_tokens=False)``) and
+            decodes segments when the backend gives no text; default ``backend.tokenizer``.
+        tool_names: enabled tool tags; default the keys of ``tool_runner.tools`` if present,
+            else the tags of ``TOOL_STOP_STRINGS``. Stop strings are ``</name>`` for each.
+
+    After each :meth:`rollout`, ``last_stats`` holds the rollout statistics.
+    """
+
+    def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
+                 tokenizer: Any = None, tool_names: Sequence[str] | None = None) -> None:
+        self.backend = backend
+        self.tool_runner = tool_runner
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
+        if tool_names is None:
+            runner_tools = getattr(tool_runner, "tools", None)
+            tool_names = (list(runner_tools) if runner_tools else
+                          [s.removeprefix("</").removesuffix(">") for s in TOOL_STOP_STRINGS])
+        self.tool_names = tuple(tool_names)
+        self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
+        self.last_stats: dict[str, Any] = {}
+
+    # -- public -------------------------------------------------------------------------------
+
+    def rollout(self, prompts: list[list[int]], step: int) -> list[Trajectory]:
+        """Sample exactly ``config.k`` trajectories per prompt.
+
+        Args:
+            prompts: prompt token ids, one list per prompt.
+            step: the training step (part of every seed; trajectories record it).
+
+        Returns:
+            ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
+            sorted by ``traj_id``. Statistics are left in ``self.last_stats``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0 because it seeds the rollout, got {step}")
+        for i, ids in enumerate(prompts):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs a context")
+        stats = _Stats()
+        states = [_PromptState(i, list(ids)) for i, ids in enumerate(prompts)]
+        for state in states:
+            self._start(state, step)
+        while True:
+            batch = [t for state in states for t in state.running()]
+            if not batch:
+                break
+            self._round(states, batch, step, stats)
+            for state in states:
+                self._advance(state, step, stats)
+        out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
+        assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
+        self.last_stats = self._summarize(states, out, stats)
+        return out
+
+    # -- prompt life cycle --------------------------------------------------------------------
+
+    def _start(self, state: _PromptState, step: int) -> None:
+        cfg = self.config
+        if cfg.branching and cfg.pre_monitoring:
+            state.probe = self._new(state, step, "probe")
+            if cfg.reuse_probe_as_sample:
+                state.members.append(state.probe)
+            return
+        state.m = cfg.global_samples_without_monitoring if cfg.branching else cfg.k
+        for _ in range(state.m):
+            state.members.append(self._new(state, step, "global"))
+
+    def _advance(self, state: _PromptState, step: int, stats: _Stats) -> None:
+        """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
+        if state.m is None:
+            if not state.probe.done:
+                return
+            self._finish_probe(state, step, stats)
+        missing = self.config.k - len(state.members)
+        if missing > 0 and not state.running():
+            for _ in range(missing):
+                state.members.append(self._new(state, step, "global"))
+            stats.fresh_global_samples += missing
+
+    def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
+        cfg, probe = self.config, state.probe
+        state.h_root = probe.segment_entropies[0]
+        after_tool = probe.segment_entropies[1:]
+        # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
+        state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
+        state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
+        reused = cfg.reuse_probe_as_sample
+        for _ in range(state.m - int(reused)):
+            state.members.append(self._new(state, step, "global"))
+        if not reused:
+            stats.discarded_probes += 1
+            return
+        state.probe = None
+        model_segments = [j for j, s in enumerate(probe.segments) if s.kind == "model"]
+        for n_model, seg_index in enumerate(model_segments[1:], start=1):
+            decision = self._decide(state, probe, seg_index, probe.segment_entropies[n_model],
+                                    step)
+            stats.decisions.append(decision)
+
+    def _new(self, state: _PromptState, step: int, kind: str) -> Trajectory:
+        return Trajectory(prompt_ids=state.prompt_ids, prompt_index=state.index,
+                          traj_id=state.new_id(), step=step, kind=kind)
+
+    # -- one round ----------------------------------------------------------------------------
+
+    def _round(self, states: list[_PromptState], batch: list[Trajectory], step: int,
+               stats: _Stats) -> None:
+        cfg = self.config
+        outputs = self.backend.generate([self._request(t, step) for t in batch])
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(batch)} requests")
+        stats.rounds += 1
+        for traj, output in zip(batch, outputs):
+            traj.append_model_segment(output.token_ids, output.logprobs, output.entropies,
+                                      cfg.n_entropy_tokens)
+            stats.tokens_generated += len(output.token_ids)
+        for traj in batch:  # branch decisions first: a child copies the prefix before this call
+            state = states[traj.prompt_index]
+            if state.m is not None and self._decision_due(traj):
+                stats.decisions.append(self._decide(
+                    state, traj, len(traj.segments) - 1, traj.segment_entropies[-1], step))
+        calls, callers = [], []
+        for traj, output in zip(batch, outputs):
+            call = self._classify(traj, output, stats)
+            if call is not None:
+                calls.append(call)
+                callers.append(traj)
+        if calls:
+            self._run_tools(calls, callers, stats)
+
+    def _request(self, traj: Trajectory, step: int) -> GenRequest:
+        cfg = self.config
+        remaining = cfg.max_response_tokens - len(traj.response_ids)
+        seed = derive_seed(cfg.seed, step, traj.prompt_index, traj.traj_id, len(traj.segments),
+                           _SAMPLE)
+        return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids),
+                          max_new_tokens=min(cfg.max_tokens_per_segment, remaining),
+                          stop_strings=self.stop_strings, seed=seed,
+                          temperature=cfg.temperature, top_p=cfg.top_p)
+
+    def _classify(self, traj: Trajectory, output: GenOutput, stats: _Stats
+                  ) -> ToolCall | None:
+        """Set the finish reason of a trajectory that ends here, or return its tool call."""
+        cfg = self.config
+        if output.finish_reason == "eos":
+            traj.finish_reason = "eos"
+            return None
+        if output.finish_reason == "length" or len(traj.response_ids) >= cfg.max_response_tokens:
+            traj.finish_reason = "length"  # a call at the cap could not receive its result
+            return None
+        text = output.text or self.tokenizer.decode(output.token_ids)
+        call = find_tool_call(text, self.tool_names)
+        if call is None:
+            traj.finish_reason = "stop"
+        elif isinstance(call, MalformedToolCall):
+            traj.malformed_calls += 1
+            stats.malformed_calls += 1
+            traj.finish_reason = "malformed"
+        elif traj.tool_calls >= cfg.max_tool_calls:
+            traj.finish_reason = "tool_limit"
+        else:
+            return call
+        return None
+
+    def _run_tools(self, calls: list[ToolCall], callers: list[Trajectory], stats: _Stats) -> None:
+        results = self.tool_runner.run(calls)
+        if len(results) != len(calls):
+            raise RuntimeError(f"tool runner returned {len(results)} results for {len(calls)} calls")
+        for traj, result in zip(callers, results):
+            remaining = self.config.max_response_tokens - len(traj.response_ids)
+            ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
+            traj.append_tool_result(list(ids)[:remaining])
+            traj.tool_calls += 1
+            stats.tool_calls_executed += 1
+            stats.tool_errors += int(not result.ok)
+            stats.tool_tokens += min(len(ids), remaining)
+            if len(traj.response_ids) >= self.config.max_response_tokens:
+                traj.finish_reason = "length"
+
+    # -- branching ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _decision_due(traj: Trajectory) -> bool:
+        """The last segment reacts to a tool result this trajectory received itself."""
+        segs = traj.segments
+        return (len(segs) >= 2 and segs[-2].kind == "tool"
+                and segs[-1].start != traj.branch_position)
+
+    def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float,
+                step: int) -> BranchDecision:
+        """Take the branch decision for the model segment ``traj.segments[seg_index]``."""
+        cfg = self.config
+        tool_step = sum(s.kind == "tool" for s in traj.segments[:seg_index])
+        if cfg.branch_alpha_mode == "random":
+            seed = derive_seed(cfg.seed, step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
+            alpha = float(np.random.default_rng(seed).random())
+        else:
+            alpha = cfg.branch_alpha
+        l_before = traj.consecutive_branches
+        p = branch_probability(alpha, cfg.gamma, h_now - traj.h_init, l_before,
+                               cfg.penalty_slope, cfg.branch_penalty)
+        wants = p > cfg.tau
+        branched = wants and len(state.members) < cfg.k
+        if branched:
+            traj.consecutive_branches = l_before + 1
+            state.members.append(traj.fork(seg_index, state.new_id()))
+        else:
+            traj.consecutive_branches = 0
+        decision = BranchDecision(tool_step=tool_step, h_init=traj.h_init, h_now=h_now,
+                                  alpha=alpha, consecutive_branches=l_before, probability=p,
+                                  branched=branched, budget_blocked=wants and not branched)
+        traj.decisions.append(decision)
+        return decision
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
+                   ) -> dict[str, Any]:
+        probs = [d.probability for d in stats.decisions]
+        return {
+            "m": [s.m for s in states],
+            "h_root": [s.h_root for s in states],
+            "h_tool": [s.h_tool for s in states],
+            "branches": sum(d.branched for d in stats.decisions),
+            "branch_decisions": len(stats.decisions),
+            "branch_budget_blocked": sum(d.budget_blocked for d in stats.decisions),
+            "mean_branch_probability": sum(probs) / len(probs) if probs else None,
+            "tool_calls_executed": stats.tool_calls_executed,
+            "tool_errors": stats.tool_errors,
+            "malformed_calls": stats.malformed_calls,
+            "finish_reasons": dict(Counter(t.finish_reason for t in out)),
+            "kinds": dict(Counter(t.kind for t in out)),
+            "tokens_generated": stats.tokens_generated,
+            "tool_tokens": stats.tool_tokens,
+            "rounds": stats.rounds,
+            "fresh_global_samples": stats.fresh_global_samples,
+            "discarded_probes": stats.discarded_probes,
+        }

@@ -1,0 +1,218 @@
+"""One sampled trajectory (token-in/token-out) with its lineage, and the rollout tree of a prompt.
+
+A trajectory is the prompt ids plus a response made of alternating segments: model segments
+(sampled tokens, loss mask 1, their sampling log-probs and entropies) and tool-result segments
+(tokenized ``format_tool_result`` text, loss mask 0, log-prob 0, entropy 0). Model tokens are
+stored exactly as the backend sampled them; they are never decoded and re-encoded.
+
+Lineage: ``traj_id`` numbers the trajectories of one prompt in creation order; a branch records
+its parent, the tool step it branched at and the consecutive-branch count of its lineage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Sequence
+
+TrajectoryKind = Literal["probe", "global", "branch"]
+"""probe: the pre-monitoring trajectory kept as a sample; global: sampled from the bare prompt;
+branch: copied from a parent after a tool result."""
+
+TrajectoryFinish = Literal["eos", "length", "stop", "tool_limit", "malformed"]
+"""eos: the model ended; length: a token cap was hit; stop: a stop string without a tool call;
+tool_limit: a call beyond ``max_tool_calls``; malformed: an empty or broken tool call."""
+
+
+class Segment(NamedTuple):
+    """A span ``response_ids[start:end]`` produced by the model or by a tool."""
+
+    kind: Literal["model", "tool"]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class BranchDecision:
+    """One branching decision, taken after the segment that reacts to a tool result (spec §1c).
+
+    Args:
+        tool_step: number of tool results in the trajectory when the decision was taken.
+        h_init: entropy of the trajectory's first segment (its own, this rollout step).
+        h_now: entropy of the first n_e tokens of the segment reacting to the latest result.
+        alpha: base probability used (drawn or constant).
+        consecutive_branches: l, this lineage's consecutive branching steps before deciding.
+        probability: P = (alpha + gamma * (h_now - h_init)) * (1 - Phat(l)).
+        branched: True when a child was created (P > tau and budget left).
+        budget_blocked: True when P > tau but the prompt had no budget left.
+    """
+
+    tool_step: int
+    h_init: float
+    h_now: float
+    alpha: float
+    consecutive_branches: int
+    probability: float
+    branched: bool
+    budget_blocked: bool
+
+
+def mean_head_entropy(entropies: Sequence[float], n_tokens: int) -> float:
+    """Mean entropy of the first ``n_tokens`` positions (0.0 for an empty segment)."""
+    head = entropies[:n_tokens]
+    return float(sum(head) / len(head)) if head else 0.0
+
+
+@dataclass
+class Trajectory:
+    """A prompt's sampled response with masks, log-probs, entropies and lineage.
+
+    Token-aligned lists (all ``len(response_ids)`` long): ``loss_mask`` (1 model token, 0 tool
+    token), ``logprobs`` (sampling log-prob; 0.0 on tool tokens), ``entropies`` (per-token
+    sampling entropy; 0.0 on tool tokens). ``segment_entropies[j]`` is the mean entropy of the
+    first n_e tokens of the j-th *model* segment; ``segment_entropies[0]`` is H_init.
+    ``tool_calls`` counts executed calls (= tool-result segments, inherited prefix included);
+    ``decisions`` lists the branch decisions this trajectory took itself.
+    """
+
+    prompt_ids: list[int]
+    prompt_index: int
+    traj_id: int
+    step: int
+    kind: TrajectoryKind
+    parent_id: int | None = None
+    branch_tool_step: int | None = None  # tool results in the prefix copied from the parent
+    branch_position: int | None = None   # len(response_ids) of the copied prefix
+    consecutive_branches: int = 0        # l: consecutive branching steps of this lineage
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    segment_entropies: list[float] = field(default_factory=list)
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    finish_reason: TrajectoryFinish | None = None
+    decisions: list[BranchDecision] = field(default_factory=list)
+
+    @property
+    def uid(self) -> str:
+        """Globally readable id: ``step<step>/p<prompt_index>/t<traj_id>``."""
+        return f"step{self.step}/p{self.prompt_index}/t{self.traj_id}"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def h_init(self) -> float | None:
+        """Entropy of the first segment (from the prompt); None before it is generated."""
+        return self.segment_entropies[0] if self.segment_entropies else None
+
+    @property
+    def num_tool_results(self) -> int:
+        return sum(segment.kind == "tool" for segment in self.segments)
+
+    def append_model_segment(self, token_ids: Sequence[int], logprobs: Sequence[float],
+                             entropies: Sequence[float], n_entropy_tokens: int) -> None:
+        """Append sampled tokens (mask 1) and record the segment's head entropy."""
+        if not len(token_ids) == len(logprobs) == len(entropies):
+            raise ValueError(f"backend output misaligned: {len(token_ids)} tokens, "
+                             f"{len(logprobs)} logprobs, {len(entropies)} entropies")
+        self._append("model", token_ids, 1, logprobs, entropies)
+        self.segment_entropies.append(mean_head_entropy(entropies, n_entropy_tokens))
+
+    def append_tool_result(self, token_ids: Sequence[int]) -> None:
+        """Append tool-result tokens: loss mask 0, log-prob 0, entropy 0."""
+        zeros = [0.0] * len(token_ids)
+        self._append("tool", token_ids, 0, zeros, zeros)
+
+    def _append(self, kind, token_ids, mask_value, logprobs, entropies) -> None:
+        start = len(self.response_ids)
+        self.response_ids.extend(int(t) for t in token_ids)
+        self.loss_mask.extend([mask_value] * len(token_ids))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.entropies.extend(float(x) for x in entropies)
+        self.segments.append(Segment(kind, start, len(self.response_ids)))
+
+    def fork(self, at_segment: int, traj_id: int) -> "Trajectory":
+        """A branch child: a copy of ``segments[:at_segment]``, which must end with a tool result.
+
+        The child keeps the tool result and samples its own reaction to it. Its tool-call count is
+        the number of results in the prefix (a malformed call always ends a trajectory, so a
+        prefix holds none); its consecutive-branch count is the parent's current one.
+        """
+        if not (1 <= at_segment <= len(self.segments)
+                and self.segments[at_segment - 1].kind == "tool"):
+            raise ValueError(f"{self.uid}: a branch point must follow a tool result "
+                             f"(segment {at_segment} of {len(self.segments)})")
+        prefix = self.segments[:at_segment]
+        cut = prefix[-1].end
+        n_model = sum(s.kind == "model" for s in prefix)
+        n_tool = len(prefix) - n_model
+        return Trajectory(
+            prompt_ids=self.prompt_ids, prompt_index=self.prompt_index, traj_id=traj_id,
+            step=self.step, kind="branch", parent_id=self.traj_id,
+            branch_tool_step=n_tool, branch_position=cut,
+            consecutive_branches=self.consecutive_branches,
+            response_ids=self.response_ids[:cut], loss_mask=self.loss_mask[:cut],
+            logprobs=self.logprobs[:cut], entropies=self.entropies[:cut],
+            segments=list(prefix), segment_entropies=self.segment_entropies[:n_model],
+            tool_calls=n_tool,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout tree
+
+
+def rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int
+                 ) -> dict[int | None, list[Trajectory]]:
+    """Children of each trajectory of one prompt, keyed by parent id (None: the roots).
+
+    Args:
+        trajectories: any rollout output (several prompts may be mixed).
+        prompt_index: the prompt whose tree to build.
+
+    Returns:
+        parent id -> its children sorted by ``traj_id``. A branch whose parent is not in
+        ``trajectories`` (e.g. a discarded probe) is listed under None.
+    """
+    own = sorted((t for t in trajectories if t.prompt_index == prompt_index),
+                 key=lambda t: t.traj_id)
+    ids = {t.traj_id for t in own}
+    children: dict[int | None, list[Trajectory]] = {None: []}
+    for traj in own:
+        parent = traj.parent_id if traj.parent_id in ids else None
+        children.setdefault(parent, []).append(traj)
+    return children
+
+
+def format_rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int) -> str:
+    """Render the rollout tree of one prompt as indented text, one line per trajectory."""
+    children = rollout_tree(trajectories, prompt_index)
+    count = sum(len(v) for v in children.values())
+    lines = [f"prompt {prompt_index}: {count} trajectories"]
+
+    def visit(traj: Trajectory, depth: int) -> None:
+        lines.append("  " * depth + "- " + _describe(traj))
+        for child in children.get(traj.traj_id, []):
+            visit(child, depth + 1)
+
+    for root in children[None]:
+        visit(root, 1)
+    return "\n".join(lines)
+
+
+def print_rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int) -> None:
+    """Print :func:`format_rollout_tree`."""
+    print(format_rollout_tree(trajectories, prompt_index))
+
+
+def _describe(traj: Trajectory) -> str:
+    where = ""
+    if traj.kind == "branch":
+        where = f" from t{traj.parent_id} after tool {traj.branch_tool_step}, " \
+                f"l={traj.consecutive_branches}"
+    h_init = "-" if traj.h_init is None else f"{traj.h_init:.3f}"
+    return (f"t{traj.traj_id} [{traj.kind}{where}] {len(traj.response_ids)} tokens "
+            f"({sum(traj.loss_mask)} model), {traj.tool_calls} tool calls, "
+            f"{traj.malformed_calls} malformed, H_init={h_init}, finish={traj.finish_reason}")

@@ -1,0 +1,490 @@
+"""Tests of the entropy-balanced rollout scheduler (spec §1) against a scripted backend.
+
+The scripted backend is a character-level fake model: a policy function maps the decoded context
+to the next segment's text and per-token entropies; the backend applies stop strings, EOS and
+max_new_tokens like a real one and returns seed-dependent log-probs. Tool runners are scripted
+(records every batch) except in the test that uses the real ``ToolRunner``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import msgspec
+import pytest
+
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.protocol import GenOutput, GenRequest
+from aepo_engine.rollout.scheduler import (EntropyBalancedRollout, branch_probability,
+                                           global_sample_count, sigmoid)
+from aepo_engine.rollout.trajectory import Trajectory, format_rollout_tree, rollout_tree
+from aepo_engine.tools import Tool, ToolResult, ToolRunner, format_tool_result
+
+EOS = 1
+
+# ---------------------------------------------------------------------------------------------
+# Fakes
+
+
+class CharTokenizer:
+    """One token per character (id = ord + 2); id 1 is EOS."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) + 2 for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i - 2) for i in ids if i >= 2)
+
+
+# policy(context_text, request) -> (segment text, entropy per token, ends with EOS)
+Policy = Callable[[str, GenRequest], tuple[str, float, bool]]
+
+
+class ScriptedBackend:
+    """A GenerationBackend whose next segment is given by ``policy`` (see module docstring)."""
+
+    entropy_is_exact = True
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.tokenizer = CharTokenizer()
+        self.batches: list[list[GenRequest]] = []
+        self.outputs: dict[tuple[int, ...], list[GenOutput]] = {}  # context -> outputs
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (EOS,)
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+        self.batches.append(list(requests))
+        return [self._one(r) for r in requests]
+
+    def _one(self, request: GenRequest) -> GenOutput:
+        text, entropy, eos = self.policy(self.tokenizer.decode(request.prompt_ids), request)
+        finish, stop = ("eos" if eos else "length"), None
+        for s in request.stop_strings:
+            if s in text:
+                text, finish, stop, eos = text[: text.index(s) + len(s)], "stop", s, False
+        ids = self.tokenizer.encode(text) + ([EOS] if eos else [])
+        if len(ids) > request.max_new_tokens:
+            ids, finish, stop = ids[: request.max_new_tokens], "length", None
+        logprobs = [-((request.seed + 7 * i) % 97) / 100 - 0.01 for i in range(len(ids))]
+        out = GenOutput(ids, logprobs, [entropy] * len(ids), finish, stop,
+                        self.tokenizer.decode(ids))
+        self.outputs.setdefault(request.prompt_ids, []).append(out)
+        return out
+
+    def update_weights(self, state_dict) -> None:
+        pass
+
+
+class ScriptedRunner:
+    """Tool runner stand-in: result text names the tool, payload and call number."""
+
+    def __init__(self, tools: Sequence[str] = ("search", "python")) -> None:
+        self.tools = {name: None for name in tools}
+        self.batches: list[list] = []
+
+    def run(self, calls):
+        self.batches.append(list(calls))
+        n = sum(len(b) for b in self.batches)
+        return [ToolResult(f"{c.tool}({c.payload})#{n - len(calls) + i}", ok=True)
+                for i, c in enumerate(calls)]
+
+
+def tool_agent(n_calls: int, h_first: float = 1.0, h_after: float = 1.0,
+               seed_in_text: bool = False) -> Policy:
+    """Calls search ``n_calls`` times, then answers and ends with EOS."""
+
+    def policy(context: str, request: GenRequest):
+        done = context.count("<result>")
+        entropy = h_first if done == 0 else h_after
+        tag = f"s{request.seed % 10}" if seed_in_text else "q"
+        if done < n_calls:
+            return f"think{done} <search>{tag}{done}</search>", entropy, False
+        return f"<answer>{tag}</answer>", entropy, True
+
+    return policy
+
+
+def make(policy: Policy, runner=None, **overrides) -> tuple[EntropyBalancedRollout,
+                                                              ScriptedBackend, ScriptedRunner]:
+    backend = ScriptedBackend(policy)
+    runner = runner if runner is not None else ScriptedRunner()
+    fields = dict(k=4, n_entropy_tokens=4, max_response_tokens=400, max_tokens_per_segment=100)
+    fields.update(overrides)
+    return EntropyBalancedRollout(backend, runner, RolloutConfig(**fields)), backend, runner
+
+
+PROMPTS = [[50, 51, 52], [60, 61], [70]]
+
+
+def by_prompt(trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.prompt_index, []).append(t)
+    return groups
+
+
+def signature(trajs: list[Trajectory]):
+    return [(t.prompt_index, t.traj_id, t.parent_id, t.kind, tuple(t.response_ids),
+             tuple(d.branched for d in t.decisions)) for t in trajs]
+
+
+# ---------------------------------------------------------------------------------------------
+# The maths, hand-worked
+
+
+def test_global_sample_count_hand_worked():
+    # k=12, beta=0.5, H_root=2.0, H_tool=1.0: sigmoid(0.5) = 0.62246, 12 * 0.62246 = 7.47,
+    # floor -> 7, + 1 -> m = 8.
+    assert sigmoid(0.5) == pytest.approx(0.6224593, abs=1e-7)
+    assert global_sample_count(12, 0.5, 2.0, 1.0) == 8
+    # Equal entropies: floor(12 * 0.5) + 1 = 7.
+    assert global_sample_count(12, 0.5, 1.0, 1.0) == 7
+    # H_tool far above H_root: floor(12 * ~0) + 1 = 1; far below: floor(12 * 1.0) + 1 = 13 -> 12.
+    assert global_sample_count(12, 0.5, 0.0, 100.0) == 1
+    assert global_sample_count(12, 0.5, 100.0, 0.0) == 12
+    assert global_sample_count(1, 0.5, 2.0, 1.0) == 1
+
+
+def test_branch_probability_hand_worked():
+    # alpha 0.6, gamma 0.2, dH 0.5, l 3: (0.6 + 0.1) * (1 - 0.15) = 0.595.
+    assert branch_probability(0.6, 0.2, 0.5, 3, 0.05) == pytest.approx(0.595)
+    # Penalty off (ARPO): 0.7 whatever l is.
+    assert branch_probability(0.6, 0.2, 0.5, 3, 0.05, penalty=False) == pytest.approx(0.7)
+    # l = 20: Phat = min(1, 1.0) = 1 -> P = 0; l = 30 saturates at 0 too.
+    assert branch_probability(0.6, 0.2, 0.5, 20, 0.05) == 0.0
+    assert branch_probability(0.6, 0.2, 0.5, 30, 0.05) == 0.0
+    # Entropy drop: (0.6 + 0.2 * -1.5) * 1 = 0.3.
+    assert branch_probability(0.6, 0.2, -1.5, 0, 0.05) == pytest.approx(0.3)
+
+
+def test_config_rejects_bad_values_and_unknown_fields():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        RolloutConfig(k=0)
+    with pytest.raises(ValueError, match="fixed_global_samples"):
+        RolloutConfig(k=4, fixed_global_samples=5)
+    with pytest.raises(ValueError, match="tau"):
+        RolloutConfig(tau=0.0)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"k": 4, "n_e": 3}, RolloutConfig)
+    assert RolloutConfig(k=12).global_samples_without_monitoring == 6
+    assert RolloutConfig(k=1).global_samples_without_monitoring == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Budget and grouping
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(pre_monitoring=False),
+    dict(reuse_probe_as_sample=False),
+    dict(branching=False),
+    dict(branch_alpha_mode="constant", branch_alpha=1.0, gamma=0.0, branch_penalty=False, k=7),
+])
+def test_exactly_k_per_prompt_grouped(overrides):
+    scheduler, backend, runner = make(tool_agent(3), **overrides)
+    trajs = scheduler.rollout(PROMPTS, step=0)
+    k = scheduler.config.k
+    assert len(trajs) == k * len(PROMPTS)
+    assert [t.prompt_index for t in trajs] == sorted(t.prompt_index for t in trajs)
+    for i, group in by_prompt(trajs).items():
+        assert len(group) == k
+        assert [t.traj_id for t in group] == sorted(t.traj_id for t in group)
+        assert all(t.done and t.prompt_ids == PROMPTS[i] for t in group)
+    # One backend call per round, one tool batch per round with calls.
+    assert len(backend.batches) == scheduler.last_stats["rounds"]
+    assert len(runner.batches) <= len(backend.batches)
+
+
+def test_one_batched_call_per_round_across_prompts():
+    scheduler, backend, runner = make(tool_agent(2), branching=False, k=3)
+    scheduler.rollout(PROMPTS, step=0)
+    # 9 trajectories, all in lockstep: 2 call rounds + 1 answer round.
+    assert [len(b) for b in backend.batches] == [9, 9, 9]
+    assert [len(b) for b in runner.batches] == [9, 9]
+
+
+def test_fresh_global_samples_when_all_ended_early():
+    answer_now = lambda context, request: ("<answer>x</answer>", 1.0, True)  # noqa: E731
+    scheduler, backend, _ = make(answer_now, k=5, pre_monitoring=False, fixed_global_samples=2)
+    trajs = scheduler.rollout([[50]], step=0)
+    assert len(trajs) == 5 and all(t.kind == "global" for t in trajs)
+    assert scheduler.last_stats["fresh_global_samples"] == 3
+    assert [len(b) for b in backend.batches] == [2, 3]
+    assert scheduler.last_stats["finish_reasons"] == {"eos": 5}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-monitoring
+
+
+def test_pre_monitoring_m_from_probe_entropies():
+    # Probe: first segment entropy 2.0 (H_root), segments after tool results 1.0 (H_tool)
+    # -> m = 8 for k = 12 (hand-worked above). Constant alpha 0 never branches.
+    scheduler, _, _ = make(tool_agent(2, h_first=2.0, h_after=1.0), k=12,
+                           branch_alpha_mode="constant", branch_alpha=0.0)
+    trajs = scheduler.rollout([[50]], step=0)
+    stats = scheduler.last_stats
+    assert stats["m"] == [8] and stats["h_root"] == [2.0] and stats["h_tool"] == [1.0]
+    assert stats["kinds"] == {"probe": 1, "global": 11}   # probe + 7 globals + 4 fresh
+    assert stats["fresh_global_samples"] == 4
+    assert trajs[0].kind == "probe" and trajs[0].traj_id == 0
+
+
+def test_probe_without_tool_calls_uses_neutral_h_tool():
+    scheduler, _, _ = make(tool_agent(0, h_first=3.0), k=12)
+    scheduler.rollout([[50]], step=0)
+    # H_tool := H_root -> sigmoid(0) = 0.5 -> floor(6) + 1 = 7.
+    assert scheduler.last_stats["h_tool"] == [3.0] and scheduler.last_stats["m"] == [7]
+
+
+def test_discarded_probe_is_not_returned():
+    scheduler, _, _ = make(tool_agent(1), k=4, reuse_probe_as_sample=False)
+    trajs = scheduler.rollout([[50]], step=0)
+    assert len(trajs) == 4 and all(t.kind != "probe" and t.traj_id >= 1 for t in trajs)
+    assert scheduler.last_stats["discarded_probes"] == 1
+
+
+def test_reused_probe_takes_its_branch_decisions_after_m_is_known():
+    # Always branch (alpha 1, no penalty); k=6; m: H equal -> floor(3) + 1 = 4 -> 2 branches.
+    scheduler, _, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant", branch_alpha=1.0,
+                           branch_penalty=False)
+    trajs = scheduler.rollout([[50]], step=0)
+    probe = trajs[0]
+    assert scheduler.last_stats["m"] == [4]
+    assert [d.branched for d in probe.decisions] == [True, True]
+    children = [t for t in trajs if t.parent_id == probe.traj_id]
+    assert sorted(c.branch_tool_step for c in children) == [1, 2]
+    assert all(c.kind == "branch" for c in children)
+
+
+# ---------------------------------------------------------------------------------------------
+# Branching and lineage
+
+
+def check_lineage_rule(traj: Trajectory, inherited: int) -> None:
+    """l before each decision: inherited, then +1 after a branch, 0 after no branch."""
+    l = inherited
+    for d in traj.decisions:
+        assert d.consecutive_branches == l, (traj.uid, traj.decisions)
+        l = l + 1 if d.branched else 0
+    assert traj.consecutive_branches == l
+
+
+def test_lineage_counters_are_per_lineage():
+    # alpha 0.9, gamma 0, slope 0.5: l=0 -> P=0.9 branch; l=1 -> P=0.45 no branch (reset).
+    scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
+                           branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0,
+                           penalty_slope=0.5)
+    trajs = scheduler.rollout([[50]], step=0)
+    by_id = {t.traj_id: t for t in trajs}
+    a, b = by_id[0], by_id[1]
+    # Both global lineages branch at their first tool result with l=0: a per-prompt counter
+    # would have given the second one l=1 (P=0.45, no branch).
+    assert [d.consecutive_branches for d in a.decisions] == [0, 1, 0]
+    assert [d.consecutive_branches for d in b.decisions] == [0, 1, 0]
+    assert [d.branched for d in a.decisions] == [True, False, True]
+    assert [d.branched for d in b.decisions] == [True, False, True]
+    for t in trajs:
+        if t.kind == "branch":
+            parent = by_id[t.parent_id]
+            # the child inherited parent's count + 1 at its branch point
+            at = next(d for d in parent.decisions if d.tool_step == t.branch_tool_step)
+            check_lineage_rule(t, at.consecutive_branches + 1)
+            assert t.decisions == [] or t.decisions[0].tool_step == t.branch_tool_step + 1
+        else:
+            check_lineage_rule(t, 0)
+    assert len(trajs) == 8 and scheduler.last_stats["branches"] == 6
+
+
+def test_branch_never_exceeds_budget_and_child_copies_prefix():
+    scheduler, backend, _ = make(tool_agent(4, seed_in_text=True), k=5, pre_monitoring=False,
+                                 fixed_global_samples=1, branch_alpha_mode="constant",
+                                 branch_alpha=1.0, branch_penalty=False)
+    trajs = scheduler.rollout([[50]], step=0)
+    assert len(trajs) == 5
+    by_id = {t.traj_id: t for t in trajs}
+    for t in trajs:
+        if t.kind != "branch":
+            continue
+        parent, cut = by_id[t.parent_id], t.branch_position
+        assert t.response_ids[:cut] == parent.response_ids[:cut]
+        assert t.loss_mask[:cut] == parent.loss_mask[:cut]
+        assert t.segments[len([s for s in t.segments if s.end <= cut]) - 1].kind == "tool"
+        assert t.tool_calls == sum(s.kind == "tool" for s in t.segments)
+        assert t.h_init == parent.h_init
+    assert scheduler.last_stats["branch_budget_blocked"] > 0
+
+
+def test_branching_depends_on_entropy_change():
+    # Constant alpha 0.5, tau 0.5: branch iff dH > 0 (gamma > 0).
+    up, _, _ = make(tool_agent(2, h_first=1.0, h_after=2.0), k=4, pre_monitoring=False,
+                    fixed_global_samples=1, branch_alpha_mode="constant", branch_alpha=0.5)
+    down, _, _ = make(tool_agent(2, h_first=2.0, h_after=1.0), k=4, pre_monitoring=False,
+                      fixed_global_samples=1, branch_alpha_mode="constant", branch_alpha=0.5)
+    up.rollout([[50]], step=0)
+    down.rollout([[50]], step=0)
+    assert up.last_stats["branches"] > 0
+    assert down.last_stats["branches"] == 0 and down.last_stats["fresh_global_samples"] == 3
+    # (0.5 + 0.2 * 1.0) * (1 - 0.05 * 0) = 0.7 at the first decision
+    assert up.last_stats["mean_branch_probability"] > 0.5
+
+
+def test_no_stale_h_init_across_steps():
+    # Prompt "A" (step 0): H_init 5, after-tool 1 -> P = 0.9 + 0.2 * (-4) = 0.1: no branch.
+    # Prompt "B" (step 1): H_init 1, after-tool 1 -> P = 0.9: branch. A baseline kept from step 0
+    # (the reference code's defect) would give P = 0.1 at step 1 too.
+    def policy(context, request):
+        h_first = 5.0 if context.startswith("A") else 1.0
+        return tool_agent(2, h_first=h_first, h_after=1.0)(context, request)
+
+    scheduler, _, _ = make(policy, k=4, pre_monitoring=False, fixed_global_samples=2,
+                           branch_alpha_mode="constant", branch_alpha=0.9)
+    tok = CharTokenizer()
+    step0 = scheduler.rollout([tok.encode("A?")], step=0)
+    assert scheduler.last_stats["branches"] == 0
+    assert all(d.h_init == 5.0 for t in step0 for d in t.decisions)
+    step1 = scheduler.rollout([tok.encode("B?")], step=1)
+    assert scheduler.last_stats["branches"] > 0
+    assert all(d.h_init == 1.0 for t in step1 for d in t.decisions)
+    assert all(t.step == 1 and t.uid.startswith("step1/") for t in step1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token bookkeeping
+
+
+def test_masks_logprobs_and_tool_tokens_aligned():
+    scheduler, backend, runner = make(tool_agent(2), k=2, branching=False)
+    trajs = scheduler.rollout([[50, 51]], step=0)
+    tok = CharTokenizer()
+    for t in trajs:
+        n = len(t.response_ids)
+        assert len(t.loss_mask) == len(t.logprobs) == len(t.entropies) == n
+        assert [s.kind for s in t.segments] == ["model", "tool", "model", "tool", "model"]
+        assert t.finish_reason == "eos" and t.response_ids[-1] == EOS and t.tool_calls == 2
+        for seg in t.segments:
+            ids = t.response_ids[seg.start:seg.end]
+            mask, lps = t.loss_mask[seg.start:seg.end], t.logprobs[seg.start:seg.end]
+            if seg.kind == "tool":
+                assert mask == [0] * len(ids) and lps == [0.0] * len(ids)
+                assert tok.decode(ids).startswith(" <result>\n")
+                assert tok.decode(ids).endswith("\n</result>")
+            else:
+                context = tuple(t.prompt_ids + t.response_ids[:seg.start])
+                sampled = [(o.token_ids, o.logprobs, o.entropies) for o in backend.outputs[context]]
+                assert (ids, lps, t.entropies[seg.start:seg.end]) in sampled
+                assert mask == [1] * len(ids)
+    # Tool-result text exactly as format_tool_result made it (token-in/out for the rest).
+    first = trajs[0]
+    seg = first.segments[1]
+    call = runner.batches[0][0]
+    assert tok.decode(first.response_ids[seg.start:seg.end]) == format_tool_result(
+        f"{call.tool}({call.payload})#0")
+
+
+def test_tool_call_limit():
+    scheduler, _, runner = make(tool_agent(100), k=2, branching=False, max_tool_calls=2)
+    trajs = scheduler.rollout([[50]], step=0)
+    for t in trajs:
+        assert t.tool_calls == 2 and t.finish_reason == "tool_limit"
+        assert [s.kind for s in t.segments] == ["model", "tool", "model", "tool", "model"]
+    assert sum(len(b) for b in runner.batches) == 4
+
+
+def test_length_cap_truncates_and_stops():
+    scheduler, _, _ = make(tool_agent(100), k=2, branching=False, max_response_tokens=60,
+                           max_tokens_per_segment=30)
+    trajs = scheduler.rollout([[50]], step=0)
+    for t in trajs:
+        assert len(t.response_ids) <= 60 and t.finish_reason == "length"
+
+
+def test_malformed_calls_counted_not_run():
+    def policy(context, request):
+        if context.startswith("2"):
+            return "oops <search>   </search>", 1.0, False   # empty payload: malformed
+        return tool_agent(1)(context, request)
+
+    scheduler, _, runner = make(policy, k=3)
+    tok = CharTokenizer()
+    trajs = scheduler.rollout([tok.encode("1?"), tok.encode("2?")], step=0)
+    bad = by_prompt(trajs)[1]
+    assert len(bad) == 3
+    assert all(t.malformed_calls == 1 and t.finish_reason == "malformed" for t in bad)
+    assert all(t.tool_calls == 0 for t in bad)
+    assert scheduler.last_stats["malformed_calls"] == 3
+    assert all(call.payload.startswith("q") for batch in runner.batches for call in batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism
+
+
+def test_same_seed_same_rollouts_different_seed_different_branching():
+    def run(seed: int):
+        scheduler, backend, _ = make(tool_agent(3, seed_in_text=True), k=6, seed=seed)
+        trajs = scheduler.rollout(PROMPTS, step=3)
+        return signature(trajs), [r.seed for b in backend.batches for r in b]
+
+    first, seeds_first = run(0)
+    again, seeds_again = run(0)
+    assert first == again and seeds_first == seeds_again
+    branching = lambda sig: [(p, i, parent, dec) for p, i, parent, _, _, dec in sig]  # noqa
+    others = [run(seed)[0] for seed in (1, 2, 3)]
+    assert any(branching(o) != branching(first) for o in others)
+    assert all(o != first for o in others)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real tool runner and tree printing
+
+
+class EchoTool(Tool):
+    name = "echo"
+
+    def __call__(self, payload: str) -> ToolResult:
+        return ToolResult(f"echo: {payload}", ok=True)
+
+
+def test_with_real_tool_runner():
+    def policy(context, request):
+        if context.count("<result>") < 2:
+            return f"<echo>hi{context.count('<result>')}</echo>", 1.0, False
+        return "<answer>done</answer>", 1.0, True
+
+    with ToolRunner({"echo": EchoTool()}, max_workers=2) as runner:
+        scheduler, _, _ = make(policy, runner=runner, k=3)
+        assert scheduler.stop_strings == ("</echo>",)
+        trajs = scheduler.rollout([[50], [51]], step=0)
+    tok = CharTokenizer()
+    assert len(trajs) == 6
+    for t in trajs:
+        tool_texts = [tok.decode(t.response_ids[s.start:s.end]) for s in t.segments
+                      if s.kind == "tool"]
+        assert tool_texts == [format_tool_result("echo: hi0"), format_tool_result("echo: hi1")]
+        assert t.finish_reason == "eos"
+    assert runner.stats["echo"]["errors"] == 0
+
+
+def test_rollout_tree_lists_every_trajectory_under_its_parent():
+    scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
+                           branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0,
+                           penalty_slope=0.5)
+    trajs = scheduler.rollout([[50], [60]], step=0)
+    tree = rollout_tree(trajs, 1)
+    assert [t.traj_id for t in tree[None]] == [0, 1]
+    assert sum(len(v) for v in tree.values()) == 8
+    text = format_rollout_tree(trajs, 1)
+    assert text.splitlines()[0] == "prompt 1: 8 trajectories"
+    assert len(text.splitlines()) == 9
+    child = next(t for t in trajs if t.prompt_index == 1 and t.kind == "branch")
+    line = next(x for x in text.splitlines() if f"- t{child.traj_id} [" in x)
+    parent_line = next(x for x in text.splitlines() if f"- t{child.parent_id} [" in x)
+    indent = lambda s: len(s) - len(s.lstrip())  # noqa: E731
+    assert indent(line) == indent(parent_line) + 2
+    assert not math.isnan(scheduler.last_stats["mean_branch_probability"])
