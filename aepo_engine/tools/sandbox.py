@@ -57,6 +57,7 @@ from aepo_engine.tools.config import PythonConfig
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _READ_CHUNK = 65_536
+_EXIT_GRACE_S = 0.5
 
 # Runs first in the child. As PID 1 of a new PID namespace the kernel drops signals it has no
 # handler for (SIGXCPU, SIGTERM...), so there it forks: the parent stays a minimal init that
@@ -306,7 +307,8 @@ def _collect_output(proc: subprocess.Popen, deadline: float, cap: int,
     """Read stdout/stderr until both close, the deadline passes or ``cap`` bytes arrived.
 
     ``on_exit`` is called once when the main process has exited but pipes are still open
-    (a background child holds them), to kill the leftovers.
+    (a background child holds them), to kill the leftovers; reading then stops within
+    ``_EXIT_GRACE_S`` even if an escaped process keeps the pipes open, and that is no timeout.
 
     Returns:
         ``(stdout, stderr, timed_out, output_limited)``.
@@ -319,7 +321,7 @@ def _collect_output(proc: subprocess.Popen, deadline: float, cap: int,
     while selector.get_map():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            timed_out = True
+            timed_out = not exited
             break
         for key, _ in selector.select(timeout=min(remaining, 0.1)):
             chunk = os.read(key.fd, _READ_CHUNK)
@@ -333,6 +335,7 @@ def _collect_output(proc: subprocess.Popen, deadline: float, cap: int,
         if not exited and proc.poll() is not None:
             exited = True
             on_exit()
+            deadline = min(deadline, time.monotonic() + _EXIT_GRACE_S)
     selector.close()
     out, err = bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr])
     return out[:cap], err[: max(0, cap - len(out))], timed_out, limited
