@@ -6,13 +6,13 @@ A group is every trajectory of one prompt, branches included. ``std`` is the *un
 (Bessel-corrected, n-1) standard deviation by default, matching ``torch.std`` and verl's GRPO;
 ``unbiased=False`` gives the population std. A group of size 1 has A = 0 (its only member is
 its own mean; the n-1 = 0 denominator is never divided by). A group of equal rewards has
-A = 0 *exactly*: rewards are shifted by one member of their group before averaging. Without
+A = 0 *exactly*: rewards are shifted by their group's minimum before averaging. Without
 the shift, float32 rounding of the mean leaves deviations of ~1e-7 that ``/(std + 1e-6)``
 blows up: twelve rewards of 1.1 would get advantages of +-0.1 instead of 0.
 
 Everything is vectorised with ``index_add_`` over dense group indices, with no host syncs
-(no ``.item()``, no ``torch.unique``, no data-dependent shapes), so it runs inside a CUDA
-graph or ``torch.compile(fullgraph=True)``. Group ids may be any integers, in any order.
+(no ``.item()``, no ``torch.unique``, no data-dependent shapes); the tests check this on CPU
+with ``torch.compile(fullgraph=True)``. Group ids may be any integers, in any order.
 """
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def group_advantages(
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     rewards = rewards.to(dtype)
     index = dense_group_index(group_ids.to(rewards.device))
-    # Any member works as the shift; which one scatter_ keeps for a repeated index is unspecified.
-    pivots = torch.zeros_like(rewards).scatter_(0, index, rewards)
+    # Shift by the group minimum: any member would do, but the min is order-independent, so the
+    # result is bitwise deterministic (scatter_ with repeated indices keeps an arbitrary one).
+    pivots = torch.zeros_like(rewards).scatter_reduce_(0, index, rewards, "amin",
+                                                       include_self=False)
     shifted = rewards - pivots[index]  # [n], exactly 0 in an all-equal group
     counts = _group_sum(torch.ones_like(rewards), index)  # [n], 0 past the last group
     means = _group_sum(shifted, index) / counts.clamp_min(1)
