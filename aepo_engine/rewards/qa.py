@@ -2,10 +2,9 @@
 
 The answer is taken from the response by :func:`~aepo_engine.rewards.text.extract_answer`:
 the last ``\\boxed{}`` if present, else the last ``<answer>...</answer>`` block, else the whole
-response. Neither takes options (an unknown option is a ``TypeError``, not ignored). There is
-no format penalty here; use ``deep_research`` for that. Both rewards take
-the best score over all references and report ``em`` and ``f1`` in ``details``;
-``correct`` is the exact match in both.
+response. Neither takes options (an unknown option is a ``TypeError``, not ignored), and there
+is no format penalty (use ``deep_research`` for that). Both take the best score over all
+references and report ``em`` and ``f1`` in ``details``; ``correct`` is the exact match in both.
 """
 from __future__ import annotations
 
