@@ -174,6 +174,14 @@ def test_config_rejects_bad_values_and_unknown_fields():
     assert RolloutConfig(k=1).global_samples_without_monitoring == 1
 
 
+def test_config_has_help_for_every_field_and_round_trips():
+    from aepo_engine.config_loader import check_config_class, dump_config, loads_config
+
+    assert check_config_class(RolloutConfig) == []
+    config = RolloutConfig(k=8, branch_alpha_mode="constant", fixed_global_samples=3)
+    assert loads_config(RolloutConfig, dump_config(config)) == config
+
+
 # ---------------------------------------------------------------------------------------------
 # Budget and grouping
 

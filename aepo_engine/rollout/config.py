@@ -1,8 +1,8 @@
 """Configuration of the entropy-balanced rollout (spec §1): one frozen struct, one source of truth.
 
-Every field carries its help text as the comment above it. Defaults follow the reference scripts
-(spec §3) where they exist. ``__post_init__`` rejects values and combinations that cannot work and
-says why. Load from a file / override from the command line with ``msgspec.convert`` on a dict.
+Every field's help text is in the ``Attributes:`` block (``aepo_engine.config_loader`` reads it for
+``--help`` and TOML dumps). Defaults follow the reference scripts (spec §3) where they exist.
+``__post_init__`` rejects values and combinations that cannot work and says why.
 """
 from __future__ import annotations
 
@@ -12,52 +12,57 @@ import msgspec
 
 
 class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Knobs of :class:`aepo_engine.rollout.scheduler.EntropyBalancedRollout`."""
+    """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, spec §1).
 
-    # Trajectories per prompt (the GRPO group size). The rollout returns exactly k per prompt.
+    Attributes:
+        k: Trajectories per prompt (the GRPO group size); the rollout returns exactly k per prompt.
+        pre_monitoring: Entropy pre-monitoring (spec §1a): one probe trajectory per prompt sets the
+            number m of global samples from H_root and H_tool. Off: m = fixed_global_samples.
+            Ignored (m = k, no probe) when branching is off, since m then trades against nothing.
+        beta: Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
+        reuse_probe_as_sample: Keep the probe as one of the m global samples (it is a valid
+            on-policy sample); False throws it away like the reference code (one extra trajectory).
+        fixed_global_samples: Global samples per prompt when pre-monitoring is off; None means
+            max(1, k // 2), the reference scripts' fixed m = k/2.
+        n_entropy_tokens: n_e; a segment's entropy is the mean over its first n_e tokens.
+        branching: Branch at tool-call steps (spec §1c). Off: k independent samples (GRPO rollout).
+        branch_alpha_mode: Base term alpha of the branch probability: "random" draws alpha ~ U(0, 1)
+            per decision from a seeded generator (reference code); "constant" uses branch_alpha
+            (the paper's formula).
+        branch_alpha: alpha in "constant" mode. With tau = 0.5 and no penalty, 0.5 means "branch iff
+            the entropy after the tool result rose above the trajectory's initial entropy".
+        gamma: Weight of the entropy change dH = H_now - H_init in the branch probability.
+        tau: Branch threshold: a trajectory branches when P > tau.
+        penalty_slope: Consecutive-branch penalty Phat(l) = min(1, penalty_slope * l).
+        branch_penalty: Apply the consecutive-branch penalty (AEPO); False gives ARPO's rule.
+        max_response_tokens: Cap on response tokens (model and tool-result tokens) per trajectory.
+        max_tokens_per_segment: Cap on tokens generated in one segment (one backend call); a segment
+            that hits it ends the trajectory with finish reason "length".
+        max_tool_calls: Tool calls executed per trajectory; a further call ends it ("tool_limit").
+        temperature: Sampling temperature passed to the backend.
+        top_p: Nucleus sampling top-p passed to the backend.
+        seed: Root seed; every sampling seed and branch draw derives from (seed, step, prompt index,
+            trajectory id, ...), so the same seed reproduces the same rollouts.
+    """
+
     k: int = 12
-    # Entropy pre-monitoring (spec §1a): run one probe trajectory per prompt and derive the number
-    # m of global samples from H_root and H_tool. Off: m = fixed_global_samples. Ignored (m = k,
-    # no probe) when `branching` is off, because then m has nothing to trade against.
     pre_monitoring: bool = True
-    # Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
     beta: float = 0.5
-    # Keep the probe trajectory as one of the m global samples (it is a valid on-policy sample);
-    # False throws it away like the reference code (costs one extra trajectory per prompt).
     reuse_probe_as_sample: bool = True
-    # Global samples per prompt when pre-monitoring is off; None means max(1, k // 2) (the
-    # reference scripts' fixed m = k/2).
     fixed_global_samples: int | None = None
-    # n_e: entropies are measured as the mean over the first n_e tokens of a model segment.
     n_entropy_tokens: int = 20
-    # Branch at tool-call steps (spec §1c). Off: k independent samples (plain GRPO rollout).
     branching: bool = True
-    # Base term alpha of the branch probability: "random" draws alpha ~ U(0, 1) per decision from
-    # a seeded generator (reference code); "constant" uses `branch_alpha` (paper formula).
     branch_alpha_mode: Literal["random", "constant"] = "random"
-    # alpha for branch_alpha_mode="constant". With tau = 0.5 and no penalty, 0.5 means "branch iff
-    # the entropy after the tool result rose above the trajectory's initial entropy".
     branch_alpha: float = 0.5
-    # Weight of the entropy change dH = H_now - H_init in the branch probability.
     gamma: float = 0.2
-    # Branch threshold: branch when P > tau.
     tau: float = 0.5
-    # Consecutive-branch penalty Phat(l) = min(1, penalty_slope * l).
     penalty_slope: float = 0.05
-    # Apply the consecutive-branch penalty (AEPO). False gives ARPO's branching rule.
     branch_penalty: bool = True
-    # Cap on response tokens (model and tool-result tokens together) per trajectory.
     max_response_tokens: int = 6192
-    # Cap on tokens generated in one segment (one backend call); a segment that hits it ends the
-    # trajectory with finish reason "length".
     max_tokens_per_segment: int = 6192
-    # Tool calls executed per trajectory; a further call ends the trajectory ("tool_limit").
     max_tool_calls: int = 6
-    # Sampling temperature and nucleus top-p passed to the backend.
     temperature: float = 1.0
     top_p: float = 1.0
-    # Root seed: every sampling seed and every branching draw derives from (seed, step, prompt
-    # index, trajectory id, ...), so the same seed reproduces the same rollouts.
     seed: int = 0
 
     def __post_init__(self) -> None:
