@@ -10,9 +10,12 @@ the context arithmetic simple) and tool-specific knobs of user tools (pass those
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from aepo_engine.tools.base import Tool
 
 
 class SearchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -72,8 +75,11 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             uids no real user has). None keeps the engine's uid (no file-permission containment).
         uid_pool_size: how many sandbox uids, i.e. the most concurrent sandboxes.
         site_packages: let code import installed packages (numpy, sympy...); False runs a bare
-            ``python -I -S`` with the standard library only.
-        python_executable: interpreter to run; empty means the engine's own.
+            ``python -I -S`` with the standard library only. Note: with a sandbox uid the
+            engine's interpreter may be unreadable (e.g. under a 0700 /root) and a system
+            ``python3`` is used instead, with *its* packages.
+        python_executable: interpreter to run; empty means the engine's own when the sandbox
+            uid can execute it, else /usr/local/bin/python3 or /usr/bin/python3.
     """
 
     timeout_s: float = 10.0
@@ -133,7 +139,7 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"fit, got {self.result_max_chars}")
 
 
-def build_tools(cfg: ToolsConfig) -> dict:
+def build_tools(cfg: ToolsConfig) -> "dict[str, Tool]":
     """Instantiate the enabled tools.
 
     Args:

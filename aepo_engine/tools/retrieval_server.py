@@ -6,7 +6,7 @@
 ``POST /retrieve`` takes ``{"queries": [...], "topk": k}`` and answers ``{"result": [[{"document":
 {"id", "contents"}, "score"}, ...], ...]}``; ``GET /health`` answers ``{"status": "ok",
 "documents": N}``. Bad requests get HTTP 400 with ``{"error": "..."}``. On start it prints one
-line ``listening on http://HOST:PORT`` (``--port 0`` picks a free port).
+line ``listening on http://HOST:PORT (N documents)`` (``--port 0`` picks a free port).
 
 Deliberately left out: authentication and TLS (it binds to loopback by default; put a proxy in
 front before exposing it), dense retrievers, and request batching across clients.
