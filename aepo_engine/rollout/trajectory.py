@@ -61,7 +61,7 @@ def mean_head_entropy(entropies: Sequence[float], n_tokens: int) -> float:
     return float(sum(head) / len(head)) if head else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # a trajectory is a mutable record: identity, not field equality
 class Trajectory:
     """A prompt's sampled response with masks, log-probs, entropies and lineage.
 
