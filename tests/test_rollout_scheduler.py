@@ -302,7 +302,8 @@ def test_lineage_counters_are_per_lineage():
             parent = by_id[t.parent_id]
             # the child inherited parent's count + 1 at its branch point
             at = next(d for d in parent.decisions if d.tool_step == t.branch_tool_step)
-            check_lineage_rule(t, at.consecutive_branches + 1)
+            assert at.branched and t.inherited_branches == at.consecutive_branches + 1
+            check_lineage_rule(t, t.inherited_branches)
             assert t.decisions == [] or t.decisions[0].tool_step == t.branch_tool_step + 1
         else:
             check_lineage_rule(t, 0)

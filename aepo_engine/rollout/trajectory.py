@@ -81,7 +81,8 @@ class Trajectory:
     parent_id: int | None = None
     branch_tool_step: int | None = None  # tool results in the prefix copied from the parent
     branch_position: int | None = None   # len(response_ids) of the copied prefix
-    consecutive_branches: int = 0        # l: consecutive branching steps of this lineage
+    consecutive_branches: int = 0        # l: consecutive branching steps of this lineage (live)
+    inherited_branches: int | None = None  # l at birth for a branch (parent's count + 1)
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -153,6 +154,7 @@ class Trajectory:
             step=self.step, kind="branch", parent_id=self.traj_id,
             branch_tool_step=n_tool, branch_position=cut,
             consecutive_branches=self.consecutive_branches,
+            inherited_branches=self.consecutive_branches,
             response_ids=self.response_ids[:cut], loss_mask=self.loss_mask[:cut],
             logprobs=self.logprobs[:cut], entropies=self.entropies[:cut],
             segments=list(prefix), segment_entropies=self.segment_entropies[:n_model],
@@ -210,8 +212,8 @@ def print_rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int) ->
 def _describe(traj: Trajectory) -> str:
     where = ""
     if traj.kind == "branch":
-        where = f" from t{traj.parent_id} after tool {traj.branch_tool_step}, " \
-                f"l={traj.consecutive_branches}"
+        where = (f" from t{traj.parent_id} after tool {traj.branch_tool_step}, "
+                 f"born with l={traj.inherited_branches}")
     h_init = "-" if traj.h_init is None else f"{traj.h_init:.3f}"
     return (f"t{traj.traj_id} [{traj.kind}{where}] {len(traj.response_ids)} tokens "
             f"({sum(traj.loss_mask)} model), {traj.tool_calls} tool calls, "
