@@ -363,6 +363,12 @@ class EntropyBalancedRollout:
 
     def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
                    ) -> dict[str, Any]:
+        """``last_stats``: per prompt ``m``, ``h_root``, ``h_tool`` (None without pre-monitoring);
+        branching ``branches``, ``branch_decisions``, ``branch_budget_blocked`` (P > tau, no budget),
+        ``mean_branch_probability`` (None without decisions); tool ``tool_calls_executed``,
+        ``tool_errors``, ``malformed_calls``; ``finish_reasons`` and ``kinds`` of the returned
+        trajectories; cost ``tokens_generated`` (all sampled tokens, discarded probes included),
+        ``tool_tokens``, ``rounds``; ``fresh_global_samples``, ``discarded_probes``."""
         probs = [d.probability for d in stats.decisions]
         return {
             "m": [s.m for s in states],
