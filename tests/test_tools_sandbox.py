@@ -8,6 +8,7 @@ is what makes RLIMIT_NPROC and write denial work), the network/PID containment n
 import os
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,16 +98,30 @@ def test_environment_secret_is_not_visible(python_tool, monkeypatch):
     result = python_tool(code)
     assert result.ok
     assert secret not in result.text and "AEPO_TEST_SECRET" not in result.text
-    assert "['HOME', 'LANG', 'PATH', 'TMPDIR']" in result.text
+    assert result.text.startswith("['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', "
+                                  "'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']\n")
 
 
-def test_workdir_is_fresh_and_removed():
-    config = PythonConfig(**FAST)
-    outcome = run_python("import os\nopen('left.txt', 'w').write('x')\nprint(os.getcwd())",
-                         config)
-    workdir = outcome.stdout.strip()
+@pytest.mark.parametrize("run_as_uid", [61_000, None])
+def test_workdir_is_fresh_and_removed(run_as_uid):
+    # chmod 000 on a sub-directory must not leave the work dir behind
+    code = ("import os\nos.makedirs('d/e')\nopen('d/e/f.txt', 'w').write('x')\n"
+            "os.chmod('d/e', 0)\nos.chmod('d', 0)\nprint(os.getcwd(), os.listdir('.'))")
+    outcome = run_python(code, PythonConfig(run_as_uid=run_as_uid, **FAST))
+    workdir, listing = outcome.stdout.split(" ", 1)
     assert outcome.returncode == 0 and Path(workdir).name.startswith("aepo_py_")
+    assert listing.strip() == "['main.py', 'd']" or listing.strip() == "['d', 'main.py']"
     assert not Path(workdir).exists()
+
+
+@needs_root
+def test_concurrent_runs_get_distinct_uids():
+    config = PythonConfig(**FAST)
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda _: run_python("import time; time.sleep(0.3)", config),
+                                 range(4)))
+    assert all(o.returncode == 0 for o in outcomes)
+    assert len({o.uid for o in outcomes}) == 4
 
 
 @needs_root

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from aepo_engine.tools import build_tool
-from aepo_engine.tools.search import (CacheBackend, CorpusBackend, HttpBackend, SearchBackendError,
-                                      format_pages, split_pages)
+import msgspec
+
+from aepo_engine.tools.search import (CacheBackend, CorpusBackend, HttpBackend, RetrieveResponse,
+                                      SearchBackendError, format_pages, split_pages)
 
 CACHE = {
     "capital of France": "Page 1: Paris is the capital and largest city of France.\n"
@@ -195,3 +197,13 @@ def test_http_timeout_is_a_clean_error():
         result = tool("anything")
     assert not result.ok and "timed out" in result.error
     assert time.monotonic() - start < 5
+
+
+def test_response_schema_accepts_search_r1_documents():
+    # Search-R1 servers may send integer ids and extra document fields; scores are required.
+    raw = b'{"result": [[{"document": {"id": 7, "contents": "c", "title": "t"}, "score": 1.5}]]}'
+    hit = msgspec.json.decode(raw, type=RetrieveResponse).result[0][0]
+    assert (hit.document.id, hit.document.contents, hit.score) == (7, "c", 1.5)
+    with pytest.raises(msgspec.ValidationError, match="score"):
+        msgspec.json.decode(b'{"result": [[{"document": {"id": 1, "contents": "c"}}]]}',
+                            type=RetrieveResponse)

@@ -49,7 +49,10 @@ class RetrievalHandler(BaseHTTPRequestHandler):
         topk = request.topk or self.server.default_topk
         if not 1 <= topk <= MAX_TOPK:
             return self._send(400, {"error": f"topk must be in 1..{MAX_TOPK}, got {topk}"})
-        hits = [self.server.backend.retrieve(q, topk) for q in request.queries]
+        try:
+            hits = [self.server.backend.retrieve(q, topk) for q in request.queries]
+        except Exception as exc:  # noqa: BLE001 - answer the client instead of dropping it
+            return self._send(500, {"error": f"retrieval failed: {type(exc).__name__}: {exc}"})
         self._send(200, RetrieveResponse(result=hits))
 
     def _send(self, status: int, payload: object) -> None:

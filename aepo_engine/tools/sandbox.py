@@ -4,8 +4,8 @@ What every run gets:
 - a fresh private working directory (mode 0700), deleted afterwards; the code is ``main.py`` in it;
 - an isolated interpreter: ``python -I -S -B`` (no user site, no PYTHON* variables, no
   site-packages unless ``site_packages``; cwd not on ``sys.path``);
-- a scrubbed environment: PATH, HOME/TMPDIR (the work dir) and LANG only - nothing of the
-  engine's environment (API keys, tokens) reaches the code;
+- a scrubbed environment: PATH, HOME/TMPDIR (the work dir), LANG and single-thread BLAS/OpenMP
+  settings only - nothing of the engine's environment (API keys, tokens) reaches the code;
 - resource limits set in the child before the code runs: CPU seconds, address space, file size,
   open files, processes (RLIMIT_NPROC), no core dumps; plus ``no_new_privs`` so set-uid binaries
   cannot raise privileges;
@@ -292,7 +292,26 @@ def _command(config: PythonConfig, isolation: str, uid: int | None) -> list[str]
 
 
 def _environment(workdir: str) -> dict[str, str]:
-    return {"PATH": SAFE_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    # One BLAS/OpenMP thread: threads count against RLIMIT_NPROC and a 64-core machine would
+    # otherwise make ``import numpy`` fail under the default nproc.
+    single_thread = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                            "MKL_NUM_THREADS")}
+    return {"PATH": SAFE_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            **single_thread}
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the work dir even when the code made parts of it unreadable (chmod 000)."""
+
+    def make_writable_and_retry(function, failed_path, _exc_info) -> None:
+        try:
+            os.chmod(os.path.dirname(failed_path), 0o700)
+            os.chmod(failed_path, 0o700)
+            function(failed_path)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=make_writable_and_retry)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -362,7 +381,7 @@ def run_python(code: str, config: PythonConfig) -> SandboxOutcome:
         if uid is not None:
             kill_uid_processes(uid)
             remove_uid_files(uid)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove_tree(workdir)
         if lease:
             lease.release()
 

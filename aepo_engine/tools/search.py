@@ -2,8 +2,8 @@
 
 - ``CacheBackend``: the reference offline cache (JSON object query -> ``"Page 1: ...\\nPage 2:
   ..."``). A query that matches a key after normalization (case, whitespace, surrounding quotes,
-  a leading ``"search query:"``) returns that entry's pages; a miss returns the ``topk`` cached
-  pages that BM25 ranks best for the query.
+  a leading ``"search query:"``) returns that entry's text verbatim; a miss returns the ``topk``
+  cached pages that BM25 ranks best for the query.
 - ``CorpusBackend``: BM25 over a local JSONL corpus of ``{"id", "contents"}`` passages.
 - ``HttpBackend``: a client for a Search-R1-style retrieval server (schema below), served
   locally by ``python -m aepo_engine.tools.retrieval_server``.
@@ -13,9 +13,11 @@ found); the tool cuts it to ``max_result_chars``.
 
 Retrieval HTTP schema (JSON, ``POST /retrieve``)::
 
-    request:  {"queries": ["q1", ...], "topk": 3}            topk optional (server default)
+    request:  {"queries": ["q1", ...], "topk": 3, "return_scores": true}
+              topk optional (server default); return_scores for Search-R1 servers, always true
     response: {"result": [[{"document": {"id": "7", "contents": "..."}, "score": 12.5}, ...],
-                          ...]}                               one list per query, best first
+                          ...]}      one list per query, best first; id a string or an integer;
+                                     extra document fields are ignored
     error:    HTTP 4xx/5xx with {"error": "message"}
 
 Deliberately left out: live web search (needs keys and network; plug it in as another
@@ -44,7 +46,7 @@ from aepo_engine.tools.config import SearchConfig
 class Document(msgspec.Struct, forbid_unknown_fields=False):
     """A retrieved passage. Extra fields (title, url...) are allowed and ignored."""
 
-    id: str
+    id: str | int
     contents: str
 
 
@@ -56,10 +58,13 @@ class Hit(msgspec.Struct):
 
 
 class RetrieveRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of ``POST /retrieve``. ``topk`` None means the server's default."""
+    """Body of ``POST /retrieve``. ``topk`` None means the server's default. ``return_scores``
+    is sent so that a Search-R1 server answers with the ``{"document", "score"}`` form; the
+    local server always returns scores."""
 
     queries: list[str]
     topk: int | None = None
+    return_scores: bool = True
 
 
 class RetrieveResponse(msgspec.Struct):
