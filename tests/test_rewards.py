@@ -323,3 +323,13 @@ def test_eval_answer_lists_as_list_and_json(name):
         response = f"<answer>\\boxed{{{answers[-1]}}}</answer>"
         for gt in (answers, json.dumps(answers)):
             assert get_reward("qa_em")(response, gt).correct, (answers, gt)
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["math500", "gsm8k", "aime24", "aime25"])
+def test_math_eval_answers_match_themselves(name):
+    # gsm8k answers are full solutions ending in "#### 18"; aime25 answers are ints.
+    for line in (DATA / "eval" / name / "test.jsonl").read_text().splitlines():
+        answer = json.loads(line)["answer"]
+        final = str(answer).rsplit("####", 1)[-1].strip()
+        assert get_reward("math")(f"\\boxed{{{final}}}", answer).correct, answer
