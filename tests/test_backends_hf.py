@@ -1,0 +1,144 @@
+"""HFBackend on a tiny Qwen3: finish reasons, exact logprobs/entropies, seeds, batching, weight push."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from aepo_engine.models import build_tiny_qwen3
+from aepo_engine.rollout.backends.hf import HFBackend, sampling_logprobs
+from aepo_engine.rollout.protocol import GenRequest
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen3(tmp_path_factory.mktemp("hf") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    return HFBackend(model_dir, max_batch_size=8)
+
+
+def _prompt(tok, text: str) -> tuple[int, ...]:
+    msgs = [{"role": "user", "content": text}]
+    return tuple(tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"])
+
+
+def _recompute(model, prompt, tokens, temperature, top_p=1.0):
+    """Sampling-distribution log-probs [T, V] from one full forward pass (no cache, no padding)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.stack([sampling_logprobs(row, temperature, top_p) for row in logits])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
+def test_logprobs_and_entropy_match_full_forward(backend, temperature, top_p):
+    tok = backend.tokenizer
+    prompts = [_prompt(tok, t) for t in ("hello", "a much longer question about France and Paris?", "x")]
+    reqs = [GenRequest(p, 20, seed=i, temperature=temperature, top_p=top_p) for i, p in enumerate(prompts)]
+    for req, out in zip(reqs, backend.generate(reqs)):
+        logp = _recompute(backend.model, req.prompt_ids, out.token_ids, temperature, top_p)  # [T, V]
+        picked = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=1e-4, rtol=0)
+        entropy = -(logp.exp() * logp.clamp(min=-1e30)).sum(-1)
+        torch.testing.assert_close(torch.tensor(out.entropies), entropy, atol=1e-4, rtol=0)
+        assert torch.isfinite(picked).all()  # every sampled token lies inside the nucleus
+        if top_p < 1:  # truncation removes mass: entropy below the untruncated one
+            full = _recompute(backend.model, req.prompt_ids, out.token_ids, temperature)
+            assert bool((entropy <= -(full.exp() * full).sum(-1) + 1e-5).all())
+
+
+def test_length_and_determinism_and_batch_invariance(backend):
+    tok = backend.tokenizer
+    prompts = [_prompt(tok, t) for t in ("one", "two words here", "three is a longer prompt than the others")]
+    reqs = [GenRequest(p, 16, seed=100 + i) for i, p in enumerate(prompts)]
+    batched = backend.generate(reqs)
+    again = backend.generate(reqs)
+    alone = [backend.generate([r])[0] for r in reqs]
+    for a, b, c in zip(batched, again, alone):
+        assert a.token_ids == b.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+        if a.finish_reason == "length":
+            assert len(a.token_ids) == 16
+    assert any(o.finish_reason == "length" for o in batched)
+    other_seed = backend.generate([GenRequest(prompts[0], 16, seed=999)])[0]
+    assert other_seed.token_ids != batched[0].token_ids
+    # max_batch_size=2 splits the same requests into two forward batches: same tokens
+    small = HFBackend(backend.model, backend.tokenizer, max_batch_size=2).generate(reqs)
+    assert [o.token_ids for o in small] == [o.token_ids for o in batched]
+
+
+def test_stop_string_ends_generation_and_is_included(backend):
+    tok = backend.tokenizer
+    req = GenRequest(_prompt(tok, "search something"), 40, seed=5)
+    full = backend.generate([req])[0]
+    stop = tok.decode(full.token_ids[6:8])  # a string the same seed is known to produce
+    out = backend.generate([GenRequest(req.prompt_ids, 40, ("never-appears", stop), seed=5)])[0]
+    assert out.finish_reason == "stop" and out.stop_string == stop
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) <= 8
+    assert tok.decode(out.token_ids).endswith(stop) or stop in tok.decode(out.token_ids[-2:])
+
+
+def test_tag_stop_string(backend):
+    """An agent tag as the stop string (one added token): find a seed whose sample contains a tag."""
+    from aepo_engine.models import AGENT_TAGS
+
+    tok = backend.tokenizer
+    tag_ids = {tok.convert_tokens_to_ids(t): t for t in AGENT_TAGS}
+    prompt = _prompt(tok, "go")
+    for seed in range(40):
+        full = backend.generate([GenRequest(prompt, 40, seed=seed)])[0]
+        hits = [i for i, t in enumerate(full.token_ids) if t in tag_ids]
+        if hits and full.finish_reason == "length":
+            break
+    else:
+        pytest.fail("no sample with a tag in 40 seeds")
+    tag = tag_ids[full.token_ids[hits[0]]]
+    out = backend.generate([GenRequest(prompt, 40, (tag,), seed=seed)])[0]
+    assert out.finish_reason == "stop" and out.stop_string == tag
+    assert out.token_ids == full.token_ids[: hits[0] + 1] and out.text.endswith(tag)
+
+
+def test_eos(model_dir):
+    """A second EOS id (as real checkpoints have) taken from a known sample ends generation there."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    req = GenRequest(_prompt(tok, "hi"), 20, seed=3)
+    full = HFBackend(model, tok).generate([req])[0]
+    extra_eos = full.token_ids[4]
+    model.generation_config.eos_token_id = [tok.eos_token_id, extra_eos]
+    backend = HFBackend(model, tok)
+    assert set(backend.eos_token_ids) == {tok.eos_token_id, extra_eos}
+    out = backend.generate([req])[0]
+    assert out.finish_reason == "eos" and out.token_ids[-1] == extra_eos
+    assert out.token_ids == full.token_ids[: full.token_ids.index(extra_eos) + 1]
+
+
+def test_update_weights_changes_outputs(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    backend = HFBackend(model_dir)
+    reqs = [GenRequest(_prompt(tok, "hello"), 12, seed=s) for s in range(3)]
+    before = backend.generate(reqs)
+    gen = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in backend.model.state_dict().items()}
+    backend.update_weights(new)
+    after = backend.generate(reqs)
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    logp = _recompute(backend.model, reqs[0].prompt_ids, after[0].token_ids, 1.0)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir)
+    ref.load_state_dict(new)
+    torch.testing.assert_close(logp, _recompute(ref, reqs[0].prompt_ids, after[0].token_ids, 1.0), atol=1e-5, rtol=0)
+    with pytest.raises(KeyError):
+        backend.update_weights({"not.a.param": torch.zeros(1)})
+
+
+def test_greedy_and_zero_budget(backend):
+    tok = backend.tokenizer
+    p = _prompt(tok, "greedy")
+    a, b = backend.generate([GenRequest(p, 8, seed=1, temperature=0), GenRequest(p, 8, seed=2, temperature=0)])
+    assert a.token_ids == b.token_ids
+    logp = _recompute(backend.model, p, a.token_ids, 1.0)
+    assert a.token_ids == logp.argmax(-1).tolist()
+    empty = backend.generate([GenRequest(p, 0)])[0]
+    assert empty.token_ids == [] and empty.finish_reason == "length"
