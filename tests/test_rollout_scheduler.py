@@ -497,3 +497,77 @@ def test_rollout_tree_lists_every_trajectory_under_its_parent():
     indent = lambda s: len(s) - len(s.lstrip())  # noqa: E731
     assert indent(line) == indent(parent_line) + 2
     assert not math.isnan(scheduler.last_stats["mean_branch_probability"])
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: a tiny trained Qwen3 through the HF backend, with the real ToolRunner
+
+E2E_TEXTS = [
+    "Q: <search>cat</search> <result>\nfound cat\n</result> <search>dog</search> <result>\n"
+    "found dog\n</result> <answer>cat</answer>",
+    "Q: <search>sun</search> <result>\nfound sun\n</result> <answer>sun</answer>",
+]
+
+
+class FoundTool(Tool):
+    name = "search"
+
+    def __call__(self, payload: str) -> ToolResult:
+        return ToolResult(f"found {payload}", ok=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """(model, tokenizer) of a 1-layer Qwen3 trained for 40 steps to call <search>."""
+    pytest.importorskip("aepo_engine.rollout.backends.hf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aepo_engine.models import build_tiny_qwen3
+
+    path = build_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "m", texts=E2E_TEXTS,
+                            train_steps=40, seed=0, hidden_size=64, num_layers=1, head_dim=32,
+                            num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=300)
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def test_end_to_end_hf_backend_token_in_token_out(tiny_hf):
+    import torch
+
+    from aepo_engine.rollout.backends.hf import HFBackend
+
+    model, tok = tiny_hf
+    config = dict(k=4, n_entropy_tokens=4, max_response_tokens=60, max_tokens_per_segment=24,
+                  max_tool_calls=3, seed=1, temperature=0.9)
+    prompts = [tok("Q:")["input_ids"], tok("Q: ")["input_ids"]]
+
+    def run():
+        with ToolRunner({"search": FoundTool()}, max_workers=2) as runner:
+            scheduler = EntropyBalancedRollout(HFBackend(model, tok), runner,
+                                               RolloutConfig(**config))
+            return scheduler.rollout(prompts, step=0), scheduler.last_stats
+
+    trajs, stats = run()
+    assert [len(g) for g in by_prompt(trajs).values()] == [4, 4]
+    assert stats["tool_calls_executed"] > 0 and all(t.done for t in trajs)
+    for t in trajs:
+        assert len(t.response_ids) <= 60
+        for seg in t.segments:
+            if seg.kind == "tool":
+                text = tok.decode(t.response_ids[seg.start:seg.end])
+                assert text.startswith(" <result>\nfound ") and text.endswith("\n</result>")
+        # Teacher-forced recomputation over prompt + response must reproduce the sampling
+        # log-probs and entropies at every model token: the context the model saw is exactly
+        # the stored token sequence (tool results included), nothing was re-tokenized.
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1:-1]  # [R, V]
+        logp = torch.log_softmax(logits.float() / config["temperature"], dim=-1)
+        token_logp = logp.gather(-1, torch.tensor(t.response_ids)[:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        model_pos = torch.tensor(t.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(token_logp[model_pos], torch.tensor(t.logprobs)[model_pos],
+                                   atol=1e-3, rtol=0)
+        torch.testing.assert_close(entropy[model_pos], torch.tensor(t.entropies)[model_pos],
+                                   atol=1e-3, rtol=0)
+    again, _ = run()
+    assert signature(again) == signature(trajs)
