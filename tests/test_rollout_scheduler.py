@@ -8,7 +8,6 @@ max_new_tokens like a real one and returns seed-dependent log-probs. Tool runner
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import msgspec

@@ -67,7 +67,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
 
     def __post_init__(self) -> None:
         _check(self.k >= 1, f"k must be >= 1 because each prompt needs a group, got {self.k}")
-        _check(self.beta >= 0, f"beta must be >= 0 so higher H_root never lowers m, got {self.beta}")
+        _check(self.beta >= 0,
+               f"beta must be >= 0 so a higher H_root never lowers m, got {self.beta}")
         if self.fixed_global_samples is not None:
             _check(1 <= self.fixed_global_samples <= self.k,
                    f"fixed_global_samples must be in [1, k={self.k}] because global samples are "

@@ -5,11 +5,12 @@ Per prompt:
 
 1. Pre-monitoring (§1a). One probe trajectory runs to completion with real tool calls.
    H_root = mean entropy of the first n_e tokens of its first segment (they are n_e tokens sampled
-   from the bare prompt, so no separate call is needed); H_tool = mean over its segments that
-   follow a tool result of the same head-entropy measure. A probe that made no tool call gives no
-   evidence about post-tool uncertainty: we set H_tool = H_root, i.e. the neutral
-   m = floor(k / 2) + 1, close to the reference scripts' fixed m = k / 2 (unused branch budget is
-   refilled with global samples anyway, so nothing is wasted). Then
+   from the bare prompt, so no separate call is needed; a first segment shorter than n_e, e.g. an
+   early tool call, averages what it has); H_tool = mean over its segments that follow a tool
+   result of the same head-entropy measure, each segment weighted equally. A probe that made no
+   tool call gives no evidence about post-tool uncertainty: we set H_tool = H_root, i.e. the
+   neutral m = floor(k / 2) + 1, close to the reference scripts' fixed m = k / 2 (unused branch
+   budget is refilled with global samples anyway, so nothing is wasted). Then
    m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
    reused probe counts as one of them, and its branch decisions are taken once m is known, with
    the same rule and the same seeded draws as online decisions (it could not branch earlier: the
@@ -29,7 +30,8 @@ Per prompt:
    result, taken by the trajectory that received it (a child never re-decides the inherited one).
    Lineage counter l: the number of consecutive decisions along this trajectory's own history
    that branched. A branch sets l <- l + 1 for the parent and the child (the branch is part of
-   both histories); a decision that does not branch resets l to 0. Two lineages never share l.
+   both histories); a decision that does not branch (P <= tau, or no budget left) resets l to 0.
+   Two lineages never share l.
    H_init is the trajectory's own first-segment entropy from this rollout call, never stored
    across steps.
 4. Budget: at most k trajectories per prompt. A prompt whose trajectories have all ended with
@@ -78,7 +80,7 @@ def global_sample_count(k: int, beta: float, h_root: float, h_tool: float) -> in
 
 def branch_probability(alpha: float, gamma: float, delta_h: float, consecutive_branches: int,
                        penalty_slope: float, penalty: bool = True) -> float:
-    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l))  (spec §1c; penalty off: ARPO)."""
+    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l))  (spec §1c); no penalty: ARPO."""
     phat = min(1.0, penalty_slope * consecutive_branches) if penalty else 0.0
     return (alpha + gamma * delta_h) * (1.0 - phat)
 
@@ -115,7 +117,9 @@ class _PromptState:
         return self.next_id - 1
 
     def running(self) -> list[Trajectory]:
-        pool = self.members + ([self.probe] if self.probe and self.probe not in self.members else [])
+        pool = list(self.members)
+        if self.probe is not None and self.probe not in pool:
+            pool.append(self.probe)
         return [t for t in pool if not t.done]
 
 
@@ -312,7 +316,8 @@ class EntropyBalancedRollout:
     def _run_tools(self, calls: list[ToolCall], callers: list[Trajectory], stats: _Stats) -> None:
         results = self.tool_runner.run(calls)
         if len(results) != len(calls):
-            raise RuntimeError(f"tool runner returned {len(results)} results for {len(calls)} calls")
+            raise RuntimeError(f"tool runner returned {len(results)} results for "
+                               f"{len(calls)} calls")
         for traj, result in zip(callers, results):
             remaining = self.config.max_response_tokens - len(traj.response_ids)
             ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
@@ -363,12 +368,15 @@ class EntropyBalancedRollout:
 
     def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
                    ) -> dict[str, Any]:
-        """``last_stats``: per prompt ``m``, ``h_root``, ``h_tool`` (None without pre-monitoring);
-        branching ``branches``, ``branch_decisions``, ``branch_budget_blocked`` (P > tau, no budget),
-        ``mean_branch_probability`` (None without decisions); tool ``tool_calls_executed``,
+        """Build ``last_stats``.
+
+        Keys: per prompt ``m``, ``h_root``, ``h_tool`` (None without pre-monitoring); branching
+        ``branches``, ``branch_decisions``, ``branch_budget_blocked`` (P > tau but no budget),
+        ``mean_branch_probability`` (None without decisions); tools ``tool_calls_executed``,
         ``tool_errors``, ``malformed_calls``; ``finish_reasons`` and ``kinds`` of the returned
         trajectories; cost ``tokens_generated`` (all sampled tokens, discarded probes included),
-        ``tool_tokens``, ``rounds``; ``fresh_global_samples``, ``discarded_probes``."""
+        ``tool_tokens``, ``rounds``; ``fresh_global_samples``, ``discarded_probes``.
+        """
         probs = [d.probability for d in stats.decisions]
         return {
             "m": [s.m for s in states],
