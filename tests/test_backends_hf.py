@@ -104,8 +104,8 @@ def test_eos(model_dir):
     """A second EOS id (as real checkpoints have) taken from a known sample ends generation there."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    req = GenRequest(_prompt(tok, "hi"), 20, seed=3)
-    full = HFBackend(model, tok).generate([req])[0]
+    reqs = [GenRequest(_prompt(tok, "hi"), 20, seed=s) for s in range(8)]
+    full, req = next((o, r) for o, r in zip(HFBackend(model, tok).generate(reqs), reqs) if o.finish_reason == "length")
     extra_eos = full.token_ids[4]
     model.generation_config.eos_token_id = [tok.eos_token_id, extra_eos]
     backend = HFBackend(model, tok)
