@@ -27,6 +27,23 @@ from the Google-style ``Attributes:`` block of the struct's docstring::
         lr: float = 1e-6
         warmup_steps: int = 0
 
+A top-level config composes the sections as fields with default factories; the driver then does::
+
+    class TrainConfig(msgspec.Struct, kw_only=True):
+        """AEPO training run.
+
+        Attributes:
+            seed: Global seed.
+            data: Data sources and parsing.
+            optim: Optimizer and schedule.
+        """
+        seed: int = 0
+        data: DataConfig = msgspec.field(default_factory=DataConfig)
+        optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+    cfg = parse_args(TrainConfig)   # --config run.toml --optim.lr=2e-6 --data.train_files=a.parquet
+    print(dump_config(cfg))         # and save the same text with every checkpoint
+
 Deliberately left out: environment-variable overrides (a file plus the command line is one source of
 truth), and ``None`` in files: TOML has no null, so a field whose value is None is dumped as a comment
 and left to its default on load. An Optional field must therefore default to None for dumps to round
@@ -563,8 +580,8 @@ def parse_args(
     if "-h" in argv or "--help" in argv:
         print(format_help(cls, prog))
         raise SystemExit(0)
-    files, rest = _pop_config_files(argv)
     try:
+        files, rest = _pop_config_files(argv)
         return load_config(cls, path=files, overrides=rest)
     except ConfigError as err:
         if not exit_on_error:
