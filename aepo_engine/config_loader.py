@@ -30,13 +30,13 @@ from the Google-style ``Attributes:`` block of the struct's docstring::
 A top-level config composes the sections as fields with default factories; the driver then does::
 
     class TrainConfig(msgspec.Struct, kw_only=True):
-        """AEPO training run.
+        \"\"\"AEPO training run.
 
         Attributes:
             seed: Global seed.
             data: Data sources and parsing.
             optim: Optimizer and schedule.
-        """
+        \"\"\"
         seed: int = 0
         data: DataConfig = msgspec.field(default_factory=DataConfig)
         optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
