@@ -2,7 +2,7 @@
 
 ``logits = hidden @ weight.T (+ bias)`` is computed block by block, ``[token_chunk, vocab_chunk]``
 at a time, and folded into per-token online-softmax statistics (see
-:func:`aepo_kernels.logprob_entropy.block_stats`). Forward keeps ``lse`` and ``Eu`` per token;
+:func:`aepo_kernels.logprob_entropy.chunk_stats`). Forward keeps ``lse`` and ``Eu`` per token;
 backward recomputes each logits block, forms its dlogits block with the same formula as the
 logits-level backward, and accumulates
     d hidden += dlogits_block @ weight_block          (fp32, [N, D] buffer)
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .logprob_entropy import _chunk_backward, accumulate_dtype, block_stats, finish_stats, merge_stats
+from .logprob_entropy import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, merge_stats
 
 
 def _mm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -50,11 +50,12 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
             in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
             for i0 in range(0, n_tokens, token_chunk):
                 rows = slice(i0, i0 + token_chunk)
-                u = _logits_block(hidden[rows], w, b, dtype).to(f32["dtype"]).mul_(inv_t)  # [tc, vc]
+                z = _logits_block(hidden[rows], w, b, dtype)  # [tc, vc]
                 hit = in_block[rows]
                 local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
-                target[rows] += torch.where(hit, u.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-                merged = merge_stats(tuple(x[rows] for x in stats), block_stats(u))
+                z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(target.dtype) * inv_t
+                target[rows] += torch.where(hit, z_target, 0.0)
+                merged = merge_stats(tuple(x[rows] for x in stats), fast_chunk_stats(z, inv_t))
                 for acc, value in zip(stats, merged):
                     acc[rows] = value
         lse, eu = finish_stats(*stats)
@@ -83,10 +84,8 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
                 rows = slice(i0, i0 + token_chunk)
                 h = hidden[rows]
                 z = _logits_block(h, w, b, dtype)
-                dz = _chunk_backward(z, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t)  # [tc, vc] fp32
-                hit = in_block[rows]
-                local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
-                dz.scatter_add_(-1, local.unsqueeze(-1), torch.where(hit, g_lp[rows] * inv_t, 0.0).unsqueeze(-1))
+                local = torch.where(in_block[rows], labels[rows] - v0, torch.full_like(labels[rows], -1))
+                dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t)  # [tc, vc] fp32
                 dz_mm = dz.to(dtype)
                 d_hidden[rows] += (dz_mm @ w.to(dtype)).to(acc["dtype"])
                 d_w += (dz_mm.T @ h.to(dtype)).to(acc["dtype"])

@@ -23,6 +23,7 @@ are all ``-inf`` (their lse is undefined).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -32,30 +33,38 @@ from .reference import logprob_entropy_reference
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 
-# Rows per CPU chunk are chosen so that one fp32 chunk holds about this many elements (8 MiB):
-# two such buffers stay in the L3 cache of a server CPU (bench/bench_logprob_entropy.py).
-_CPU_CHUNK_ELEMS = int(os.environ.get("AEPO_CPU_CHUNK_ELEMS", 1 << 21))
+# Rows per CPU chunk: about this many elements (16 MiB of fp32) per chunk, so the chunk's
+# temporaries stay small next to [N, V] (size measured in bench/bench_logprob_entropy.py).
+_CPU_CHUNK_ELEMS = int(os.environ.get("AEPO_CPU_CHUNK_ELEMS", 1 << 22))
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast CPU path: row chunks, fp32 math, in-place work on chunk-local buffers.
+# The fast CPU path: row chunks through two small functions that torch.compile (inductor) turns
+# into fused C++ loops; every [R, V] temporary is chunk-sized. Measured against eager chunked
+# code and against (compiled) naive code in bench/bench_logprob_entropy.py.
 
 
-def block_stats(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax statistics of a block ``u: [R, C]`` fp32, consumed (overwritten) in place.
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 math for fp32/bf16/fp16 inputs; fp64 inputs stay fp64 (for float64 gradchecks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    Returns ``(m, s, t)`` with m = max u, s = sum e^(u-m), t = sum e^(u-m) (u-m), each ``[R]``;
-    then lse = m + log s and Eu = m + t / s. :func:`merge_stats` combines blocks of one row.
+
+def chunk_stats(z: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax statistics of ``u = z * inv_t`` for a block ``z: [R, C]``.
+
+    Returns ``(m, s, t)``, each ``[R]``: m = max u, s = sum e^(u-m), t = sum e^(u-m) (u-m);
+    lse = m + log s and Eu = m + t / s (:func:`finish_stats`); :func:`merge_stats` combines
+    blocks of the same rows.
     """
+    u = z.to(accumulate_dtype(z.dtype)) * inv_t
     m = u.amax(-1, keepdim=True)
-    u.sub_(m)
-    e = u.exp()
-    s = e.sum(-1)
-    return m.squeeze(-1), s, e.mul_(u).sum(-1)
+    d = u - m
+    e = d.exp()
+    return m.squeeze(-1), e.sum(-1), (e * d).sum(-1)
 
 
 def merge_stats(a, b):
-    """Online-softmax merge of two ``(m, s, t)`` triples of the same rows (see block_stats)."""
+    """Online-softmax merge of two ``(m, s, t)`` triples of the same rows (see chunk_stats)."""
     (m_a, s_a, t_a), (m_b, s_b, t_b) = a, b
     m = torch.maximum(m_a, m_b)
     # where() guards the -inf starting value: its s is 0, so its shifted terms must vanish.
@@ -70,41 +79,63 @@ def finish_stats(m, s, t) -> tuple[torch.Tensor, torch.Tensor]:
     return m + s.log(), m + t / s
 
 
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 math for fp32/bf16/fp16 inputs; fp64 inputs stay fp64 (for float64 gradchecks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> torch.Tensor:
+    """dL/dz for a block ``z: [R, C]``: ``(g_lp (onehot - p) + g_H p (Eu - u)) / T``.
 
-
-def _chunk_forward(z: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """lse and Eu of ``u = z * inv_t`` for a chunk ``z: [R, V]``; both ``[R]`` fp32 (fp64 for fp64)."""
-    u = z.to(accumulate_dtype(z.dtype)) * inv_t  # the chunk's only [R, V] buffers: u and e
-    return finish_stats(*block_stats(u))
-
-
-def _chunk_backward(
-    z: torch.Tensor, lse: torch.Tensor, eu: torch.Tensor, g_lp: torch.Tensor, g_h: torch.Tensor, inv_t: float
-) -> torch.Tensor:
-    """``(g_H p (Eu - u) - g_lp p) / T`` for a chunk ``z: [R, V]``; the one-hot term is added by the caller."""
+    ``local_labels: [R]`` is the target's column inside this block, or -1 when it lies outside
+    (or the row has no target). Returns the fp32 (fp64 for fp64) block.
+    """
     u = z.to(accumulate_dtype(z.dtype)) * inv_t
-    p = (u - lse.unsqueeze(-1)).exp_()
-    # u <- (Eu - u) * g_H - g_lp, then times p and 1/T, all in place.
-    u.neg_().add_(eu.unsqueeze(-1)).mul_(g_h.unsqueeze(-1)).sub_(g_lp.unsqueeze(-1))
-    return u.mul_(p).mul_(inv_t)
+    p = (u - lse.unsqueeze(-1)).exp()
+    g_lp, g_h = g_lp.unsqueeze(-1), g_h.unsqueeze(-1)
+    grad = p * (g_h * (eu.unsqueeze(-1) - u) - g_lp)
+    hit = torch.arange(z.shape[-1], device=z.device) == local_labels.unsqueeze(-1)
+    return torch.where(hit, grad + g_lp, grad) * inv_t
 
 
-def _rows_per_chunk(vocab: int) -> int:
-    return max(1, _CPU_CHUNK_ELEMS // vocab)
+class _CompiledOrEager:
+    """``torch.compile(fn, dynamic=True)`` on first use; eager if compiling is off or fails.
+
+    ``AEPO_TORCH_COMPILE=0`` turns compiling off (e.g. where no C++ compiler is installed).
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn, self.impl = fn, None
+
+    def __call__(self, *args):
+        if self.impl is None:
+            self.impl = self.fn
+            if os.environ.get("AEPO_TORCH_COMPILE", "1") != "0":
+                compiled = torch.compile(self.fn, dynamic=True)
+                try:
+                    result = compiled(*args)
+                except Exception as exc:  # noqa: BLE001 -- any compiler failure means: run eager
+                    warnings.warn(f"aepo_kernels: torch.compile failed ({exc!r:.200}); using eager torch")
+                    return self.fn(*args)
+                self.impl = compiled
+                return result
+        return self.impl(*args)
+
+
+fast_chunk_stats = _CompiledOrEager(chunk_stats)
+fast_chunk_grad = _CompiledOrEager(chunk_grad)
+
+
+def _row_chunks(logits: torch.Tensor):
+    """Yields ``(b, slice)`` over ``[B, T, V]`` rows, a chunk of about _CPU_CHUNK_ELEMS elements."""
+    batch, seq, vocab = logits.shape
+    rows = max(1, _CPU_CHUNK_ELEMS // vocab)
+    for b in range(batch):
+        for t0 in range(0, seq, rows):
+            yield b, slice(t0, t0 + rows)
 
 
 def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int):
     """Returns ``(logp, H, lse, Eu)``, each ``[B, T]`` fp32 (fp64 for fp64 logits), for ``logits: [B, T, V]``."""
-    batch, seq, vocab = logits.shape
-    lse = torch.empty(batch, seq, dtype=accumulate_dtype(logits.dtype), device=logits.device)
+    lse = torch.empty(logits.shape[:2], dtype=accumulate_dtype(logits.dtype), device=logits.device)
     eu = torch.empty_like(lse)
-    rows = _rows_per_chunk(vocab)
-    for b in range(batch):
-        for t0 in range(0, seq, rows):
-            lse[b, t0 : t0 + rows], eu[b, t0 : t0 + rows] = _chunk_forward(logits[b, t0 : t0 + rows], inv_t)
+    for b, rows in _row_chunks(logits):
+        lse[b, rows], eu[b, rows] = finish_stats(*fast_chunk_stats(logits[b, rows], inv_t))
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(lse.dtype) * inv_t
@@ -114,18 +145,9 @@ def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, igno
 
 def torch_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out):
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
-    batch, seq, vocab = logits.shape
-    rows = _rows_per_chunk(vocab)
-    for b in range(batch):
-        for t0 in range(0, seq, rows):
-            sl = slice(t0, t0 + rows)
-            out[b, sl] = _chunk_backward(logits[b, sl], lse[b, sl], eu[b, sl], g_lp[b, sl], g_h[b, sl], inv_t)
-    valid = labels != ignore_index
-    safe = torch.where(valid, labels, torch.zeros_like(labels))
-    onehot_term = torch.where(valid, g_lp * inv_t, torch.zeros_like(g_lp)).unsqueeze(-1)
-    # out[b, t, y] += g_lp / T (rounded to out's dtype once, like every other entry).
-    current = out.gather(-1, safe.unsqueeze(-1)).to(g_lp.dtype)
-    out.scatter_(-1, safe.unsqueeze(-1), (current + onehot_term).to(out.dtype))
+    local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
+    for b, rows in _row_chunks(logits):
+        out[b, rows] = fast_chunk_grad(logits[b, rows], local[b, rows], lse[b, rows], eu[b, rows], g_lp[b, rows], g_h[b, rows], inv_t)
     return out
 
 
