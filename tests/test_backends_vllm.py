@@ -49,7 +49,7 @@ def _run_scenarios(model_dir: str) -> dict:
 
     report: dict = {}
     t0 = time.perf_counter()
-    backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20)
+    backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32")
     report["engine_start_s"] = time.perf_counter() - t0
     report["prefix_caching"] = backend.prefix_caching_enabled
     report["eos_token_ids"] = list(backend.eos_token_ids)
@@ -147,7 +147,8 @@ def test_logprobs_match_hf_and_entropy_bounds(run):
     model_dir, rep = run
     for prompt, out in zip(rep["prompts"], rep["plain"]):
         logp, entropy = _hf_recompute(model_dir, prompt, out["token_ids"], 0.8)
-        assert torch.allclose(torch.tensor(out["logprobs"]), logp, atol=2e-3), (out["logprobs"][:4], logp[:4])
+        # fp32 engine vs fp32 HF forward: only kernel-order rounding differs
+        torch.testing.assert_close(torch.tensor(out["logprobs"]), logp, atol=2e-4, rtol=0)
         lower, upper = torch.tensor(out["lower"]), torch.tensor(out["upper"])
         assert bool((lower <= entropy + 1e-3).all() and (entropy <= upper + 1e-3).all())
         # the midpoint estimate is within half the bound gap of the truth
@@ -178,7 +179,7 @@ def test_update_weights_takes_effect(run):
     new_weights = perturbed_state_dict(model_dir)
     prompt, out = rep["prompts"][0], rep["after_update"][0]
     logp, _ = _hf_recompute(model_dir, prompt, out["token_ids"], 0.8, state_dict=new_weights)
-    assert torch.allclose(torch.tensor(out["logprobs"]), logp, atol=2e-3)
+    torch.testing.assert_close(torch.tensor(out["logprobs"]), logp, atol=2e-4, rtol=0)
 
 
 if __name__ == "__main__":

