@@ -296,7 +296,8 @@ class CheckpointManager:
             step: the training step (names the directory).
             model: the model (plain or FSDP2-sharded).
             tokenizer: saved into hf_model/ with ``save_pretrained`` if given.
-            optimizer: its state is saved FQN-keyed (shard-wise under FSDP2).
+            optimizer: its state is saved FQN-keyed (shard-wise under FSDP2); left out while it has
+                no state (before its first step), so saving never changes it.
             scheduler: anything with ``state_dict``/``load_state_dict`` (an LR scheduler).
             extra_state: picklable dict restored as ``LoadedCheckpoint.extra_state`` (sampler state,
                 metrics, ...); rank 0's copy is kept.
@@ -323,7 +324,9 @@ class CheckpointManager:
         if _rank() == 0:
             tmp.mkdir(parents=True)
         _barrier()
-        state = self._state_template(model, optimizer)
+        # An optimizer that never stepped has no state; fetching its state dict would run torch's
+        # zero-gradient init step, advancing its step count, so it is left out (load then skips it).
+        state = self._state_template(model, optimizer if optimizer is not None and optimizer.state else None)
         state["trainer_state"] = _to_bytes({
             "format_version": FORMAT_VERSION, "step": step, "extra": extra_state or {},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -392,7 +395,7 @@ class CheckpointManager:
         Args:
             path: a step_XXXXXX directory.
             model: receives the weights.
-            optimizer: receives the optimizer state (skipped if None).
+            optimizer: receives the optimizer state (skipped if None, or if it had not stepped when saved).
             scheduler: receives the scheduler state (skipped if None).
             restore_rng: restore this rank's python/numpy/torch RNG states.
 
@@ -402,9 +405,12 @@ class CheckpointManager:
         path = Path(path)
         if not (path / "meta.json").is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+        saved = dcp.FileSystemReader(str(path / "train_state")).read_metadata().state_dict_metadata
+        if not any(key.startswith("optimizer.") for key in saved):
+            optimizer = None  # saved before the optimizer's first step: nothing to restore
         state = self._state_template(model, optimizer)
         state["trainer_state"] = b""
-        rng_key = self._rng_key(path)
+        rng_key = self._rng_key(path, saved)
         state[rng_key] = b""
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path / "train_state")
@@ -420,11 +426,11 @@ class CheckpointManager:
         return LoadedCheckpoint(path, trainer["step"], trainer["extra"],
                                 config.read_text(encoding="utf-8") if config.is_file() else None)
 
-    def _rng_key(self, path: Path) -> str:
+    @staticmethod
+    def _rng_key(path: Path, saved_keys: Any) -> str:
         """This rank's RNG entry; rank 0's when the run had fewer ranks (a warned approximation)."""
         key = f"rng/rank_{_rank()}"
-        keys = dcp.FileSystemReader(str(path / "train_state")).read_metadata().state_dict_metadata
-        if key in keys:
+        if key in saved_keys:
             return key
         warnings.warn(f"{path} has no RNG state for rank {_rank()} (saved with fewer ranks); using rank 0's")
         return "rng/rank_0"

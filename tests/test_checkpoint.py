@@ -110,6 +110,19 @@ def test_load_without_optimizer_and_without_rng(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_save_before_first_step_leaves_optimizer_untouched(tmp_path):
+    model = make_model()
+    optimizer, scheduler = make_optim(model)
+    manager = CheckpointManager(tmp_path)
+    manager.save(0, model, optimizer=optimizer, scheduler=scheduler)
+    assert not optimizer.state  # no zero-gradient init step was run on it
+    fresh = make_model(seed=8)
+    fresh_opt, fresh_sched = make_optim(fresh)
+    assert manager.load_latest(fresh, fresh_opt, fresh_sched).step == 0
+    assert not fresh_opt.state
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
 # --- resume settings ------------------------------------------------------------------------------
 
 def test_resume_auto_never_and_path(tmp_path):
