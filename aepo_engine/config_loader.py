@@ -51,8 +51,10 @@ trip; ``check_config_class`` flags any that do not (and any field without help).
 """
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import enum
+import functools
 import inspect
 import json
 import math
@@ -68,7 +70,9 @@ import msgspec
 
 __all__ = [
     "ConfigError",
+    "apply_overrides",
     "check_config_class",
+    "coerce",
     "dump_config",
     "field_help",
     "format_help",
@@ -121,9 +125,10 @@ def _section_class(tp: Any) -> type | None:
 
 def _is_dict_type(tp: Any) -> bool:
     tp = _strip(tp)
-    return tp is dict or typing.get_origin(tp) in (dict, Mapping, typing.Mapping)
+    return tp is dict or typing.get_origin(tp) in (dict, collections.abc.Mapping)
 
 
+@functools.lru_cache(maxsize=None)
 def _fields(cls: type) -> dict[str, msgspec.structs.FieldInfo]:
     """Map each field's key (its encode name) to its ``FieldInfo``."""
     return {f.encode_name: f for f in msgspec.structs.fields(cls)}
@@ -390,7 +395,7 @@ def coerce(text: str, tp: Any) -> Any:
                 problems.append(str(err))
         raise ValueError(f"{text!r} fits none of {_type_name(tp)} ({'; '.join(problems)})")
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (list, tuple, set, frozenset, Sequence, typing.Sequence) or tp in (list, tuple):
+    if origin in (list, tuple, set, frozenset, collections.abc.Sequence) or tp in (list, tuple):
         item_types = tuple(a for a in args if a is not Ellipsis) or (Any,)
         return _coerce_sequence(text, item_types if origin is tuple else item_types[:1])
     if _is_dict_type(tp):
