@@ -35,6 +35,7 @@ __all__ = [
     "BadRowError",
     "Example",
     "PromptSampler",
+    "RowProblem",
     "detect_format",
     "drop_long_prompts",
     "load_examples",
@@ -85,8 +86,8 @@ class BadRowError(ValueError):
         self.bad = bad
 
 
-class _RowProblem(ValueError):
-    """Internal: ``parse_row`` could not use a row; the message is the reason."""
+class RowProblem(ValueError):
+    """``parse_row`` could not use a row; the message is the reason (file and row are added by the caller)."""
 
 
 # --- reading sources ------------------------------------------------------------------------------
@@ -219,21 +220,21 @@ def _parse_messages(value: Any) -> list[dict[str, str]]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise _RowProblem("prompt is a string but not a JSON chat list") from err
+            raise RowProblem("prompt is a string but not a JSON chat list") from err
     if not isinstance(value, (list, tuple)) or not value:
-        raise _RowProblem(f"prompt must be a non-empty list of messages, got {type(value).__name__}")
+        raise RowProblem(f"prompt must be a non-empty list of messages, got {type(value).__name__}")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
-            raise _RowProblem(f"prompt message {i} must be {{role: str, content: str}}")
+            raise RowProblem(f"prompt message {i} must be {{role: str, content: str}}")
         messages.append({"role": message["role"], "content": message["content"]})
     return messages
 
 
 def _answer_item(item: Any) -> str:
     if isinstance(item, bool) or not isinstance(item, (str, int, float)):
-        raise _RowProblem(f"ground truth items must be strings or numbers, got {type(item).__name__}")
+        raise RowProblem(f"ground truth items must be strings or numbers, got {type(item).__name__}")
     return str(item)
 
 
@@ -248,7 +249,7 @@ def _parse_ground_truth(value: Any) -> list[str]:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     answers = [_answer_item(item) for item in items]
     if not answers or not all(a.strip() for a in answers):
-        raise _RowProblem("ground truth is empty")
+        raise RowProblem("ground truth is empty")
     return answers
 
 
@@ -260,11 +261,11 @@ def _question_from(row: dict[str, Any], cfg: DataConfig,
         user = [m["content"] for m in messages if m["role"] == "user"]
         value = user[-1] if user else _MISSING
     if value is _MISSING:
-        raise _RowProblem(f"no question: none of {cfg.question_keys} is present")
+        raise RowProblem(f"no question: none of {cfg.question_keys} is present")
     if not isinstance(value, str):
-        raise _RowProblem(f"question must be a string, got {type(value).__name__}")
+        raise RowProblem(f"question must be a string, got {type(value).__name__}")
     if not value.strip():
-        raise _RowProblem("empty question")
+        raise RowProblem("empty question")
     return key, value
 
 
@@ -282,18 +283,18 @@ def parse_row(row: dict[str, Any], cfg: DataConfig, source: str, row_number: int
         The Example.
 
     Raises:
-        _RowProblem: the row is unusable (the message says why).
+        RowProblem: the row is unusable (the message says why).
     """
     prompt = row.get(cfg.prompt_key)
     messages = None if prompt is None else _parse_messages(prompt)
     question_key, question = _question_from(row, cfg, messages)
     answer_key, answer = _first(row, cfg.answer_keys)
     if answer_key is None:
-        raise _RowProblem(f"no ground truth: none of {cfg.answer_keys} is present")
+        raise RowProblem(f"no ground truth: none of {cfg.answer_keys} is present")
     data_source = row.get("data_source")
-    # Columns consumed whole are left out of meta; nested ones (extra_info.question) keep their parent.
-    used = {cfg.prompt_key, "data_source", answer_key.split(".")[0]}
-    used |= {question_key} if question_key and "." not in question_key else set()
+    # Columns consumed whole are left out of meta; a nested key (reward_model.ground_truth) keeps its
+    # parent column, which may carry more (reward_model.style).
+    used = {cfg.prompt_key, "data_source"} | {k for k in (question_key, answer_key) if k and "." not in k}
     meta = {k: v for k, v in row.items() if k not in used and v is not None}
     return Example(
         index=index,
@@ -327,9 +328,9 @@ def _load_one(spec: str, cfg: DataConfig, first_index: int) -> tuple[list[Exampl
             break
         try:
             if isinstance(row, str):
-                raise _RowProblem(row)
+                raise RowProblem(row)
             examples.append(parse_row(row, cfg, spec, row_number, first_index + len(examples)))
-        except _RowProblem as err:
+        except RowProblem as err:
             problem = BadRow(spec, row_number, str(err))
             if cfg.bad_rows == "error":
                 raise BadRowError(problem) from None

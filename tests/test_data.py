@@ -57,6 +57,7 @@ def test_reference_parquet_schema_and_ground_truth_forms(tmp_path):
     assert first.data_source == "toy" and first.index == 0
     assert first.meta["row"] == 0 and first.meta["extra_info"]["split"] == "train"
     assert first.meta["ability"] == "qa" and "metadata" not in first.meta  # None columns dropped
+    assert first.meta["reward_model"]["style"] == "rule" and "prompt" not in first.meta
 
 
 def test_parquet_list_ground_truth_column(tmp_path):
