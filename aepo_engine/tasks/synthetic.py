@@ -1,30 +1,34 @@
 """A generated tool-use task small enough for a tiny model on two CPU cores.
 
-A seeded fictional world: people with short made-up names, each with two numbers (age, score),
-a colour, a home town and one friend (another person). Every person is one short document of a
-JSONL corpus ``{"id", "contents"}``; the name is written twice (title line + sentence), so a
-BM25 query that is just the name ranks the person's own document above the documents that only
-mention them as a friend.
+A seeded fictional world of people and cities with short made-up names. A person has an age, a
+score, a colour and a home city; a city has a size and a mayor (a person). Every fact is one
+tiny document of a JSONL corpus ``{"id", "contents"}``, e.g. ``"Zorva age 34."``, so the search
+query "subject attribute" (``<search> Zorva age</search>``) is the only document holding both
+words and BM25 ranks it first.
 
 Questions need tools and come in three kinds:
-    lookup      "What is the age of Zorva?"                    <search>Zorva</search> -> answer
-    two_hop     "What is the city of the friend of Zorva?"     search Zorva, then the friend
+    lookup      "What is the age of Zorva?"                 <search> Zorva age</search> -> answer
+    two_hop     "What is the size of the city of Zorva?"    search "Zorva city" -> Tarunu,
+                                                            then "Tarunu size" -> answer
     arithmetic  "What is the age of Zorva plus the score of Kelmu?"
-                                                               two searches, then <python>
+                                                            two searches, then <python>
 Answers are short strings or integers. The intended response (AEPO_SPEC §3):
     <think></think>
-    <search>Zorva</search> <result>
-    ...
+    <search> Zorva age</search> <result>
+    Page 1: Zorva age 34.
     </result>
-    <answer> \\boxed{34} </answer>
-The tiny policy never has to know a fact or do arithmetic: every search query is copied from the
+    <answer> \\boxed{ 34} </answer>
+(the spaces make every copied word the same BPE token as its source; see ``render_payload``).
+The tiny policy never has to know a fact or do arithmetic: every query word is copied from the
 question or from a result, every number in the python code is copied from a result and the answer
-is copied from the last result. What it must learn is the format and *which* span to copy - the
-part RL can improve after a short supervised warm-start.
+is copied from the last result. What it must learn is the format and *which* span to copy (two-hop
+questions name the attributes in the opposite order of the searches) - the part RL can improve
+after a short supervised warm-start.
 
 Deliberately left out: natural-language variety (one template per kind), distractor documents,
-questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks;
-the engine's real tools live in ``aepo_engine.tools``.
+questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks
+that answers in the engine's search format (``Page 1: ...``); the engine's real tools (BM25 over
+the same corpus, a python sandbox) live in ``aepo_engine.tools``.
 """
 from __future__ import annotations
 
@@ -42,16 +46,15 @@ import msgspec
 QuestionKind = Literal["lookup", "two_hop", "arithmetic"]
 ToolFn = Callable[[str, str], str]
 
-SYSTEM_PROMPT = (
-    "Answer the question with tools. <search>name</search> looks up a name. "
-    "<python>print(...)</python> runs code. Tool output comes in <result></result>. "
-    "End with <answer> \\boxed{answer} </answer>."
-)
+# Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
+SYSTEM_PROMPT = ("Tools: <search> name attribute</search> and <python> print(...)</python>, "
+                 "answered in <result>. End with <answer> \\boxed{answer} </answer>.")
 # How the rollout appends a tool result to a trajectory (AEPO_SPEC §1b); loss mask 0.
 RESULT_TEMPLATE = " <result>\n{}\n</result>"
 
-NUMERIC_ATTRIBUTES = ("age", "score")
-ATTRIBUTES = ("age", "score", "color", "city", "friend")
+PERSON_ATTRIBUTES = ("age", "score", "color", "city")
+CITY_ATTRIBUTES = ("size", "mayor")
+NUMERIC_ATTRIBUTES = ("age", "score")  # arithmetic combines two of these
 COLORS = ("red", "blue", "green", "gold", "gray", "pink", "black", "white")
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -61,8 +64,8 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     """Size and mix of the generated task."""
 
     seed: int = 0  # one seed fixes the world, the questions and the split
-    num_people: int = 200  # documents in the corpus (one per person)
-    num_cities: int = 10  # distinct home towns (a categorical attribute)
+    num_people: int = 200  # people (4 fact documents each)
+    num_cities: int = 10  # cities (2 fact documents each); every person lives in one
     num_train: int = 1000  # questions for SFT demonstrations and RL prompts
     num_heldout: int = 200  # evaluation questions, disjoint from train
     # Relative frequency of each question kind (normalized).
@@ -74,27 +77,21 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
         weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight)
         if min(weights) < 0 or sum(weights) <= 0:
             raise ValueError("question-kind weights must be >= 0 with a positive sum")
-        if self.num_people < 3:
-            raise ValueError("num_people must be >= 3 because arithmetic needs two other people")
+        if self.num_people < 2:
+            raise ValueError("num_people must be >= 2 because arithmetic combines two people")
         if self.num_cities < 1:
             raise ValueError("num_cities must be >= 1")
 
 
 @dataclass(frozen=True)
-class Person:
+class Entity:
+    """A person or a city: a name and its attributes (all rendered as strings)."""
+
     name: str
-    age: int
-    score: int
-    color: str
-    city: str
-    friend: str
+    attributes: dict[str, str]
 
-    def attribute(self, name: str) -> str:
-        return str(getattr(self, name))
-
-    def document(self) -> str:
-        return (f"{self.name}\n{self.name}: age {self.age}, score {self.score}, color {self.color}, "
-                f"city {self.city}, friend {self.friend}.")
+    def documents(self) -> list[str]:
+        return [f"{self.name} {attr} {value}." for attr, value in self.attributes.items()]
 
 
 @dataclass(frozen=True)
@@ -125,14 +122,15 @@ class Question:
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    people: tuple[Person, ...]
+    entities: tuple[Entity, ...]  # people first, then cities
     train: tuple[Question, ...]
     heldout: tuple[Question, ...]
 
     @property
     def corpus(self) -> list[dict[str, str]]:
-        """The knowledge base as search-corpus rows ``{"id", "contents"}``."""
-        return [{"id": str(i), "contents": p.document()} for i, p in enumerate(self.people)]
+        """The knowledge base as search-corpus rows ``{"id", "contents"}``, one fact per row."""
+        return [{"id": f"{e.name}-{attr}", "contents": f"{e.name} {attr} {value}."}
+                for e in self.entities for attr, value in e.attributes.items()]
 
     def write_corpus(self, path: str | Path) -> Path:
         path = Path(path)
@@ -158,46 +156,58 @@ def _make_names(rng: random.Random, count: int, syllables: int, taken: set[str])
     return names
 
 
-def make_people(config: SyntheticTaskConfig, rng: random.Random) -> tuple[Person, ...]:
+def make_world(config: SyntheticTaskConfig, rng: random.Random) -> tuple[list[Entity], list[Entity]]:
+    """People (two-syllable names, "Zorva") and cities (three syllables, "Tarunu")."""
     taken: set[str] = set()
-    names = _make_names(rng, config.num_people, 2, taken)  # "Zorva": two consonant-vowel pairs
-    cities = _make_names(rng, config.num_cities, 3, taken)  # "Tarunu": three, never a person
-    people = []
-    for i, name in enumerate(names):
-        friend = names[(i + rng.randrange(1, len(names))) % len(names)]  # anyone but oneself
-        people.append(Person(name=name, age=rng.randint(20, 79), score=rng.randint(10, 99),
-                             color=rng.choice(COLORS), city=rng.choice(cities), friend=friend))
-    return tuple(people)
+    person_names = _make_names(rng, config.num_people, 2, taken)
+    city_names = _make_names(rng, config.num_cities, 3, taken)
+    people = [Entity(name, {"age": str(rng.randint(20, 79)), "score": str(rng.randint(10, 99)),
+                            "color": rng.choice(COLORS), "city": rng.choice(city_names)})
+              for name in person_names]
+    cities = [Entity(name, {"size": str(rng.randint(100, 999)), "mayor": rng.choice(person_names)})
+              for name in city_names]
+    return people, cities
 
 
 # ---------------------------------------------------------------------------------------------
 # Questions
 
 
-def _lookup(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
-    person = rng.choice(list(people.values()))
-    attr = rng.choice(ATTRIBUTES)
-    return (f"What is the {attr} of {person.name}?", person.attribute(attr),
-            (ToolCall("search", person.name),))
+_Draft = tuple[str, str, tuple[ToolCall, ...]]  # question text, answer, tool plan
 
 
-def _two_hop(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
-    person = rng.choice(list(people.values()))
-    friend = people[person.friend]
-    attr = rng.choice(ATTRIBUTES[:-1])  # friend-of-friend would be a three-hop question
-    return (f"What is the {attr} of the friend of {person.name}?", friend.attribute(attr),
-            (ToolCall("search", person.name), ToolCall("search", friend.name)))
+def _search(entity: Entity, attr: str) -> ToolCall:
+    return ToolCall("search", f"{entity.name} {attr}")
 
 
-def _arithmetic(people: dict[str, Person], rng: random.Random) -> tuple[str, str, tuple[ToolCall, ...]]:
-    first, second = rng.sample(list(people.values()), 2)
+def _lookup(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
+    if rng.random() < len(cities) / (len(cities) + len(people)):
+        entity, attr = rng.choice(list(cities.values())), rng.choice(CITY_ATTRIBUTES)
+    else:
+        entity, attr = rng.choice(people), rng.choice(PERSON_ATTRIBUTES)
+    return (f"What is the {attr} of {entity.name}?", entity.attributes[attr], (_search(entity, attr),))
+
+
+def _two_hop(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
+    """"<attr> of the city of <person>": the first search asks for "city", the second for attr."""
+    person = rng.choice(people)
+    city = cities[person.attributes["city"]]
+    attr = rng.choice(CITY_ATTRIBUTES)
+    return (f"What is the {attr} of the city of {person.name}?", city.attributes[attr],
+            (_search(person, "city"), _search(city, attr)))
+
+
+def _arithmetic(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
+    first, second = rng.sample(people, 2)
     attr1, attr2 = rng.choice(NUMERIC_ATTRIBUTES), rng.choice(NUMERIC_ATTRIBUTES)
-    word, sign = rng.choice((("plus", "+"), ("minus", "-")))
-    value1, value2 = getattr(first, attr1), getattr(second, attr2)
+    value1, value2 = int(first.attributes[attr1]), int(second.attributes[attr2])
+    # Differences are never negative: "{-" would be one BPE pre-token, so "-39" could not be
+    # copied token for token from the python output into \boxed{}.
+    word, sign = rng.choice((("plus", "+"), ("minus", "-"))) if value1 >= value2 else ("plus", "+")
     answer = value1 + value2 if sign == "+" else value1 - value2
     text = f"What is the {attr1} of {first.name} {word} the {attr2} of {second.name}?"
-    plan = (ToolCall("search", first.name), ToolCall("search", second.name),
-            ToolCall("python", f"print({value1} {sign} {value2})"))
+    plan = (_search(first, attr1), _search(second, attr2),
+            ToolCall("python", f"print( {value1} {sign} {value2})"))  # " 34" as in "age 34."
     return text, str(answer), plan
 
 
@@ -212,8 +222,8 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     demonstrations or RL prompts); the people and documents are shared.
     """
     rng = random.Random(config.seed)
-    people = make_people(config, rng)
-    by_name = {p.name: p for p in people}
+    people, cities = make_world(config, rng)
+    by_name = {c.name: c for c in cities}
     weights = {"lookup": config.lookup_weight, "two_hop": config.two_hop_weight,
                "arithmetic": config.arithmetic_weight}
     total_weight = sum(weights.values())
@@ -222,23 +232,23 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     for kind, weight in weights.items():
         num_heldout = round(config.num_heldout * weight / total_weight)
         num_train = round(config.num_train * weight / total_weight)
-        questions = _distinct_questions(kind, num_heldout + num_train, by_name, rng)
+        questions = _distinct_questions(kind, num_heldout + num_train, people, by_name, rng)
         heldout += questions[:num_heldout]
         train += questions[num_heldout:]
     rng.shuffle(train)
     rng.shuffle(heldout)
-    return SyntheticTask(people=people,
+    return SyntheticTask(entities=tuple(people + cities),
                          train=tuple(_with_id(q, f"train-{i}") for i, q in enumerate(train)),
                          heldout=tuple(_with_id(q, f"heldout-{i}") for i, q in enumerate(heldout)))
 
 
-def _distinct_questions(kind: QuestionKind, count: int, people: dict[str, Person],
-                        rng: random.Random) -> list[Question]:
+def _distinct_questions(kind: QuestionKind, count: int, people: list[Entity],
+                        cities: dict[str, Entity], rng: random.Random) -> list[Question]:
     seen: dict[str, Question] = {}
     for _ in range(50 * count):
         if len(seen) == count:
             break
-        text, answer, plan = _MAKERS[kind](people, rng)
+        text, answer, plan = _MAKERS[kind](people, cities, rng)
         seen.setdefault(text, Question(qid="", kind=kind, text=text, answer=answer, plan=plan))
     if len(seen) < count:
         raise ValueError(f"cannot draw {count} distinct {kind} questions from {len(people)} "
@@ -281,16 +291,31 @@ def _demonstration(question: Question, tool_fn: ToolFn) -> str:
     for call in question.plan:
         output = tool_fn(call.tool, call.payload).strip()
         results.append(output)
-        parts.append(f"\n<{call.tool}>{call.payload}</{call.tool}>")
+        parts.append(f"\n<{call.tool}>{render_payload(call)}</{call.tool}>")
         parts.append(RESULT_TEMPLATE.format(output))
     _check_grounded(question, results)
-    parts.append(f"\n<answer> \\boxed{{{question.answer}}} </answer>")
+    # Copy the answer with the spacing it has in the last result: " 34" after "age" in a search
+    # result, "61" alone on the python output line (see render_payload).
+    space = "" if question.plan[-1].tool == "python" else " "
+    parts.append(f"\n<answer> \\boxed{{{space}{question.answer}}} </answer>")
     return "".join(parts)
+
+
+def render_payload(call: ToolCall) -> str:
+    """The text between the tool tags, spaced so every copied word is the same BPE token as
+    its source: GPT-2/Qwen-style byte-level BPE makes " Zorva" (after a space) and "Zorva"
+    (after "<search>" or "(") two different tokens, and a tiny model learns copying far faster
+    when it copies a token than when it must map one token to another. Tools strip the spaces.
+    """
+    if call.tool == "search":
+        return f" {call.payload}"
+    return call.payload
 
 
 def _check_grounded(question: Question, results: list[str]) -> None:
     """Every copied token (query, code number, answer) must be in the question or an earlier result."""
-    needed = [(i, call.payload) for i, call in enumerate(question.plan) if call.tool == "search"]
+    needed = [(i, word) for i, call in enumerate(question.plan) if call.tool == "search"
+              for word in call.payload.split()]
     needed += [(i, num) for i, call in enumerate(question.plan) if call.tool == "python"
                for num in re.findall(r"\d+", call.payload)]
     needed.append((len(question.plan), question.answer))
@@ -309,12 +334,13 @@ def _contains_token(text: str, value: str) -> bool:
 
 
 def exact_search(task: SyntheticTask, query: str) -> str:
-    """The document of the person whose name equals the query (case-insensitive)."""
-    wanted = query.strip().lower()
-    for person in task.people:
-        if person.name.lower() == wanted:
-            return person.document()
-    return "No results."
+    """The fact document for the query "<name> <attribute>" (case-insensitive), else ""."""
+    words = query.lower().split()
+    for entity in task.entities:
+        for attr, value in entity.attributes.items():
+            if words == [entity.name.lower(), attr]:
+                return f"{entity.name} {attr} {value}."
+    return ""
 
 
 _BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -352,11 +378,16 @@ def safe_print_eval(code: str) -> str:
 
 
 def reference_tool_fn(task: SyntheticTask) -> ToolFn:
-    """``tool_fn`` backed by exact lookup and ``safe_print_eval`` (not the engine's tools)."""
+    """``tool_fn`` backed by exact lookup and ``safe_print_eval`` (not the engine's tools).
+
+    Search answers like the engine's search tool with one page: ``"Page 1: <document>"``, or
+    ``""`` when nothing matches.
+    """
 
     def tool_fn(tool: str, payload: str) -> str:
         if tool == "search":
-            return exact_search(task, payload)
+            document = exact_search(task, payload)
+            return f"Page 1: {document}" if document else ""
         if tool == "python":
             return safe_print_eval(payload)
         return f"Error: unknown tool {tool}"

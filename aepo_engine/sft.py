@@ -1,0 +1,196 @@
+"""Supervised warm-start (the paper's "cold start"): teach the tag format before RL.
+
+Each example is a chat prompt plus a gold response that contains tool results. The loss covers
+exactly the tokens the model will write itself during rollouts: the prompt and every appended
+tool result (`` <result>\\n...\\n</result>``, tags included, as the rollout appends it - AEPO_SPEC
+§1b) get loss mask 0; the model's own segments and the end-of-turn token get mask 1.
+
+Segments are tokenized one by one and their ids concatenated - the way a rollout builds a
+trajectory (sampled tokens, then the tokenized tool result, then sampled tokens) - so mask
+boundaries are exact and no BPE merge crosses a boundary.
+
+Deliberately left out: packing (padding is simpler and the examples are short), gradient
+accumulation, mixed precision, distributed training - this runs for a few minutes on a CPU.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+# A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
+_TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
+
+
+class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Supervised warm-start settings (defaults sized for a ~2M-parameter model on 2 CPU cores)."""
+
+    steps: int = 300  # optimizer steps
+    batch_size: int = 16  # sequences per step (padded to the longest in the batch)
+    lr: float = 3e-3  # peak AdamW learning rate; tiny freshly initialized models take large rates
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 20  # linear warm-up from 0 to lr
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 disables)
+    max_length: int = 512  # longer examples are rejected (truncation would cut off the answer)
+    seed: int = 0  # fixes the example order; the model's init is the caller's
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch_size must be >= 1")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError("warmup_steps must lie in [0, steps] because the schedule decays after it")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]  # 1 where the token is the model's to predict
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def split_response(response: str) -> list[tuple[str, bool]]:
+    """Split a response into (text, written_by_model) segments; tool results are not the model's."""
+    segments: list[tuple[str, bool]] = []
+    position = 0
+    for match in _TOOL_RESULT.finditer(response):
+        if match.start() > position:
+            segments.append((response[position:match.start()], True))
+        segments.append((match.group(), False))
+        position = match.end()
+    if position < len(response):
+        segments.append((response[position:], True))
+    return segments
+
+
+def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: str) -> SFTExample:
+    """Prompt (chat template with the generation prompt) + response segments + end-of-turn token.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template and an ``eos_token_id`` (the
+            end-of-turn token the policy must learn to emit).
+        messages: the chat prompt (system + user).
+        response: the assistant's text, tool results included.
+    """
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    input_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    loss_mask = [0] * len(input_ids)
+    for text, written_by_model in split_response(response):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        input_ids += ids
+        loss_mask += [int(written_by_model)] * len(ids)
+    input_ids.append(tokenizer.eos_token_id)
+    loss_mask.append(1)
+    return SFTExample(tuple(input_ids), tuple(loss_mask))
+
+
+def build_examples(tokenizer: Any, prompts: Sequence[list[dict[str, str]]], responses: Sequence[str],
+                   max_length: int) -> list[SFTExample]:
+    """Tokenize (prompt, response) pairs; raises if one is longer than ``max_length``."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    examples = [tokenize_example(tokenizer, m, r) for m, r in zip(prompts, responses)]
+    too_long = [len(e.input_ids) for e in examples if len(e.input_ids) > max_length]
+    if too_long:
+        raise ValueError(f"{len(too_long)} examples exceed max_length={max_length} "
+                         f"(longest {max(too_long)} tokens); raise max_length")
+    return examples
+
+
+def collate(examples: Sequence[SFTExample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example. Returns input_ids, attention_mask, loss_mask: [B, T]."""
+    length = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), length), dtype=torch.float32)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        input_ids[row, :n] = torch.tensor(example.input_ids)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(example.loss_mask, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def masked_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token-mean next-token loss over positions whose *target* has loss mask 1."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # logits: [B, T, V]; position t predicts token t + 1
+    targets = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return (nll * mask.flatten()).sum() / mask.sum().clamp_min(1.0)
+
+
+def learning_rate(step: int, config: SFTConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def _batches(num_examples: int, batch_size: int, generator: torch.Generator):
+    """Endless shuffled mini-batches of indices; every example once per epoch."""
+    while True:
+        order = torch.randperm(num_examples, generator=generator).tolist()
+        for start in range(0, num_examples - batch_size + 1, batch_size):
+            yield order[start:start + batch_size]
+        if num_examples < batch_size:
+            yield order
+
+
+def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SFTConfig,
+              log: Callable[[dict[str, float]], None] | None = None,
+              pad_id: int = 0) -> torch.nn.Module:
+    """Train ``model`` in place on the masked next-token loss and return it (in eval mode).
+
+    Args:
+        model: a causal LM taking ``input_ids``/``attention_mask`` and returning ``.logits``.
+        examples: from :func:`build_examples`.
+        config: steps, batch size, learning-rate schedule, seed.
+        log: called after every step with ``{"step", "loss", "lr", "tokens"}``.
+        pad_id: id used for padding (masked out of attention and loss, so any id works).
+
+    Deterministic for a given model state, examples and config on the same machine.
+    """
+    if not examples:
+        raise ValueError("no SFT examples")
+    generator = torch.Generator().manual_seed(config.seed)
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(0.9, 0.95))
+    model.train()
+    batches = _batches(len(examples), config.batch_size, generator)
+    for step in range(config.steps):
+        batch = collate([examples[i] for i in next(batches)], pad_id)
+        lr = learning_rate(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = masked_nll(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        if log is not None:
+            log({"step": step, "loss": loss.item(), "lr": lr,
+                 "tokens": float(batch["loss_mask"].sum())})
+    model.eval()
+    return model
