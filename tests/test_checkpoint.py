@@ -312,7 +312,7 @@ def test_plain_module_export_is_safetensors_even_with_tied_weights(tmp_path):
     assert torch.equal(tensors["head.weight"], embed.weight.detach())
 
 
-# --- FSDP2 (opt-in: two gloo processes take ~10-25 s) ---------------------------------------------
+# --- FSDP2 (opt-in: two gloo processes take ~15-30 s) ---------------------------------------------
 
 _FSDP_WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
@@ -355,6 +355,20 @@ _FSDP_WORKER = textwrap.dedent("""
         from safetensors.torch import load_file
         shapes = {k: tuple(v.shape) for k, v in load_file(loaded.path / "hf_model" / "model.safetensors").items()}
         print("RESULT", loaded.step, loaded.extra_state, same, sorted(shapes.items()), flush=True)
+
+    # A tiny HF model with tied embeddings, sharded per layer: the export must be its full weights.
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf_model = Qwen3ForCausalLM(config)
+    full = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    for module in (*hf_model.model.layers, hf_model):
+        fully_shard(module, mesh=mesh)
+    path = CheckpointManager(sys.argv[1] + "_hf").save(1, hf_model)
+    if dist.get_rank() == 0:
+        exported = AutoModelForCausalLM.from_pretrained(path / "hf_model").state_dict()
+        print("HF_RESULT", all(torch.equal(full[k], v) for k, v in exported.items()), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -376,7 +390,9 @@ def test_fsdp2_sharded_save_load_and_full_hf_export(tmp_path):
         proc.communicate()
         raise
     result = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and result, stderr[-3000:]
+    report = f"rc={proc.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
+    assert proc.returncode == 0 and result, report
+    assert "HF_RESULT True" in stdout, report
     assert result[0] == ("RESULT 2 {'k': 1} True [('0.bias', (16,)), ('0.weight', (16, 8)), "
                          "('2.bias', (4,)), ('2.weight', (4, 16))]")
     assert (tmp_path / "ckpt" / "step_000002" / "train_state" / "__1_0.distcp").is_file()  # sharded write
