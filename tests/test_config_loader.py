@@ -354,3 +354,20 @@ def test_meta_description_is_used_as_help():
     assert load_config(M, overrides=["--x=4"]).x == 4
     with pytest.raises(ConfigError, match="x"):
         load_config(M, overrides=["--x=-1"])
+
+
+def test_config_flag_without_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="--config needs a file path"):
+        parse_args(Top, ["--config"], exit_on_error=False)
+
+
+def test_tensorboard_auto_on_off(monkeypatch):
+    import aepo_engine.train_config as train_config
+
+    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
+    assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is False
+    assert LoggingConfig(tensorboard="off").tensorboard_enabled() is False
+    with pytest.raises(RuntimeError, match="pip install tensorboard"):
+        LoggingConfig(tensorboard="on").tensorboard_enabled()
+    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: object())
+    assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is True
