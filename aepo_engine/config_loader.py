@@ -421,7 +421,8 @@ def _resolve(cls: type, dotted: str) -> tuple[list[str], Any]:
         section = _section_class(tp)
         if not rest:
             if section is not None:
-                raise ConfigError(f"--{dotted} is a section; set its fields, e.g. --{dotted}.{next(iter(_fields(section)))}=...")
+                example = next(iter(_fields(section)))
+                raise ConfigError(f"--{dotted} is a section; set its fields, e.g. --{dotted}.{example}=...")
             return keys, tp
         if section is not None:
             current, path = section, _join(path, key)

@@ -99,7 +99,8 @@ class Top(msgspec.Struct, kw_only=True):
 def test_defaults_match_spec():
     cfg = load_config(Top)
     assert cfg == Top()
-    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.optim.schedule) == (1e-6, 0.01, 1.0, "constant")
+    optim = cfg.optim
+    assert (optim.lr, optim.weight_decay, optim.grad_clip, optim.schedule) == (1e-6, 0.01, 1.0, "constant")
     assert cfg.checkpoint.keep_last == 3 and cfg.checkpoint.resume == "auto"
     assert cfg.logging.jsonl and not cfg.logging.wandb and cfg.data.max_prompt_tokens == 2000
 
