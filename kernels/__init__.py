@@ -12,7 +12,7 @@ hidden states, no ``[N, V]`` tensor) and ``policy_loss`` (clip rules, advantages
 from .api import AEPOLoss, aepo_policy_loss, fused_linear_aepo_policy_loss
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
 from .fused_linear import fused_linear_logprob_entropy
-from .logprob_entropy import BACKENDS, logprob_entropy
+from .logits_ops import BACKENDS, logprob_entropy
 from .policy_loss import (
     aggregate,
     clipped_token_loss,

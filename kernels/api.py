@@ -6,7 +6,7 @@ from torch import nn
 
 from .config import LossConfig
 from .fused_linear import fused_linear_logprob_entropy
-from .logprob_entropy import logprob_entropy
+from .logits_ops import logprob_entropy
 from .policy_loss import policy_loss_from_logprobs
 
 

@@ -2,7 +2,7 @@
 
 ``logits = hidden @ weight.T (+ bias)`` is computed block by block, ``[token_chunk, vocab_chunk]``
 at a time, and folded into per-token online-softmax statistics (see
-:func:`aepo_kernels.logprob_entropy.chunk_stats`). Forward keeps ``lse`` and ``Eu`` per token;
+:func:`aepo_kernels.logits_ops.chunk_stats`). Forward keeps ``lse`` and ``Eu`` per token;
 backward recomputes each logits block, forms its dlogits block with the same formula as the
 logits-level backward, and accumulates
     d hidden += dlogits_block @ weight_block          (fp32, [N, D] buffer)
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .logprob_entropy import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, merge_stats
+from .logits_ops import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, merge_stats
 
 
 def _mm_dtype(t: torch.Tensor) -> torch.dtype:

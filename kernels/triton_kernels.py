@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`aepo_kernels.logprob_entropy` (same maths, see that docstring).
+"""Triton kernels for :mod:`aepo_kernels.logits_ops` (same maths, see that docstring).
 
 One program per token row (grid axis 0 = token index, so no 65,535 grid limit), looping over the
 vocabulary in ``BLOCK_V`` lanes with an online softmax in fp32:

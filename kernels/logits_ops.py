@@ -93,6 +93,18 @@ def chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> torch.Tenso
     return torch.where(hit, grad + g_lp, grad) * inv_t
 
 
+def chunk_grad_into(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, out: torch.Tensor) -> None:
+    """:func:`chunk_grad` written straight into ``out`` (its dtype), which must not overlap ``z``:
+    compiled, the store is fused into the same loop, with no chunk-sized temporary."""
+    out.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t))
+
+
+def chunk_grad_inplace(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> None:
+    """:func:`chunk_grad` written over ``z`` itself. A separate function because a compiled
+    graph that receives two different views of one buffer as ``z`` and ``out`` is not safe."""
+    z.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t))
+
+
 class _CompiledOrEager:
     """``torch.compile(fn, dynamic=True)`` on first use; eager if compiling is off or fails.
 
@@ -119,6 +131,8 @@ class _CompiledOrEager:
 
 fast_chunk_stats = _CompiledOrEager(chunk_stats)
 fast_chunk_grad = _CompiledOrEager(chunk_grad)
+fast_chunk_grad_into = _CompiledOrEager(chunk_grad_into)
+fast_chunk_grad_inplace = _CompiledOrEager(chunk_grad_inplace)
 
 
 def _row_chunks(logits: torch.Tensor):
@@ -147,7 +161,11 @@ def torch_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out)
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
     local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
     for b, rows in _row_chunks(logits):
-        out[b, rows] = fast_chunk_grad(logits[b, rows], local[b, rows], lse[b, rows], eu[b, rows], g_lp[b, rows], g_h[b, rows], inv_t)
+        args = (logits[b, rows], local[b, rows], lse[b, rows], eu[b, rows], g_lp[b, rows], g_h[b, rows], inv_t)
+        if out is logits:
+            fast_chunk_grad_inplace(*args)
+        else:
+            fast_chunk_grad_into(*args, out[b, rows])
     return out
 
 
