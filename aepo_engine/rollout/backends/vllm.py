@@ -5,8 +5,9 @@ stop=..., include_stop_str_in_output=True, logprobs=k)``. The engine runs with
 ``logprobs_mode="processed_logprobs"`` so the returned log-probs are those of the distribution the
 token was sampled from (temperature and top_p applied, renormalised) — the same quantity the HF
 backend reports. vLLM gives only the top-k of them per position, so ``entropies`` are estimates
-(:func:`aepo_engine.rollout.entropy.topk_entropy_estimate`, default the midpoint of a proven
-lower/upper bound; the bounds themselves are in ``GenOutput.extra``). ``entropy_is_exact`` is
+(:func:`aepo_engine.rollout.entropy.topk_entropy_estimate`, default a power-law tail carrying
+the exact leftover mass, always inside a proven lower/upper bound; the bounds themselves are in
+``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``entropy_is_exact`` is
 False.
 
 Weight pushes (``update_weights``): the HF-named state dict is written to a safetensors file in
@@ -56,7 +57,7 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
-                 enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "mid",
+                 enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
                  dtype: str = "auto", enforce_eager: bool | None = None, **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
