@@ -25,6 +25,7 @@ setup(
         "transformers>=4.56,<5.20",
         "tokenizers",
         "pyarrow",
+        "bm25s>=0.3",
     ],
     extras_require={
         # The CPU machine set-up: torch pinned to the local CPU build, triton for the

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import msgspec
 import numpy as np
 
+from aepo_engine.rewards import as_references
 from aepo_engine.train_config import HF_PREFIX, DataConfig, parse_hf_spec
 
 __all__ = [
@@ -239,16 +240,19 @@ def _answer_item(item: Any) -> str:
 
 
 def _parse_ground_truth(value: Any) -> list[str]:
-    """A string, a number, a list of them, or a JSON-encoded list -> non-empty list of strings."""
-    if isinstance(value, str) and value.strip().startswith("["):
-        try:
-            decoded = json.loads(value)
-        except json.JSONDecodeError:
-            decoded = value  # an answer that merely starts with "[" (e.g. an interval)
-        value = decoded if isinstance(decoded, list) else value
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    answers = [_answer_item(item) for item in items]
-    if not answers or not all(a.strip() for a in answers):
+    """A string, a number, a list of them, or a JSON-encoded list of strings -> non-empty list.
+
+    Parsing is the rewards' own (:func:`aepo_engine.rewards.as_references`), so data loading and
+    scoring agree: ``"[1, 2]"`` is one maths answer (an interval), not two references.
+    """
+    raw = value.tolist() if hasattr(value, "tolist") else value
+    for item in raw if isinstance(raw, (list, tuple)) else [raw]:
+        _answer_item(item)  # type check before as_references stringifies
+    try:
+        answers = as_references(raw)
+    except ValueError as exc:
+        raise RowProblem("ground truth is empty" if "empty" in str(exc) else f"ground truth: {exc}") from None
+    if not all(a.strip() for a in answers):
         raise RowProblem("ground truth is empty")
     return answers
 

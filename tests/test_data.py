@@ -301,3 +301,12 @@ def test_sampler_rejects_changed_data_and_bad_sizes():
         PromptSampler(toy_examples(3), batch_size=4)
     with pytest.raises(ValueError, match="batch_size"):
         PromptSampler(toy_examples(3), batch_size=0)
+
+
+def test_json_list_ground_truth_of_numbers_stays_one_answer():
+    """'[1, 2]' is a maths interval, not two references (scoring would accept '1' alone)."""
+    from aepo_engine.data import _parse_ground_truth
+
+    assert _parse_ground_truth("[1, 2]") == ["[1, 2]"]
+    assert _parse_ground_truth('["New York", "NYC"]') == ["New York", "NYC"]
+    assert _parse_ground_truth(["a", 3]) == ["a", "3"]
