@@ -32,34 +32,46 @@ from aepo_engine.rollout.protocol import GenOutput, GenRequest
 
 
 # ---------------------------------------------------------------------------------------------
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor,
+                      top_p: float | torch.Tensor) -> torch.Tensor:
     """Log-probs of the sampling distribution.
 
     Args:
         logits: [V] or [B, V] raw logits.
-        temperature: T > 0 (T <= 0 is treated as T = 1, the greedy path's reporting convention).
-        top_p: nucleus mass in (0, 1]; the smallest set of top tokens with mass >= top_p is kept.
+        temperature: T > 0, a float or one per row [B] (T <= 0 is treated as T = 1: the greedy
+            path reports the logprob/entropy of softmax(z)).
+        top_p: nucleus mass in (0, 1], a float or one per row [B]; the smallest set of top tokens
+            whose mass reaches top_p is kept and renormalised.
     Returns:
-        float32 log-probs of the same shape, -inf outside the nucleus.
+        float32 log-probs of the same shape as ``logits``, -inf outside the nucleus.
     """
-    logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-    if top_p >= 1.0:
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)  # [B, V]
+    if bool((top_p >= 1.0).all()):
         return logp
     sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass strictly above each token
-    drop_sorted = mass_before >= top_p  # never drops the top token (its mass_before is 0)
+    drop_sorted = mass_before >= top_p.unsqueeze(-1)  # never drops the top token (mass_before 0)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
-def sample_inverse_cdf(logp: torch.Tensor, uniform: float) -> int:
-    """Token index whose CDF interval (in token-id order) contains ``uniform``; logp: [V]."""
-    cdf = logp.exp().double().cumsum(0)
-    idx = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=cdf.dtype)))
-    idx = min(idx, logp.numel() - 1)
-    while logp[idx] == float("-inf"):  # a zero-probability token can only be hit by rounding
-        idx -= 1
-    return idx
+def sample_inverse_cdf(logp: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling in token-id order.
+
+    Args:
+        logp: [B, V] log-probs (rows sum to 1; -inf allowed).
+        uniform: [B] draws in [0, 1).
+    Returns:
+        [B] token ids. ``searchsorted`` returns the first id with cdf >= target; with target > 0
+        that id has positive probability, so masked tokens are never drawn.
+    """
+    cdf = logp.exp().double().cumsum(-1)  # [B, V]
+    target = uniform.double().clamp(min=1e-12) * cdf[:, -1]  # [B]
+    idx = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
+    return idx.clamp(max=logp.shape[-1] - 1)
 
 
 class _Row:
@@ -159,7 +171,7 @@ class HFBackend:
         cache, logits = out.past_key_values, out.logits[:, -1, :]  # logits: [B, V]
         next_pos = positions[:, -1:] + 1  # [B, 1]
         while True:
-            new_tokens = [self._sample_row(rows[i], logits[b]) for b, i in enumerate(live)]
+            new_tokens = self._sample_step([rows[i] for i in live], logits)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             if not keep:
                 return
@@ -175,22 +187,32 @@ class HFBackend:
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-    def _sample_row(self, row: _Row, logits: torch.Tensor) -> int:
-        """Sample one token for ``row`` from its logits [V]; records logprob/entropy/finish."""
-        req = row.req
-        logp = sampling_logprobs(logits, req.temperature, req.top_p)  # [V]
-        uniform = float(torch.rand((), generator=row.gen))  # drawn even when greedy: same stream
-        token = int(logp.argmax()) if req.temperature <= 0 else sample_inverse_cdf(logp, uniform)
-        row.tokens.append(token)
-        row.logprobs.append(float(logp[token]))
-        row.entropies.append(float(entropy_from_logprobs(logp)))
-        if token in self._eos:
-            row.finish = "eos"
-        elif (hit := self._stop_hit(row)) is not None:
-            row.finish, row.stop_string = "stop", hit
-        elif len(row.tokens) >= req.max_new_tokens:
-            row.finish = "length"
-        return token
+    def _sample_step(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
+        """Sample one token per row from logits [B, V]; records logprob/entropy/finish per row."""
+        reqs = [row.req for row in rows]
+        logp = sampling_logprobs(logits, torch.tensor([r.temperature for r in reqs]),
+                                 torch.tensor([r.top_p for r in reqs]))  # [B, V]
+        # one uniform per row from the row's own generator (drawn even when greedy: same stream)
+        uniform = torch.stack([torch.rand((), generator=row.gen) for row in rows]).to(logits.device)
+        greedy = torch.tensor([r.temperature <= 0 for r in reqs], device=logits.device)
+        tokens = torch.where(greedy, logp.argmax(-1), sample_inverse_cdf(logp, uniform))  # [B]
+        picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
+        stats = torch.stack([tokens.double(), picked.double(), entropy_from_logprobs(logp).double()])
+        token_list, logprob_list, entropy_list = stats.tolist()  # the step's only device sync
+        out = []
+        for row, token, logprob, entropy in zip(rows, token_list, logprob_list, entropy_list):
+            token = int(token)
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.entropies.append(entropy)
+            if token in self._eos:
+                row.finish = "eos"
+            elif (hit := self._stop_hit(row)) is not None:
+                row.finish, row.stop_string = "stop", hit
+            elif len(row.tokens) >= row.req.max_new_tokens:
+                row.finish = "length"
+            out.append(token)
+        return out
 
     def _stop_hit(self, row: _Row) -> str | None:
         """The stop string completed by the last token, if any (earliest-ending wins)."""
