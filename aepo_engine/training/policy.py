@@ -1,0 +1,430 @@
+"""The policy worker: an HF causal LM under FSDP2 (or plain), its AdamW optimizer and the AEPO update.
+
+One worker per process. Without torchrun it runs single-process; under torchrun it initialises
+torch.distributed (gloo on CPU, nccl on CUDA), shards every decoder layer and then the root with
+FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy``.
+
+Every rank is handed the *same global* :class:`TokenBatch`; the worker cuts it into PPO
+mini-batches, gives each rank a strided shard of each mini-batch and runs that shard's
+micro-batches (gradient accumulation). Per mini-batch one all-reduce of
+``(sum H, sum H^2, valid tokens)`` gives the global token count and entropy statistics, so
+
+    loss = sum over all micro-batches and ranks of  sum_t L_t / N_global
+
+is the token-mean over the whole mini-batch, whatever the micro-batch split and world size.
+FSDP2 *averages* gradients over ranks (divides by W), so each rank's loss is multiplied by W
+before backward; the reported loss is not.
+
+Entropy statistics (``entropy_stats_scope="global"``): the z-score mean/std of spec §2b come from
+``batch.entropy`` when present (set it from :meth:`PolicyWorker.compute_logprobs`, the pass that
+also gives ``old_logprobs``; this costs nothing extra and is exact for the first mini-batch of an
+on-policy step), otherwise from a no-grad pass of the current policy over the mini-batch. The
+per-token entropy H_t inside the z-score is always the current policy's, detached (the kernel
+loss detaches it). ``"micro_batch"`` reproduces the reference code (statistics per micro-batch).
+
+Log-probs and entropies come from the final hidden states and the lm_head weight through
+:func:`aepo_kernels.fused_linear_logprob_entropy` (no ``[N, V]`` logits) or, with
+``use_fused_linear=False``, from materialised logits through :func:`aepo_kernels.logprob_entropy`.
+
+Left out: sequence packing / varlen flash-attention (``flash_attention_2`` is accepted only where
+flash-attn imports on CUDA and then runs on padded batches), mini-batch shuffling across PPO
+epochs, tensor/sequence parallelism, CPU offload of parameters or optimizer state, models whose
+logits are post-processed (soft-capping, logit scale), and weight decay exclusions (all
+parameters decay, as in verl).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import time
+from typing import Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from aepo_engine.train_config import OptimConfig
+from aepo_engine.training.batch import TokenBatch
+from aepo_kernels import (
+    LossConfig,
+    entropy_moments,
+    entropy_stats_from_moments,
+    fused_linear_logprob_entropy,
+    logprob_entropy,
+    policy_loss_from_logprobs,
+)
+
+__all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker", "build_lr_scheduler"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Per-call statistics of policy_loss_from_logprobs that are token means (re-weighted by tokens).
+TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Policy model, parallelism and PPO update.
+
+    Attributes:
+        loss: The AEPO loss (clip rule, entropy-aware advantage, KL, aggregation).
+        temperature: Sampling temperature; log-probs and entropies are those of softmax(z / T).
+        micro_batch_size: Rows (trajectories) per forward/backward on each rank (gradient
+            accumulation); ignored when micro_batch_max_tokens is set.
+        micro_batch_max_tokens: If set, micro-batches are cut greedily so that rows x longest row
+            stays within this many tokens (a longer row goes alone) instead of by row count.
+        ppo_mini_batch_size: Prompts (or rows, see mini_batch_unit) per optimizer step, over all ranks.
+        mini_batch_unit: "prompts" counts prompt groups (all k trajectories of a prompt stay in one
+            mini-batch, as in verl); "rows" counts trajectories.
+        ppo_epochs: Passes over the batch per update() call.
+        use_fused_linear: Compute log-probs/entropies from hidden states and the lm_head weight in
+            blocks (aepo_kernels.fused_linear_logprob_entropy) instead of materialising [B, L, V] logits.
+        fused_token_chunk: Token block of the fused-linear kernel.
+        fused_vocab_chunk: Vocabulary block of the fused-linear kernel.
+        entropy_stats_scope: "global": entropy mean/std of the entropy-aware advantage are
+            all-reduced over all micro-batches and ranks of the mini-batch, so the loss does not
+            depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
+        fsdp: "auto" shards with FSDP2 when world_size > 1; "on" always (needs torchrun); "off" never
+            (with world_size > 1 every rank holds the full model and gradients are all-reduced).
+        param_dtype: Compute dtype of parameters in forward/backward (master weights stay float32);
+            FSDP2 MixedPrecisionPolicy when sharded, torch.autocast otherwise.
+        reduce_dtype: dtype of the FSDP2 gradient reduce-scatter.
+        activation_checkpointing: Recompute each decoder layer in backward (HF gradient
+            checkpointing, non-reentrant) to save activation memory.
+        attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager", or
+            "flash_attention_2" (only where flash-attn imports on CUDA; padded batches, no packing).
+    """
+
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    temperature: float = 1.0
+    micro_batch_size: int = 4
+    micro_batch_max_tokens: int | None = None
+    ppo_mini_batch_size: int = 8
+    mini_batch_unit: Literal["prompts", "rows"] = "prompts"
+    ppo_epochs: int = 1
+    use_fused_linear: bool = True
+    fused_token_chunk: int = 1024
+    fused_vocab_chunk: int = 8192
+    entropy_stats_scope: Literal["global", "micro_batch"] = "global"
+    fsdp: Literal["auto", "on", "off"] = "auto"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        _require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _require(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _require(self.micro_batch_max_tokens is None or self.micro_batch_max_tokens >= 1,
+                 f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
+        _require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
+        _require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        _require(self.fused_token_chunk >= 1 and self.fused_vocab_chunk >= 1, "fused chunks must be >= 1")
+        _require(self.loss.aggregation == "token-mean",
+                 f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
+                 "count, which only token-mean supports; sequence-level modes are left out")
+
+
+# --- the module FSDP wraps ------------------------------------------------------------------------
+
+class PolicyModel(nn.Module):
+    """An HF causal LM returning per-token ``(logprobs, entropy)`` of ``labels`` (the FSDP root).
+
+    Wrapping keeps the lm_head inside the root's forward, so FSDP2 gathers its weight for the fused
+    kernel (which reads ``weight`` directly instead of calling the head).
+    """
+
+    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, token_chunk: int, vocab_chunk: int):
+        super().__init__()
+        self.hf = hf_model
+        self.temperature, self.fused = temperature, fused
+        self.token_chunk, self.vocab_chunk = token_chunk, vocab_chunk
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self.hf, self.hf.base_model_prefix)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Args: ``[B, L]`` each. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]`` (0 logp at -100)."""
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
+        if self.fused:
+            return fused_linear_logprob_entropy(
+                hidden, head.weight, labels, self.temperature, bias=head.bias,
+                token_chunk=self.token_chunk, vocab_chunk=self.vocab_chunk)
+        return logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
+
+
+def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` in float32 (the master weights)."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "flash_attention_2" and not (
+            torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None):
+        raise RuntimeError("attn_implementation='flash_attention_2' needs CUDA and the flash-attn "
+                           "package; use 'sdpa'")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, name, None) is not None:
+            raise NotImplementedError(f"{type(model).__name__} post-processes logits ({name}); "
+                                      "the worker's log-prob path does not")
+    return model
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine to ``min_lr_ratio * lr``
+    at ``total_steps`` (optimizer steps over the whole run)."""
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun process group if launched by torchrun; return ``(rank, world, device)``."""
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# --- the worker -----------------------------------------------------------------------------------
+
+class PolicyWorker:
+    """Holds the policy (``model``: the HF module, ``policy``: the FSDP root), ``optimizer`` and
+    ``scheduler``; computes log-probs and runs AEPO/PPO updates on global token batches."""
+
+    def __init__(self, model_path: str, config: PolicyConfig, optim: OptimConfig, total_steps: int):
+        """
+        Args:
+            model_path: a local HF directory (``from_pretrained``).
+            config: the policy section; optim: optimizer and schedule.
+            total_steps: optimizer steps of the whole run (for the cosine schedule).
+        """
+        self.config, self.optim_config = config, optim
+        self.rank, self.world_size, self.device = init_distributed()
+        self.use_fsdp = config.fsdp == "on" or (config.fsdp == "auto" and self.world_size > 1)
+        if self.use_fsdp and not dist.is_initialized():
+            raise RuntimeError("fsdp='on' needs torch.distributed (launch with torchrun)")
+        self.model = load_hf_model(model_path, config.attn_implementation)
+        if config.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.policy = PolicyModel(self.model, config.temperature, config.use_fused_linear,
+                                  config.fused_token_chunk, config.fused_vocab_chunk)
+        self._shard_or_place()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
+                                           eps=optim.eps, weight_decay=optim.weight_decay)
+        self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
+        # FSDP2 averages gradients over ranks; scale so the sum (the global token-mean) survives.
+        self.loss_scale = float(self.world_size) if self.use_fsdp else 1.0
+        self.skipped_steps = 0
+
+    def _shard_or_place(self) -> None:
+        if not self.use_fsdp:
+            self.policy.to(self.device)
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[self.config.param_dtype],
+                                  reduce_dtype=DTYPES[self.config.reduce_dtype])
+        for layer in self.policy.decoder.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+
+    def _autocast(self):
+        dtype = DTYPES[self.config.param_dtype]
+        if self.use_fsdp or dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # --- forward helpers ------------------------------------------------------------------------
+
+    def _forward(self, micro: TokenBatch) -> tuple[Tensor, Tensor]:
+        micro = micro.to(self.device)
+        with self._autocast():
+            return self.policy(micro.input_ids, micro.attention_mask, micro.labels)  # [b, l] x2
+
+    def _micro_batches(self, local: TokenBatch) -> tuple[list[TokenBatch], int]:
+        """This rank's micro-batches, padded with masked-out ones to the same count on every rank
+        (FSDP collectives run per forward/backward); returns ``(micro_batches, real_count)``."""
+        cfg = self.config
+        if cfg.micro_batch_max_tokens is None:
+            parts = local.micro_batches(size=cfg.micro_batch_size)
+        else:
+            parts = local.micro_batches(max_tokens=cfg.micro_batch_max_tokens)
+        real = len(parts)
+        if self.world_size > 1 and cfg.micro_batch_max_tokens is not None:
+            count = torch.tensor([real], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            parts += [local.rows([0]).masked_out()] * (int(count) - real)
+        return parts, real
+
+    def _all_reduce(self, tensor: Tensor) -> Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    # --- log-probs ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        """Log-probs of ``batch.labels`` and entropies under the current policy (temperature applied).
+
+        Args:
+            batch: the global batch (the same on every rank).
+        Returns:
+            ``(logprobs, entropy)``, fp32 CPU ``[B, L]`` (0 where the label is -100), on every rank.
+        """
+        self.policy.eval()
+        width = batch.input_ids.shape[1]
+        local = batch.shard(self.rank, self.world_size)
+        parts, real = self._micro_batches(local)
+        outs = [self._forward(micro) for micro in parts][:real]
+        pad = lambda t: nn.functional.pad(t.float(), (0, width - t.shape[1]))  # noqa: E731
+        local_out = torch.stack([torch.cat([pad(o[i]) for o in outs]) for i in (0, 1)])  # [2, b, L]
+        return tuple(self._gather_rows(local_out, batch.num_rows).cpu().unbind(0))
+
+    def _gather_rows(self, local: Tensor, num_rows: int) -> Tensor:
+        """Undo :meth:`TokenBatch.shard` (strided rows): ``[2, b, L]`` per rank -> ``[2, B, L]``."""
+        if self.world_size == 1:
+            return local[:, :num_rows]
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local.contiguous())
+        stacked = torch.stack(gathered, dim=2)  # [2, b, W, L]: row j of rank r is global j * W + r
+        return stacked.flatten(1, 2)[:, :num_rows]
+
+    # --- update ---------------------------------------------------------------------------------
+
+    def update(self, batch: TokenBatch) -> dict[str, float]:
+        """PPO epochs x mini-batches (optimizer steps) x micro-batches (gradient accumulation).
+
+        Args:
+            batch: the global batch (same on every rank) with ``old_logprobs`` and ``advantages``
+                set; ``entropy`` (from :meth:`compute_logprobs`) if the global entropy statistics
+                should come from it instead of a no-grad pass.
+        Returns:
+            Means over optimizer steps of ``loss``, ``grad_norm`` (before clipping), ``entropy``,
+            ``ratio``, ``clipfrac_*``, ``kl`` (with ref_logprobs); ``grad_norm_max``, ``lr`` (after
+            the update), ``tokens`` (valid tokens processed, summed), ``optimizer_steps``,
+            ``skipped_steps`` (non-finite gradient norm: step skipped, weights untouched),
+            ``tokens_per_s``.
+        """
+        self.policy.train()
+        start, records = time.perf_counter(), []
+        cfg = self.config
+        for _ in range(cfg.ppo_epochs):
+            for mini in batch.mini_batches(cfg.ppo_mini_batch_size, by=cfg.mini_batch_unit):
+                records.append(self._train_step(mini))
+        self.policy.eval()
+        return self._summarise(records, time.perf_counter() - start)
+
+    def _summarise(self, records: list[dict[str, float]], seconds: float) -> dict[str, float]:
+        done = [r for r in records if not r["skipped"]] or records
+        out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in ("tokens", "skipped")}
+        out["grad_norm_max"] = max(r["grad_norm"] for r in records)
+        out["tokens"] = sum(r["tokens"] for r in records)
+        out["skipped_steps"] = float(sum(r["skipped"] for r in records))
+        out["optimizer_steps"] = len(records) - out["skipped_steps"]
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["tokens_per_s"] = out["tokens"] / max(seconds, 1e-9)
+        return out
+
+    def _train_step(self, mini: TokenBatch) -> dict[str, float]:
+        """One optimizer step on a global mini-batch; one host sync at the end."""
+        local = mini.shard(self.rank, self.world_size)
+        parts, _ = self._micro_batches(local)
+        moments = self._entropy_moments(local, parts)  # [3] global (sum H, sum H^2, count)
+        stats_kwargs = {}
+        if self.config.entropy_stats_scope == "global":
+            stats_kwargs = dict(zip(("entropy_mean", "entropy_std"), entropy_stats_from_moments(moments)))
+        count = moments[2].clamp(min=1).float()
+        sums = torch.zeros(2 + len(TOKEN_MEAN_STATS), dtype=torch.float64, device=self.device)
+        for micro in parts:
+            sums += self._micro_step(micro, count, stats_kwargs)
+        self._all_reduce(sums)
+        grad_norm = self._reduce_and_clip()
+        values = torch.cat([sums, grad_norm.reshape(1).double()]).tolist()  # the one host sync
+        record = self._finish_step(math.isfinite(values[-1]))
+        record.update(loss=values[0], grad_norm=values[-1], tokens=values[1])
+        for i, key in enumerate(TOKEN_MEAN_STATS):
+            if key != "kl" or mini.ref_logprobs is not None:
+                record[key] = values[2 + i] / max(values[1], 1.0)
+        return record
+
+    def _micro_step(self, micro: TokenBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
+        """Forward + backward of one micro-batch; returns its ``[2 + K]`` metric sums (detached)."""
+        logprobs, entropy = self._forward(micro)  # [b, l] each
+        micro = micro.to(self.device)
+        loss, stats = policy_loss_from_logprobs(
+            logprobs, entropy, micro.old_logprobs, micro.advantages, micro.loss_mask,
+            config=self.config.loss, global_token_count=count, ref_logprobs=micro.ref_logprobs, **stats_kwargs)
+        (loss * self.loss_scale).backward()
+        tokens = stats["num_tokens"].double()
+        weighted = [stats[k].double() * tokens if k in stats else tokens.new_zeros(()) for k in TOKEN_MEAN_STATS]
+        return torch.stack([loss.detach().double(), tokens, *weighted])
+
+    def _entropy_moments(self, local: TokenBatch, parts: list[TokenBatch]) -> Tensor:
+        """Global ``(sum H, sum H^2, count)`` of the mini-batch's valid tokens (one all-reduce)."""
+        if self.config.entropy_stats_scope == "micro_batch":
+            entropy = torch.zeros_like(local.loss_mask)  # only the count is used
+        elif local.entropy is not None:
+            entropy = local.entropy
+        else:
+            with torch.no_grad():
+                moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask.to(self.device)) for m in parts)
+            return self._all_reduce(moments)
+        return self._all_reduce(entropy_moments(entropy.to(self.device), local.loss_mask.to(self.device)))
+
+    def _reduce_and_clip(self) -> Tensor:
+        """All-reduce gradients when replicated without FSDP; clip; return the pre-clip total norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1 and not self.use_fsdp:
+            for p in params:
+                dist.all_reduce(p.grad)
+        max_norm = self.optim_config.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _finish_step(self, finite: bool) -> dict[str, float]:
+        """Step (or skip a non-finite step: the schedule does not advance), then zero the grads."""
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"skipped": float(not finite)}
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
+        """Full (unsharded) CPU weights with HF names (collective: every rank must call it).
+
+        Args:
+            rank0_only: gather on rank 0 only (other ranks get ``{}``), else on every rank.
+        Returns:
+            ``{hf_name: tensor}`` for ``load_state_dict`` / ``save_pretrained`` / a rollout backend.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        state = get_model_state_dict(self.model, options=options)
+        return {name: tensor.detach().cpu() for name, tensor in state.items()}
