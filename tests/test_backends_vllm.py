@@ -49,7 +49,8 @@ def _run_scenarios(model_dir: str) -> dict:
 
     report: dict = {}
     t0 = time.perf_counter()
-    backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32")
+    backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32",
+                          disable_log_stats=False)
     report["engine_start_s"] = time.perf_counter() - t0
     report["prefix_caching"] = backend.prefix_caching_enabled
     report["eos_token_ids"] = list(backend.eos_token_ids)
@@ -59,7 +60,9 @@ def _run_scenarios(model_dir: str) -> dict:
     # 1. plain sampling at T=0.8 (checked against HF logprobs/entropies by the parent)
     reqs = [GenRequest(tuple(p), 48, seed=10 + i, temperature=0.8) for i, p in enumerate(prompts)]
     report["plain"] = _dump(backend.generate(reqs))
+    report["cache_before"] = backend.prefix_cache_stats()
     report["plain_again"] = _dump(backend.generate(reqs))  # determinism (and prefix-cache hits)
+    report["cache_after"] = backend.prefix_cache_stats()
     # 2. stop string: the text of the 6th sampled token of request 0, same seed -> must stop there
     first = report["plain"][0]
     stop = backend.tokenizer.decode(first["token_ids"][5:6])
@@ -131,6 +134,8 @@ def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperat
 def test_engine_setup(run):
     _, rep = run
     assert rep["prefix_caching"] is True
+    # the repeated prompts (and the system prompt they share) are served from the prefix cache
+    assert rep["cache_after"]["hits"] > rep["cache_before"]["hits"]
     assert rep["engine_start_s"] > 0 and rep["throughput_tok_s"] > 0
     print(f"engine start {rep['engine_start_s']:.1f}s, {rep['throughput_tok_s']:.0f} tok/s, update {rep['update_s']:.2f}s")
 

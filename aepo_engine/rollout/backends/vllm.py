@@ -89,6 +89,18 @@ class VLLMBackend:
     def prefix_caching_enabled(self) -> bool:
         return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """Cumulative prefix-cache token queries/hits, or None unless built with
+        ``disable_log_stats=False`` (vLLM collects no metrics otherwise)."""
+        try:
+            metrics = {m.name: m for m in self.llm.get_metrics()}
+        except Exception:  # noqa: BLE001 - metrics are optional across vLLM builds
+            return None
+        if "vllm:prefix_cache_queries" not in metrics:
+            return None
+        return {"queries": int(metrics["vllm:prefix_cache_queries"].value),
+                "hits": int(metrics["vllm:prefix_cache_hits"].value)}
+
     # -----------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
         """Sample every request in one ``LLM.generate`` call; outputs in request order."""
