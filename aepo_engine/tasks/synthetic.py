@@ -90,8 +90,10 @@ class Entity:
     name: str
     attributes: dict[str, str]
 
-    def documents(self) -> list[str]:
-        return [f"{self.name} {attr} {value}." for attr, value in self.attributes.items()]
+
+def fact_document(name: str, attr: str, value: str) -> str:
+    """One fact as a corpus document: ``"Zorva age 34."``."""
+    return f"{name} {attr} {value}."
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class SyntheticTask:
     @property
     def corpus(self) -> list[dict[str, str]]:
         """The knowledge base as search-corpus rows ``{"id", "contents"}``, one fact per row."""
-        return [{"id": f"{e.name}-{attr}", "contents": f"{e.name} {attr} {value}."}
+        return [{"id": f"{e.name}-{attr}", "contents": fact_document(e.name, attr, value)}
                 for e in self.entities for attr, value in e.attributes.items()]
 
     def write_corpus(self, path: str | Path) -> Path:
@@ -339,7 +341,7 @@ def exact_search(task: SyntheticTask, query: str) -> str:
     for entity in task.entities:
         for attr, value in entity.attributes.items():
             if words == [entity.name.lower(), attr]:
-                return f"{entity.name} {attr} {value}."
+                return fact_document(entity.name, attr, value)
     return ""
 
 
