@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from aepo_engine.train_config import OptimConfig
-from aepo_engine.training.batch import TokenBatch
+from aepo_engine.training.batch import IGNORE_INDEX, TokenBatch
 from aepo_kernels import (
     LossConfig,
     entropy_moments,
@@ -155,10 +155,14 @@ class PolicyModel(nn.Module):
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
         if self.fused:
-            return fused_linear_logprob_entropy(
+            logprobs, entropy = fused_linear_logprob_entropy(
                 hidden, head.weight, labels, self.temperature, bias=head.bias,
                 token_chunk=self.token_chunk, vocab_chunk=self.vocab_chunk)
-        return logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
+        else:
+            logprobs, entropy = logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
+        # The kernels return reshaped views; FSDP2 hooks a root's outputs for backward and an in-place
+        # op on a view would bypass that hook, so hand out fresh [B, L] tensors (cheap: no V).
+        return logprobs.clone(), entropy.clone()
 
 
 def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
@@ -291,7 +295,7 @@ class PolicyWorker:
         Args:
             batch: the global batch (the same on every rank).
         Returns:
-            ``(logprobs, entropy)``, fp32 CPU ``[B, L]`` (0 where the label is -100), on every rank.
+            ``(logprobs, entropy)``, fp32 CPU ``[B, L]``, both 0 where the label is -100, on every rank.
         """
         self.policy.eval()
         width = batch.input_ids.shape[1]
@@ -300,7 +304,9 @@ class PolicyWorker:
         outs = [self._forward(micro) for micro in parts][:real]
         pad = lambda t: nn.functional.pad(t.float(), (0, width - t.shape[1]))  # noqa: E731
         local_out = torch.stack([torch.cat([pad(o[i]) for o in outs]) for i in (0, 1)])  # [2, b, L]
-        return tuple(self._gather_rows(local_out, batch.num_rows).cpu().unbind(0))
+        logprobs, entropy = self._gather_rows(local_out, batch.num_rows).cpu().unbind(0)
+        # no label, no prediction: padding and the last token hold whatever the batch layout gave
+        return logprobs, entropy * (batch.labels != IGNORE_INDEX)
 
     def _gather_rows(self, local: Tensor, num_rows: int) -> Tensor:
         """Undo :meth:`TokenBatch.shard` (strided rows): ``[2, b, L]`` per rank -> ``[2, B, L]``."""

@@ -1,0 +1,48 @@
+"""One AEPO update of a tiny model on a fixed global batch; run plain (1 process) or under torchrun.
+
+    python tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt [max_tokens]
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt 30
+
+Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size"} to OUT.pt. Batch:
+5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
+ranks get masked-out filler rows); with ``max_tokens`` the micro-batches are cut by a token
+budget, so ranks run different numbers of real micro-batches (padded to the same count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the batch helper
+
+from test_policy_worker import random_batch, vocab_of  # noqa: E402
+
+from aepo_engine.train_config import OptimConfig  # noqa: E402
+from aepo_engine.training import PolicyConfig, PolicyWorker  # noqa: E402
+
+OPTIM = OptimConfig(lr=0.05, eps=1.0, weight_decay=0.0, grad_clip=0.0)  # SGD-like first steps
+
+
+def run(model_dir: str, out: str, max_tokens: int | None = None) -> None:
+    """Build the worker, compute log-probs, update once, save the results on rank 0."""
+    config = PolicyConfig(param_dtype="float32", ppo_mini_batch_size=2, micro_batch_size=2,
+                          micro_batch_max_tokens=max_tokens)
+    worker = PolicyWorker(model_dir, config, OPTIM, total_steps=10)
+    batch = random_batch(vocab_of(model_dir), group_sizes=(2, 3, 1, 2, 3), seed=1)
+    logprobs, entropy = worker.compute_logprobs(batch)
+    metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
+    state = worker.full_state_dict()
+    if worker.rank == 0:
+        torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,
+                    "fsdp": worker.use_fsdp, "world_size": worker.world_size}, out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
