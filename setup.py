@@ -17,6 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=["aepo_kernels"] + engine_packages,
     package_dir={"aepo_kernels": "kernels"},
+    package_data={"aepo_engine": ["presets/*.toml"]},
     install_requires=[
         "torch>=2.13",
         "numpy",
@@ -26,6 +27,7 @@ setup(
         "tokenizers",
         "pyarrow",
         "bm25s>=0.3",
+        "matplotlib",
     ],
     extras_require={
         # The CPU machine set-up: torch pinned to the local CPU build, triton for the

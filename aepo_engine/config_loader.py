@@ -51,7 +51,9 @@ trip; ``check_config_class`` flags any that do not (and any field without help).
 """
 from __future__ import annotations
 
+import collections
 import collections.abc
+import dataclasses
 import difflib
 import enum
 import functools
@@ -107,7 +109,9 @@ def _union_members(tp: Any) -> tuple[Any, ...] | None:
 
 
 def _is_struct(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+    """A config section: a ``msgspec.Struct`` or a dataclass (e.g. ``aepo_kernels.LossConfig``,
+    which stays a dataclass so the kernels package depends on torch alone)."""
+    return isinstance(tp, type) and (issubclass(tp, msgspec.Struct) or dataclasses.is_dataclass(tp))
 
 
 def _section_class(tp: Any) -> type | None:
@@ -130,7 +134,14 @@ def _is_dict_type(tp: Any) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _fields(cls: type) -> dict[str, msgspec.structs.FieldInfo]:
-    """Map each field's key (its encode name) to its ``FieldInfo``."""
+    """Map each field's key (its encode name) to its ``FieldInfo`` (Structs and dataclasses)."""
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls, include_extras=True)
+        return {f.name: msgspec.structs.FieldInfo(
+            name=f.name, encode_name=f.name, type=hints[f.name],
+            default=msgspec.NODEFAULT if f.default is dataclasses.MISSING else f.default,
+            default_factory=msgspec.NODEFAULT if f.default_factory is dataclasses.MISSING else f.default_factory,
+        ) for f in dataclasses.fields(cls)}
     return {f.encode_name: f for f in msgspec.structs.fields(cls)}
 
 
@@ -198,7 +209,7 @@ def field_help(cls: type) -> dict[str, str]:
     helps: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         helps.update(_docstring_attributes(klass.__dict__.get("__doc__")))
-    for f in msgspec.structs.fields(cls):
+    for f in _fields(cls).values():
         if typing.get_origin(f.type) is typing.Annotated:
             for meta in typing.get_args(f.type)[1:]:
                 if isinstance(meta, msgspec.Meta) and meta.description:
@@ -657,9 +668,9 @@ def _dump_struct(obj: msgspec.Struct, path: str, comments: bool, lines: list[str
     """Append ``obj``'s scalar fields, then each sub-section under its own ``[path.key]`` header."""
     helps = field_help(type(obj)) if comments else {}
     sections = []
-    for f in msgspec.structs.fields(obj):
+    for f in _fields(type(obj)).values():
         value = getattr(obj, f.name)
-        if isinstance(value, msgspec.Struct):
+        if _is_struct(type(value)):
             sections.append((f, value))
             continue
         lines += _comment(helps.get(f.name, ""))

@@ -30,7 +30,7 @@ class LossConfig:
             clipped, stop-gradient importance weight, ``-sg(clip(r)) * A * logp``.
         eps_low: lower clip range, bound ``1 - eps_low``.
         eps_high: upper clip range, bound ``1 + eps_high`` (DAPO's clip-higher: e.g. 0.28).
-        dual_clip: dual-clip constant c for A<0 (``None`` disables; not used by cispo).
+        dual_clip: dual-clip constant c for A<0 (0 disables; not used by cispo).
         log_ratio_clamp: log(r) is clamped to [-x, x] before exp.
         entropy_adv_alpha: alpha_H of the entropy-aware advantage
             ``A_t = A * (1 + alpha_H * zscore(H_t))`` (spec §2b); 0 turns it off.
@@ -45,7 +45,7 @@ class LossConfig:
     clip: ClipRule = "aepo"
     eps_low: float = 0.2
     eps_high: float = 0.2
-    dual_clip: Optional[float] = 3.0
+    dual_clip: float = 3.0
     log_ratio_clamp: float = 20.0
     entropy_adv_alpha: float = 0.2
     kl_coef: float = 0.0
@@ -62,10 +62,10 @@ class LossConfig:
             raise ValueError(f"eps_low={self.eps_low}: must be in [0, 1) because 1 - eps_low is a ratio bound")
         if self.eps_high < 0.0:
             raise ValueError(f"eps_high={self.eps_high}: must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0 + self.eps_high:
+        if self.dual_clip != 0.0 and self.dual_clip <= 1.0 + self.eps_high:
             raise ValueError(
                 f"dual_clip={self.dual_clip}: must exceed 1 + eps_high = {1 + self.eps_high} "
-                "because the dual clip only bounds ratios above the high clip"
+                "(or 0 to disable it) because the dual clip only bounds ratios above the high clip"
             )
         if self.log_ratio_clamp <= 0.0:
             raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp}: must be > 0")

@@ -81,7 +81,7 @@ def clipped_token_loss(
     clipped = torch.where(ratio > high, high_bound, torch.where(ratio < low, low_bound, ratio))
     pg_unclipped, pg_clipped = -advantages * ratio, -advantages * clipped
     loss = torch.where(pg_clipped > pg_unclipped, pg_clipped, pg_unclipped)
-    if config.dual_clip is not None:
+    if config.dual_clip != 0.0:
         dual = -advantages * config.dual_clip  # constant: no gradient through the dual clip
         loss = torch.where((advantages < 0) & (loss > dual), dual, loss)
     return loss, ratio
@@ -132,7 +132,7 @@ def _loss_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str, 
         "clipfrac_low": _masked_mean(neg & (ratio < 1 - config.eps_low), mask, count),
         "num_tokens": mask.sum(),
     }
-    if config.dual_clip is not None and config.clip != "cispo":
+    if config.dual_clip != 0.0 and config.clip != "cispo":
         stats["clipfrac_dual"] = _masked_mean(neg & (ratio > config.dual_clip), mask, count)
     if kl is not None:
         stats["kl"] = _masked_mean(kl, mask, count)

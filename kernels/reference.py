@@ -67,7 +67,7 @@ def token_loss_reference(
         pg1 = -advantages * ratio
         pg2 = -advantages * torch.clamp(ratio, low_bound, high_bound)
         loss = torch.max(pg1, pg2)
-        if config.dual_clip is not None:
+        if config.dual_clip != 0.0:
             dual = torch.min(loss, -advantages * config.dual_clip)
             loss = torch.where(advantages < 0, dual, loss)
     if config.kl_coef != 0.0 and ref_logprobs is not None:

@@ -1,0 +1,109 @@
+"""The embedded default's inputs, built locally in seconds to minutes: nothing is downloaded.
+
+``prepare_synthetic_run`` makes, under ``<run_dir>/setup/``:
+1. the generated task (knowledge base, train / held-out questions) and its search corpus JSONL;
+2. a BPE tokenizer trained on the corpus and demonstrations, and a tiny random Qwen3;
+3. the warm-started model: a short supervised run on demonstrations whose tool results come
+   from the *real* tools the RL rollouts use (same search index, same python sandbox), so the
+   warm start teaches exactly the text the policy will see.
+A finished step leaves a marker and is reused on resume (``--checkpoint.resume auto``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from aepo_engine.models import build_tiny_qwen3
+from aepo_engine.sft import build_examples, train_sft
+from aepo_engine.tasks.synthetic import SyntheticTask, make_demonstrations, make_task
+from aepo_engine.tools import ToolCall, ToolRunner, build_tools
+from aepo_engine.tools.config import ToolsConfig
+
+
+@dataclass
+class SyntheticRun:
+    task: SyntheticTask
+    corpus_path: Path
+    model_dir: Path  # the warm-started model (or the random one when the warm start is off)
+    tools_config: ToolsConfig
+
+
+def synthetic_tools_config(tools: ToolsConfig, corpus_path: Path) -> ToolsConfig:
+    """The run's tools with search pointed at the generated corpus (unless the user set a corpus)."""
+    search = tools.search
+    if search.backend != "corpus" or not search.corpus_path:
+        search = msgspec.structs.replace(search, backend="corpus", corpus_path=str(corpus_path))
+    return msgspec.structs.replace(tools, search=search)
+
+
+def tool_fn_from_runner(runner: ToolRunner) -> Callable[[str, str], str]:
+    """``tool_fn(tool, payload) -> text`` through the engine's tool runner (demonstrations)."""
+
+    def tool_fn(tool: str, payload: str) -> str:
+        (result,) = runner.run([ToolCall(tool, payload)])
+        return result.text
+
+    return tool_fn
+
+
+def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:
+    """Build (or reuse) the task, corpus, tiny model and warm start of the embedded default.
+
+    Args:
+        cfg: the TrainConfig (task, model.tiny, tools, seed).
+        run_dir: the run folder; artefacts go to ``run_dir/setup``.
+    """
+    setup_dir = run_dir / "setup"
+    setup_dir.mkdir(parents=True, exist_ok=True)
+    task = make_task(cfg.task.synthetic)
+    corpus_path = task.write_corpus(setup_dir / "corpus.jsonl")
+    tools_config = synthetic_tools_config(cfg.tools, corpus_path)
+    warm_dir, random_dir = setup_dir / "warm_start", setup_dir / "random_init"
+    model_dir = warm_dir if cfg.task.warm_start_enabled else random_dir
+    if (model_dir / "DONE").exists():
+        log(f"[setup] reusing {model_dir}")
+        return SyntheticRun(task, corpus_path, model_dir, tools_config)
+
+    t0 = time.perf_counter()
+    with ToolRunner(build_tools(tools_config), max_workers=tools_config.max_workers) as runner:
+        demos = make_demonstrations(task.train, tool_fn_from_runner(runner))
+    log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
+        f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
+    texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
+    tiny = cfg.model.tiny
+    build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
+                     num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
+                     head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size, seed=tiny.seed)
+    (random_dir / "DONE").write_text("ok")
+    if cfg.task.warm_start_enabled:
+        _warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)
+    return SyntheticRun(task, corpus_path, model_dir, tools_config)
+
+
+def _warm_start(src: Path, dst: Path, task: SyntheticTask, demos: list[str], sft_cfg, log) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    examples = build_examples(tokenizer, [q.messages() for q in task.train], demos, sft_cfg.max_length)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+
+    def on_step(row: dict[str, float]) -> None:
+        losses.append(row["loss"])
+        if (row["step"] + 1) % 50 == 0:
+            log(f"[warm start] step {row['step'] + 1}/{sft_cfg.steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f}")
+
+    train_sft(model, examples, sft_cfg, log=on_step, pad_id=tokenizer.pad_token_id or 0)
+    model.save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
+    (dst / "warm_start.json").write_text(json.dumps({"steps": sft_cfg.steps, "seconds": time.perf_counter() - t0,
+                                                     "final_loss": losses[-1]}))
+    (dst / "DONE").write_text("ok")
+    log(f"[warm start] {sft_cfg.steps} steps in {time.perf_counter() - t0:.0f}s, final loss {losses[-1]:.4f}")

@@ -1,0 +1,81 @@
+"""Held-out evaluation: sample answers with real tool calls, score them, report accuracy.
+
+Evaluation reuses the rollout scheduler with branching and pre-monitoring off, so every
+question gets ``samples`` independent trajectories through exactly the machinery training uses
+(same prompts, stop strings, tools, token accounting). Accuracy is the mean of the reward's
+``correct`` flag over all samples (pass@1 averaged over samples); ``pass@k`` is the fraction of
+questions with at least one correct sample.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+
+
+class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Held-out evaluation.
+
+    Attributes:
+        num_questions: held-out questions evaluated (the first ones of the eval set; 0 = all).
+        samples: independent samples per question (accuracy averages over them).
+        temperature: sampling temperature of evaluation rollouts.
+        every_n_steps: evaluate during training every n steps (0 = only before and after RL).
+        seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws).
+    """
+
+    num_questions: int = 100
+    samples: int = 4
+    temperature: float = 1.0
+    every_n_steps: int = 0
+    seed: int = 12345
+
+    def __post_init__(self) -> None:
+        if self.num_questions < 0 or self.samples < 1:
+            raise ValueError("num_questions must be >= 0 and samples >= 1")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 because evaluation samples (no greedy path)")
+
+
+def evaluate(
+    backend: Any,
+    tool_runner: Any,
+    tokenizer: Any,
+    rollout_config: RolloutConfig,
+    prompts: Sequence[list[int]],
+    ground_truths: Sequence[Any],
+    reward_fn: Callable[..., Any],
+    config: EvalConfig,
+) -> dict[str, float]:
+    """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend``.
+
+    Args:
+        prompts: tokenized chat prompts; ground_truths: references per prompt.
+        reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
+        rollout_config: the training rollout's config; branching settings are overridden.
+    """
+    if config.num_questions:
+        prompts, ground_truths = prompts[: config.num_questions], ground_truths[: config.num_questions]
+    eval_rollout = msgspec.structs.replace(
+        rollout_config, k=config.samples, branching=False, pre_monitoring=False,
+        fixed_global_samples=config.samples, temperature=config.temperature, seed=config.seed,
+    )
+    trajectories = EntropyBalancedRollout(backend, tool_runner, eval_rollout, tokenizer=tokenizer).rollout(list(prompts), step=0)
+    correct_by_question = [0] * len(prompts)
+    rewards, tool_calls = [], []
+    for traj in trajectories:
+        result = reward_fn(tokenizer.decode(traj.response_ids), ground_truths[traj.prompt_index])
+        rewards.append(result.score)
+        correct_by_question[traj.prompt_index] += bool(result.correct)
+        tool_calls.append(traj.tool_calls)
+    n = max(len(trajectories), 1)
+    return {
+        "accuracy": sum(correct_by_question) / n,
+        f"pass@{config.samples}": sum(c > 0 for c in correct_by_question) / max(len(prompts), 1),
+        "reward": sum(rewards) / n,
+        "tool_calls": sum(tool_calls) / n,
+        "questions": float(len(prompts)),
+    }

@@ -1,0 +1,328 @@
+"""``python -m aepo_engine.train``: the AEPO training driver.
+
+One step (AEPO_SPEC.md):
+    sample prompts -> entropy-balanced rollouts with real tools (§1) -> rewards -> group
+    advantages (§2a) -> old log-probs and entropies (no grad, fused kernel) -> PPO mini-batch
+    updates with the fused AEPO loss (§2b-2d; token-mean over the global token count) ->
+    gradient clipping (a non-finite norm skips the step) -> AdamW -> push the weights to the
+    rollout backend -> metrics, samples, checkpoint.
+With no arguments it runs the embedded default (see :mod:`aepo_engine.default_setup`): a
+generated tool-use task, a tiny local Qwen3, a warm start, then AEPO; held-out accuracy is
+measured before and after RL. ``--preset grpo|dapo|arpo|aepo`` switches the algorithm by config
+alone; ``-h`` lists every option.
+
+Under ``torchrun`` every rank samples rollouts for its share of the step's prompts with its own
+generation backend; trajectories are all-gathered so every rank holds the same global batch,
+which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and plots.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from aepo_engine.algorithms.advantages import group_advantages
+from aepo_engine.checkpoint import CheckpointManager
+from aepo_engine.config import TrainConfig, preset_path
+from aepo_engine.config_loader import dump_config, parse_args
+from aepo_engine.data import Example, PromptSampler, load_examples
+from aepo_engine.default_setup import prepare_synthetic_run
+from aepo_engine.evaluate import evaluate
+from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
+from aepo_engine.rewards import get_reward
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+from aepo_engine.tools import ToolRunner, build_tools
+from aepo_engine.training.batch import TokenBatch
+from aepo_engine.training.policy import PolicyWorker
+
+
+def expand_presets(argv: list[str]) -> list[str]:
+    """``--preset NAME`` -> ``--config <presets/NAME.toml>``, placed first so user files and
+    overrides win."""
+    presets, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--preset" and i + 1 < len(argv):
+            presets.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--preset="):
+            presets.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return [x for name in presets for x in ("--config", str(preset_path(name)))] + rest
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class Trainer:
+    """Builds the parts from a :class:`TrainConfig` and runs the RL loop."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.config_text = dump_config(cfg)
+        seed_everything(cfg.seed)
+        self._prepare_task()
+        self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps())
+        self.rank, self.world = self.policy.rank, self.policy.world_size
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.reward_fn = _reward_fn(cfg)
+        self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
+        self.backend = _build_backend(cfg, self.model_dir, self.tokenizer, self.rank)
+        rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
+        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
+        self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.seed)
+        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        self.logger = RunLogger(self.run_dir / cfg.logging.dir, rank=self.rank,
+                                tensorboard=cfg.logging.tensorboard_enabled(),
+                                wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+                                run_name=cfg.logging.run_name or "")
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    def _prepare_task(self) -> None:
+        cfg = self.cfg
+        if cfg.task.source == "synthetic":
+            run = prepare_synthetic_run(cfg, self.run_dir, log=_log)
+            self.model_dir = str(cfg.model.path or run.model_dir)
+            self.tools_config = run.tools_config
+            self.train_examples = [_synthetic_example(i, q) for i, q in enumerate(run.task.train)]
+            self.eval_examples = [_synthetic_example(i, q) for i, q in enumerate(run.task.heldout)]
+        else:
+            self.model_dir, self.tools_config = cfg.model.path, cfg.tools
+            self.train_examples = load_examples(cfg.data.train_files, cfg.data)
+            self.eval_examples = load_examples(cfg.data.eval_files, cfg.data) if cfg.data.eval_files else []
+
+    def _optimizer_steps(self) -> int:
+        per_step = -(-self.cfg.train.prompts_per_step // self.cfg.policy.ppo_mini_batch_size)
+        if self.cfg.policy.mini_batch_unit == "rows":
+            per_step = -(-self.cfg.train.prompts_per_step * self.cfg.rollout.k // self.cfg.policy.ppo_mini_batch_size)
+        return max(1, self.cfg.train.steps * per_step * self.cfg.policy.ppo_epochs)
+
+    def prompt_ids(self, example: Example) -> list[int]:
+        messages = example.prompt_messages or [{"role": "user", "content": example.question}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Resume if asked, evaluate, train, evaluate; returns the summary (also summary.json)."""
+        _log(f"[config]\n{self.config_text}")
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(self.config_text)
+        start, extra = self._resume()
+        eval_before = extra.get("eval_before") or self.evaluate("before RL")
+        bar = ProgressBar(self.cfg.train.steps, start)
+        t0 = time.perf_counter()
+        for step in range(start, self.cfg.train.steps):
+            metrics = self.train_step(step)
+            if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
+                metrics.update({f"eval/{k}": v for k, v in self.evaluate(f"step {step + 1}").items()})
+            self.logger.log(step, metrics)
+            if self.rank == 0 and (step + 1) % max(1, self.cfg.logging.print_every_n_steps) == 0:
+                bar.update(step, _progress_fields(metrics))
+            if self._checkpoint_due(step):
+                self.save(step, eval_before)
+        bar.close()
+        eval_after = self.evaluate("after RL")
+        return self._finish(eval_before, eval_after, time.perf_counter() - t0)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        examples = self.sampler.next_batch()
+        trajectories, rewards, correct, stats = self._rollout_and_score(examples, step)
+        t_rollout = time.perf_counter() - t0
+        group_ids = torch.tensor([t.prompt_index for t in trajectories])
+        advantages = group_advantages(torch.tensor(rewards), group_ids)
+        batch = TokenBatch.from_trajectories(trajectories, advantages, self.tokenizer.pad_token_id or 0)
+        batch.old_logprobs, batch.entropy = self.policy.compute_logprobs(batch)
+        update = self.policy.update(batch)
+        self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
+        elapsed = time.perf_counter() - t0
+        tokens = float(sum(len(t.response_ids) for t in trajectories))
+        metrics = {
+            "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+            "train/accuracy": float(np.mean(correct)),
+            **{f"loss/{k}": v for k, v in update.items()},
+            **_rollout_metrics(stats, trajectories),
+            "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+        }
+        self.logger.dump_samples(step, _samples(trajectories, rewards, self.tokenizer, self.cfg.logging.sample_trajectories))
+        return metrics
+
+    def _rollout_and_score(self, examples: list[Example], step: int):
+        """This rank's share of prompts -> trajectories + rewards, all-gathered in prompt order."""
+        mine = list(range(self.rank, len(examples), self.world))
+        local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
+        scored = []
+        for traj in local:
+            traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
+            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
+            scored.append((traj, float(result.score), bool(result.correct)))
+        gathered = _all_gather_objects([(scored, self.rollout.last_stats)], self.world)
+        everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
+        stats = [st for _, st in gathered]
+        return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
+
+    def evaluate(self, label: str) -> dict[str, float]:
+        if not self.eval_examples:
+            return {}
+        examples = self.eval_examples
+        t0 = time.perf_counter()
+        result = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
+                          [self.prompt_ids(e) for e in examples], [e.ground_truth for e in examples],
+                          self.reward_fn, self.cfg.eval)
+        _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+             + f" ({time.perf_counter() - t0:.0f}s)")
+        return result
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every_n_steps
+        last = step + 1 == self.cfg.train.steps
+        return (every > 0 and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_at_end)
+
+    def save(self, step: int, eval_before: dict[str, float]) -> None:
+        extra = {"step": step, "sampler": self.sampler.state_dict(), "eval_before": eval_before}
+        self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
+                              self.policy.scheduler, extra, self.config_text, export_hf=self.cfg.checkpoint.export_hf)
+
+    def _resume(self) -> tuple[int, dict[str, Any]]:
+        loaded = self.checkpoints.resume(self.cfg.checkpoint.resume, self.policy.model,
+                                         self.policy.optimizer, self.policy.scheduler)
+        if loaded is None:
+            return 0, {}
+        self.sampler.load_state_dict(loaded.extra_state["sampler"])
+        self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
+        _log(f"[resume] from {loaded.path} (after step {loaded.step})")
+        return loaded.step, loaded.extra_state
+
+    def _finish(self, before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
+        summary = {"eval_before": before, "eval_after": after, "rl_seconds": seconds, "steps": self.cfg.train.steps}
+        if self.rank == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if self.cfg.logging.plots_at_end and self.logger.enabled and self.logger.metrics_path.exists():
+                try:
+                    plot_metrics(self.logger.metrics_path, self.run_dir / "plots")
+                except ImportError as exc:
+                    _log(f"[plots] skipped: {exc}")
+        _log(f"[done] held-out accuracy {before.get('accuracy', float('nan')):.4f} -> "
+             f"{after.get('accuracy', float('nan')):.4f}; run folder {self.run_dir}")
+        self.tools.close()
+        self.logger.close()
+        return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _synthetic_example(index: int, question) -> Example:
+    return Example(index=index, question=question.text, prompt_messages=question.messages(),
+                   ground_truth=[question.answer], data_source="synthetic", meta={"kind": question.kind})
+
+
+def _load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _reward_fn(cfg: TrainConfig):
+    reward = get_reward(cfg.reward.name)
+    options = dict(cfg.reward.options)
+    return lambda response, ground_truth: reward(response, ground_truth, **options)
+
+
+def _build_backend(cfg: TrainConfig, model_dir: str, tokenizer, rank: int):
+    device = cfg.backend.device
+    if device == "auto":
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    if cfg.backend.kind == "vllm":
+        from aepo_engine.rollout.backends.vllm import VLLMBackend
+
+        return VLLMBackend(model_dir, seed=cfg.rollout.seed + rank, max_model_len=cfg.backend.max_model_len,
+                           gpu_memory_utilization=cfg.backend.gpu_memory_utilization,
+                           logprobs_topk=cfg.backend.logprobs_topk)
+    from aepo_engine.rollout.backends.hf import HFBackend
+
+    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.backend.max_batch_size)
+
+
+def _rank_rollout_config(rollout_cfg, rank: int):
+    """Each rank samples different prompts: offset its seed so their draws are independent."""
+    import msgspec
+
+    return msgspec.structs.replace(rollout_cfg, seed=rollout_cfg.seed + 1_000_003 * rank) if rank else rollout_cfg
+
+
+def _all_gather_objects(obj: list, world: int) -> list:
+    if world == 1:
+        return obj
+    out: list = [None] * world
+    dist.all_gather_object(out, obj[0])
+    return out
+
+
+def _rollout_metrics(stats: list[dict[str, Any]], trajectories) -> dict[str, float]:
+    """Rollout statistics summed/averaged over ranks."""
+    def total(key):
+        return float(sum(s.get(key) or 0 for s in stats))
+
+    m_values = [m for s in stats for m in s.get("m", [])]
+    model_entropies = [e for t in trajectories for e, keep in zip(t.entropies, t.loss_mask) if keep]
+    return {
+        "rollout/global_samples": float(np.mean(m_values)) if m_values else 0.0,
+        "rollout/branches": total("branches"),
+        "rollout/branch_decisions": total("branch_decisions"),
+        "rollout/tool_calls": total("tool_calls_executed"),
+        "rollout/tool_errors": total("tool_errors"),
+        "rollout/malformed_calls": total("malformed_calls"),
+        "rollout/tokens_generated": total("tokens_generated"),
+        "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
+        "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
+    }
+
+
+def _samples(trajectories, rewards, tokenizer, count: int) -> list[dict[str, Any]]:
+    return [{"prompt_index": t.prompt_index, "traj_id": t.traj_id, "kind": t.kind, "parent_id": t.parent_id,
+             "reward": r, "finish_reason": t.finish_reason, "tool_calls": t.tool_calls,
+             "prompt": tokenizer.decode(t.prompt_ids), "response": tokenizer.decode(t.response_ids)}
+            for t, r in list(zip(trajectories, rewards))[:count]]
+
+
+def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
+    keys = {"reward": "reward/mean", "acc": "train/accuracy", "H": "loss/entropy",
+            "branches": "rollout/branches", "tok/s": "throughput/tokens_per_s", "eval": "eval/accuracy"}
+    return {name: metrics[key] for name, key in keys.items() if key in metrics}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = expand_presets(list(sys.argv[1:] if argv is None else argv))
+    cfg = parse_args(TrainConfig, argv, prog="python -m aepo_engine.train")
+    return Trainer(cfg).run()
+
+
+if __name__ == "__main__":
+    main()
