@@ -1,7 +1,8 @@
 """World-size invariance: one update on 2 FSDP2 ranks (gloo, CPU) == the same update in 1 process.
 
 The 2-rank run also cuts micro-batches by a token budget (ranks then run different numbers of
-real micro-batches, padded to the same count) and gets odd mini-batches (masked filler rows), so
+real micro-batches, padded to the same count), recomputes activations (checkpointing under FSDP2)
+and gets odd mini-batches (masked filler rows), so
 it checks the global token count, the all-reduced entropy statistics, the loss scaling that undoes
 FSDP2's gradient averaging, the strided row gather of ``compute_logprobs`` and the full state
 dict's HF names together. Takes ~30-60 s (two fresh interpreters); AEPO_DIST_TESTS=0 skips it.
@@ -30,11 +31,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_torchrun(model_dir: Path, out: Path, max_tokens: int) -> None:
+def run_torchrun(model_dir: Path, out: Path, *flags: str) -> None:
     """2 ranks on a free port (not the fixed default, which parallel jobs may hold)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPT), str(model_dir),
-               str(out), str(max_tokens)]
+               str(out), *flags]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "AEPO_TORCH_COMPILE": "0"}  # compiling the CPU kernels would dominate this short run
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -58,7 +59,7 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
 
     model_dir = Path(build_tiny_qwen3(tmp_path / "model", vocab_size=300, hidden_size=64, intermediate_size=128,
                                       num_heads=2, num_kv_heads=1, head_dim=32, initializer_range=0.3))
-    run_torchrun(model_dir, tmp_path / "two.pt", max_tokens=30)
+    run_torchrun(model_dir, tmp_path / "two.pt", "--max-tokens=30", "--activation-checkpointing")
     run(str(model_dir), str(tmp_path / "one.pt"))  # in this process: world size 1, no FSDP
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["world_size"], one["fsdp"], two["world_size"], two["fsdp"]) == (1, False, 2, True)

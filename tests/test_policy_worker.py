@@ -123,6 +123,9 @@ def test_token_batch_splits():
     for part in minis[0].micro_batches(max_tokens=40):
         assert part.num_rows == 1 or part.num_rows * int(part.lengths.max()) <= 40
         assert part.input_ids.shape[1] == int(part.lengths.max())  # trimmed
+    shuffled = batch.rows([0, 2, 1])  # prompt 0, prompt 1, prompt 0 again
+    with pytest.raises(ValueError, match="consecutive"):
+        shuffled.mini_batches(1)
     rejoined = concat_rows(batch.micro_batches(size=3))
     assert torch.equal(rejoined.labels, batch.labels) and torch.equal(rejoined.loss_mask, batch.loss_mask)
 

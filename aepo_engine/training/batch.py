@@ -132,7 +132,11 @@ class TokenBatch:
         """
         if by == "rows":
             return [self.rows(slice(i, i + size)) for i in range(0, self.num_rows, size)]
-        starts = [0] + [i for i in range(1, self.num_rows) if self.group_ids[i] != self.group_ids[i - 1]]
+        groups = self.group_ids.tolist()
+        starts = [0] + [i for i in range(1, self.num_rows) if groups[i] != groups[i - 1]]
+        if len(starts) != len(set(groups)):
+            raise ValueError("rows of one prompt must be consecutive to split by prompts "
+                             "(a prompt's trajectories would land in two mini-batches)")
         cuts = starts[::size] + [self.num_rows]
         return [self.rows(slice(a, b)) for a, b in zip(cuts[:-1], cuts[1:])]
 

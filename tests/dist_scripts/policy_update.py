@@ -1,15 +1,17 @@
 """One AEPO update of a tiny model on a fixed global batch; run plain (1 process) or under torchrun.
 
-    python tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt [max_tokens]
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt 30
+    python tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt \
+        --max-tokens 30 --activation-checkpointing [--fsdp off]
 
 Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size"} to OUT.pt. Batch:
 5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
-ranks get masked-out filler rows); with ``max_tokens`` the micro-batches are cut by a token
+ranks get masked-out filler rows); with ``--max-tokens`` the micro-batches are cut by a token
 budget, so ranks run different numbers of real micro-batches (padded to the same count).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -27,10 +29,12 @@ from aepo_engine.training import PolicyConfig, PolicyWorker  # noqa: E402
 OPTIM = OptimConfig(lr=0.05, eps=1.0, weight_decay=0.0, grad_clip=0.0)  # SGD-like first steps
 
 
-def run(model_dir: str, out: str, max_tokens: int | None = None) -> None:
+def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "auto",
+        activation_checkpointing: bool = False) -> None:
     """Build the worker, compute log-probs, update once, save the results on rank 0."""
     config = PolicyConfig(param_dtype="float32", ppo_mini_batch_size=2, micro_batch_size=2,
-                          micro_batch_max_tokens=max_tokens)
+                          micro_batch_max_tokens=max_tokens, fsdp=fsdp,
+                          activation_checkpointing=activation_checkpointing)
     worker = PolicyWorker(model_dir, config, OPTIM, total_steps=10)
     batch = random_batch(vocab_of(model_dir), group_sizes=(2, 3, 1, 2, 3), seed=1)
     logprobs, entropy = worker.compute_logprobs(batch)
@@ -45,4 +49,11 @@ def run(model_dir: str, out: str, max_tokens: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--fsdp", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    args = parser.parse_args()
+    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing)
