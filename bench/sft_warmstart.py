@@ -27,8 +27,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aepo_engine.models import build_tiny_qwen3
+from aepo_engine.tools.parsing import format_tool_result
 from aepo_engine.sft import SFTConfig, SFTExample, build_examples, collate, train_sft
-from aepo_engine.tasks.synthetic import (RESULT_TEMPLATE, SYSTEM_PROMPT, SyntheticTaskConfig,
+from aepo_engine.tasks.synthetic import (SYSTEM_PROMPT, SyntheticTaskConfig,
                                          is_correct, make_demonstrations, make_task,
                                          reference_tool_fn, safe_print_eval)
 
@@ -91,7 +92,7 @@ def rollout(model, tokenizer, questions, tool_fn, temperature: float, seed: int,
                 if opening < 0:
                     continue  # malformed call ends the trajectory
                 payload = text[opening + len(tool) + 2:text.rfind(f"</{tool}>")]
-                result = RESULT_TEMPLATE.format(tool_fn(tool, payload).strip())
+                result = format_tool_result(tool_fn(tool, payload))
                 result_ids = tokenizer.encode(result, add_special_tokens=False)
                 contexts[i] += result_ids
                 masks[i] += [0] * len(result_ids)

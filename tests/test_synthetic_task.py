@@ -98,11 +98,12 @@ def test_demonstration_spacing_keeps_copied_words_identical():
     question = Question("q", "arithmetic", "What is the age of Bo plus the score of Ka?", "30",
                         (ToolCall("search", "Bo age"), ToolCall("search", "Ka score"),
                          ToolCall("python", "print( 20 + 10)")))
-    results = {"Bo age": "Page 1: Bo age 20.", "Ka score": "Page 1: Ka score 10.", "print( 20 + 10)": "30"}
+    # Tool text goes in unchanged (a python tool's trailing newline included), as the rollout does.
+    results = {"Bo age": "Page 1: Bo age 20.", "Ka score": "Page 1: Ka score 10.", "print( 20 + 10)": "30\n"}
     (response,) = make_demonstrations([question], lambda tool, payload: results[payload])
     assert response == ("<think></think>\n<search> Bo age</search> <result>\nPage 1: Bo age 20.\n</result>\n"
                         "<search> Ka score</search> <result>\nPage 1: Ka score 10.\n</result>\n"
-                        "<python>print( 20 + 10)</python> <result>\n30\n</result>\n"
+                        "<python>print( 20 + 10)</python> <result>\n30\n\n</result>\n"
                         "<answer> \\boxed{30} </answer>")
 
 

@@ -43,14 +43,14 @@ from typing import Callable, Literal, Sequence
 
 import msgspec
 
+from aepo_engine.tools.parsing import format_tool_result
+
 QuestionKind = Literal["lookup", "two_hop", "arithmetic"]
 ToolFn = Callable[[str, str], str]
 
 # Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
 SYSTEM_PROMPT = ("Tools: <search> name attribute</search> and <python> print(...)</python>, "
                  "answered in <result>. End with <answer> \\boxed{answer} </answer>.")
-# How the rollout appends a tool result to a trajectory (AEPO_SPEC §1b); loss mask 0.
-RESULT_TEMPLATE = " <result>\n{}\n</result>"
 
 PERSON_ATTRIBUTES = ("age", "score", "color", "city")
 CITY_ATTRIBUTES = ("size", "mayor")
@@ -291,10 +291,12 @@ def _demonstration(question: Question, tool_fn: ToolFn) -> str:
     parts = ["<think></think>"]
     results = []
     for call in question.plan:
-        output = tool_fn(call.tool, call.payload).strip()
+        # Unchanged tool text, wrapped exactly as the rollout wraps it (format_tool_result), so the
+        # warm start sees the same token sequences as the RL rollouts.
+        output = tool_fn(call.tool, call.payload)
         results.append(output)
         parts.append(f"\n<{call.tool}>{render_payload(call)}</{call.tool}>")
-        parts.append(RESULT_TEMPLATE.format(output))
+        parts.append(format_tool_result(output))
     _check_grounded(question, results)
     # Copy the answer with the spacing it has in the last result: " 34" after "age" in a search
     # result, "61" alone on the python output line (see render_payload).
