@@ -4,8 +4,9 @@ The 2-rank run also cuts micro-batches by a token budget (ranks then run differe
 real micro-batches, padded to the same count), recomputes activations (checkpointing under FSDP2)
 and gets odd mini-batches (masked filler rows), so
 it checks the global token count, the all-reduced entropy statistics, the loss scaling that undoes
-FSDP2's gradient averaging, the strided row gather of ``compute_logprobs`` and the full state
-dict's HF names together. Takes ~30-60 s (two fresh interpreters); AEPO_DIST_TESTS=0 skips it.
+FSDP2's gradient averaging, the strided row gather of ``compute_logprobs``, the full state
+dict's HF names and a CheckpointManager save of the sharded worker together. Takes ~30-60 s
+(two fresh interpreters; more on a loaded machine); AEPO_DIST_TESTS=0 skips it.
 """
 from __future__ import annotations
 
@@ -76,3 +77,6 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
     gap = max((one["state"][k] - two["state"][k]).abs().max().item() for k in initial)
     step = max((one["state"][k] - initial[k]).abs().max().item() for k in initial)
     assert step > 1e-3 and gap < 5e-5 * step, (gap, step)
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two.pt_ckpt" / "step_000001" / "hf_model")
+    assert all(torch.equal(v, two["state"][k]) for k, v in exported.state_dict().items())

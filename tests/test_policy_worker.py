@@ -274,3 +274,23 @@ def test_full_state_dict_has_hf_names_and_loads_back(tiny_model):
     assert set(state) == set(hf.state_dict())
     hf.load_state_dict(state)
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_checkpoint_manager_round_trip(tiny_model, tmp_path):
+    """model/optimizer/scheduler as the worker exposes them save and resume with CheckpointManager."""
+    from aepo_engine.checkpoint import CheckpointManager
+
+    batch = random_batch(vocab_of(tiny_model))
+    optim = OptimConfig(lr=1e-3, warmup_steps=3)
+    worker = make_worker(tiny_model, optim=optim, ppo_mini_batch_size=2)
+    worker.update(with_old_policy(worker, batch))
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
+    resumed = make_worker(tiny_model, optim=optim, ppo_mini_batch_size=2)
+    manager.load_latest(resumed.model, resumed.optimizer, resumed.scheduler)
+    assert resumed.scheduler.get_last_lr() == worker.scheduler.get_last_lr()
+    next_batch = with_old_policy(worker, batch)
+    worker.update(next_batch)
+    resumed.update(next_batch)
+    a, b = params(worker), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

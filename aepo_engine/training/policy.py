@@ -59,7 +59,7 @@ from aepo_kernels import (
 
 __all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker", "build_lr_scheduler"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per-call statistics of policy_loss_from_logprobs that are token means (re-weighted by tokens).
 TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
 
@@ -93,7 +93,8 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         fsdp: "auto" shards with FSDP2 when world_size > 1; "on" always (needs torchrun); "off" never
             (with world_size > 1 every rank holds the full model and gradients are all-reduced).
         param_dtype: Compute dtype of parameters in forward/backward (master weights stay float32);
-            FSDP2 MixedPrecisionPolicy when sharded, torch.autocast otherwise.
+            FSDP2 MixedPrecisionPolicy when sharded, torch.autocast otherwise. No float16: it would
+            need loss scaling, which is left out.
         reduce_dtype: dtype of the FSDP2 gradient reduce-scatter.
         activation_checkpointing: Recompute each decoder layer in backward (HF gradient
             checkpointing, non-reentrant) to save activation memory.
@@ -113,7 +114,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fused_vocab_chunk: int = 8192
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -262,7 +263,7 @@ class PolicyWorker:
     # --- forward helpers ------------------------------------------------------------------------
 
     def _forward(self, micro: TokenBatch) -> tuple[Tensor, Tensor]:
-        micro = micro.to(self.device)
+        """``(logprobs, entropy)`` ``[b, l]`` of a micro-batch already on ``self.device``."""
         with self._autocast():
             return self.policy(micro.input_ids, micro.attention_mask, micro.labels)  # [b, l] x2
 
@@ -301,7 +302,7 @@ class PolicyWorker:
         width = batch.input_ids.shape[1]
         local = batch.shard(self.rank, self.world_size)
         parts, real = self._micro_batches(local)
-        outs = [self._forward(micro) for micro in parts][:real]
+        outs = [self._forward(micro.to(self.device)) for micro in parts][:real]
         pad = lambda t: nn.functional.pad(t.float(), (0, width - t.shape[1]))  # noqa: E731
         local_out = torch.stack([torch.cat([pad(o[i]) for o in outs]) for i in (0, 1)])  # [2, b, L]
         logprobs, entropy = self._gather_rows(local_out, batch.num_rows).cpu().unbind(0)
@@ -377,8 +378,8 @@ class PolicyWorker:
 
     def _micro_step(self, micro: TokenBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
         """Forward + backward of one micro-batch; returns its ``[2 + K]`` metric sums (detached)."""
-        logprobs, entropy = self._forward(micro)  # [b, l] each
         micro = micro.to(self.device)
+        logprobs, entropy = self._forward(micro)  # [b, l] each
         loss, stats = policy_loss_from_logprobs(
             logprobs, entropy, micro.old_logprobs, micro.advantages, micro.loss_mask,
             config=self.config.loss, global_token_count=count, ref_logprobs=micro.ref_logprobs, **stats_kwargs)
@@ -395,7 +396,8 @@ class PolicyWorker:
             entropy = local.entropy
         else:
             with torch.no_grad():
-                moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask.to(self.device)) for m in parts)
+                parts = [m.to(self.device) for m in parts]
+                moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask) for m in parts)
             return self._all_reduce(moments)
         return self._all_reduce(entropy_moments(entropy.to(self.device), local.loss_mask.to(self.device)))
 

@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt \
         --max-tokens 30 --activation-checkpointing [--fsdp off]
 
-Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size"} to OUT.pt. Batch:
+Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size"} to OUT.pt, and a
+CheckpointManager checkpoint (sharded train state + HF export) goes to OUT.pt_ckpt. Batch:
 5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
 ranks get masked-out filler rows); with ``--max-tokens`` the micro-batches are cut by a token
 budget, so ranks run different numbers of real micro-batches (padded to the same count).
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the b
 
 from test_policy_worker import random_batch, vocab_of  # noqa: E402
 
+from aepo_engine.checkpoint import CheckpointManager  # noqa: E402
 from aepo_engine.train_config import OptimConfig  # noqa: E402
 from aepo_engine.training import PolicyConfig, PolicyWorker  # noqa: E402
 
@@ -40,6 +42,7 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
     state = worker.full_state_dict()
+    CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
         torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,
                     "fsdp": worker.use_fsdp, "world_size": worker.world_size}, out)
