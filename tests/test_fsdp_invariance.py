@@ -2,11 +2,11 @@
 
 The 2-rank run also cuts micro-batches by a token budget (ranks then run different numbers of
 real micro-batches, padded to the same count), recomputes activations (checkpointing under FSDP2)
-and gets odd mini-batches (masked filler rows), so
-it checks the global token count, the all-reduced entropy statistics, the loss scaling that undoes
-FSDP2's gradient averaging, the strided row gather of ``compute_logprobs``, the full state
-dict's HF names and a CheckpointManager save of the sharded worker together. Takes ~30-60 s
-(two fresh interpreters; more on a loaded machine); AEPO_DIST_TESTS=0 skips it.
+and gets odd mini-batches (masked filler rows), so it checks the global token count, the
+all-reduced entropy statistics, the loss scaling that undoes FSDP2's gradient averaging, the
+strided row gather of ``compute_logprobs``, the full state dict's HF names and a
+CheckpointManager save of the sharded worker together. Takes ~30-60 s (two fresh interpreters;
+more on a loaded machine); AEPO_DIST_TESTS=0 skips it.
 """
 from __future__ import annotations
 

@@ -151,6 +151,8 @@ def test_policy_config_rejects_bad_values():
     with pytest.raises(ValueError, match="token-mean"):
         PolicyConfig(loss=LossConfig(aggregation="seq-mean-token-mean"))
     assert msgspec.convert({"loss": {"clip": "ppo"}}, PolicyConfig).loss.clip == "ppo"
+    # spec §3: 64 prompts per step, mini-batches of 8 prompts -> 8 optimizer steps (x epochs)
+    assert PolicyConfig().steps_per_update(64) == 8 and PolicyConfig(ppo_epochs=2).steps_per_update(65) == 18
 
 
 # --- PolicyWorker -----------------------------------------------------------------------------------

@@ -131,6 +131,11 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                  f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
                  "count, which only token-mean supports; sequence-level modes are left out")
 
+    def steps_per_update(self, num_units: int) -> int:
+        """Optimizer steps one ``update()`` takes for ``num_units`` prompts (or rows, see
+        ``mini_batch_unit``): the trainer multiplies by its step count for ``total_steps``."""
+        return -(-num_units // self.ppo_mini_batch_size) * self.ppo_epochs
+
 
 # --- the module FSDP wraps ------------------------------------------------------------------------
 
