@@ -42,6 +42,9 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
     state = worker.full_state_dict()
+    everywhere = worker.full_state_dict(rank0_only=False)  # what a per-rank rollout engine receives
+    assert everywhere and (worker.rank != 0 or all(torch.equal(v, state[k]) for k, v in everywhere.items()))
+    assert worker.rank == 0 or not state  # rank0_only: the others get {}
     CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
         torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,
