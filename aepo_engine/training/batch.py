@@ -15,7 +15,9 @@ Splitting: a batch is cut into PPO mini-batches (consecutive rows, by prompt gro
 each mini-batch into rank shards (strided rows, padded with masked-out dummy rows so every rank
 runs the same number of forward/backward calls, which FSDP's collectives need) and each shard
 into micro-batches (by row count or a padded-token budget); every piece is trimmed to its own
-longest row. Left out: sequence packing (varlen attention), left padding.
+longest row. Splitting runs on the host (the batch stays on CPU; each micro-batch is copied to
+the device once), so reading lengths there syncs nothing. Left out: sequence packing (varlen
+attention), left padding.
 """
 from __future__ import annotations
 
