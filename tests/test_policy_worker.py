@@ -296,3 +296,14 @@ def test_checkpoint_manager_round_trip(tiny_model, tmp_path):
     resumed.update(next_batch)
     a, b = params(worker), params(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kl_to_reference_is_reported_and_zero_at_the_reference(tiny_model):
+    batch = random_batch(vocab_of(tiny_model))
+    worker = make_worker(tiny_model, loss=LossConfig(kl_coef=0.1), ppo_mini_batch_size=4)  # one step
+    current = with_old_policy(worker, batch)
+    current.ref_logprobs = current.old_logprobs.clone()  # reference = the policy before the update
+    assert worker.update(current)["kl"] < 1e-6  # measured before the step: at the reference
+    assert worker.update(current)["kl"] > 1e-4  # one step away from it
+    with pytest.raises(ValueError, match="ref_logprobs"):  # kl_coef != 0 without a reference
+        worker.update(with_old_policy(worker, batch))
