@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from aepo_engine.faults import fault_point
+
 __all__ = [
     "CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "find_latest", "list_checkpoints",
     "restore_rng_state",
@@ -334,6 +336,7 @@ class CheckpointManager:
         state[f"rng/rank_{_rank()}"] = _to_bytes(capture_rng_state())
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=tmp / "train_state")
+        fault_point("checkpoint_write", step)
         full_state = _full_model_state(model) if export_hf else None
         if _rank() == 0:
             if export_hf:

@@ -35,6 +35,7 @@ from aepo_engine.config_loader import dump_config, parse_args
 from aepo_engine.data import Example, PromptSampler, load_examples
 from aepo_engine.default_setup import prepare_synthetic_run
 from aepo_engine.evaluate import evaluate
+from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import get_reward
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
@@ -112,10 +113,9 @@ class Trainer:
             self.eval_examples = load_examples(cfg.data.eval_files, cfg.data) if cfg.data.eval_files else []
 
     def _optimizer_steps(self) -> int:
-        per_step = -(-self.cfg.train.prompts_per_step // self.cfg.policy.ppo_mini_batch_size)
-        if self.cfg.policy.mini_batch_unit == "rows":
-            per_step = -(-self.cfg.train.prompts_per_step * self.cfg.rollout.k // self.cfg.policy.ppo_mini_batch_size)
-        return max(1, self.cfg.train.steps * per_step * self.cfg.policy.ppo_epochs)
+        policy, train = self.cfg.policy, self.cfg.train
+        units = train.prompts_per_step * (self.cfg.rollout.k if policy.mini_batch_unit == "rows" else 1)
+        return max(1, train.steps * policy.steps_per_update(units))
 
     def prompt_ids(self, example: Example) -> list[int]:
         messages = example.prompt_messages or [{"role": "user", "content": example.question}]
@@ -143,6 +143,7 @@ class Trainer:
                 bar.update(step, _progress_fields(metrics))
             if self._checkpoint_due(step):
                 self.save(step, eval_before)
+            fault_point("after_step", step + 1)
         bar.close()
         eval_after = self.evaluate("after RL")
         return self._finish(eval_before, eval_after, time.perf_counter() - t0)
@@ -319,7 +320,11 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = expand_presets(list(sys.argv[1:] if argv is None else argv))
+    try:
+        argv = expand_presets(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
     cfg = parse_args(TrainConfig, argv, prog="python -m aepo_engine.train")
     return Trainer(cfg).run()
 

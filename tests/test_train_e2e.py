@@ -1,0 +1,107 @@
+"""End to end: ``python -m aepo_engine.train`` on a tiny generated task, its outputs, a kill -9
+in the middle of writing a checkpoint followed by ``--checkpoint.resume auto`` reproducing the
+uninterrupted run exactly, and config errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# A few-step run: small world, short responses, 2 prompts x 2 trajectories per step.
+TINY = [
+    "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
+    "--task.synthetic.num_heldout=4", "--task.warm_start.steps=6", "--task.warm_start.warmup_steps=1",
+    "--task.warm_start.batch_size=8", "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
+    "--rollout.k=2", "--rollout.max_response_tokens=40", "--rollout.max_tokens_per_segment=24",
+    "--train.steps=3", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
+    "--eval.num_questions=2", "--eval.samples=1", "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=5",
+    "--logging.tensorboard=off",
+]
+VOLATILE = ("time/", "throughput/", "tokens_per_s")
+
+
+def train(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "AEPO_FAULT": fault or ""}
+    return subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", *TINY, *extra],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = {}
+    for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = {k: v for k, v in row.items() if not any(k.startswith(p) or k.endswith(p) for p in VOLATILE)}
+    return [rows[s] for s in sorted(rows)]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(run_dir / "checkpoints" / latest / "hf_model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = train(run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
+
+
+def test_run_writes_everything_a_user_looks_at(uninterrupted):
+    summary = json.loads((uninterrupted / "summary.json").read_text())
+    for phase in ("eval_before", "eval_after"):
+        assert set(summary[phase]) >= {"accuracy", "reward", "tool_calls"}
+    rows = _metrics(uninterrupted)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward/mean", "loss/entropy", "loss/clipfrac_high", "rollout/branches", "loss/grad_norm"):
+        assert all(key in r for r in rows), key
+    assert (uninterrupted / "config.toml").read_text().startswith("#")
+    assert sorted(p.name for p in (uninterrupted / "plots").glob("*.png"))
+    assert len(list((uninterrupted / "logs" / "samples").glob("step_*.jsonl"))) == 3
+    from transformers import AutoModelForCausalLM
+
+    latest = (uninterrupted / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_000003"
+    AutoModelForCausalLM.from_pretrained(uninterrupted / "checkpoints" / latest / "hf_model")
+
+
+def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tmp_path):
+    run_dir = tmp_path / "killed"
+    killed = train(run_dir, fault="checkpoint_write:2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000001"
+    assert any(".tmp" in p.name for p in checkpoints.iterdir())  # the half-written step 2
+
+    resumed = train(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "[resume] from" in resumed.stdout
+    assert not any(".tmp" in p.name for p in checkpoints.iterdir())
+    got_rows, expected_rows = _metrics(run_dir), _metrics(uninterrupted)
+    assert len(got_rows) == len(expected_rows)
+    for got_row, expected_row in zip(got_rows, expected_rows):
+        differing = {k: (got_row.get(k), v) for k, v in expected_row.items() if got_row.get(k) != v}
+        assert not differing, f"step {expected_row['step']}: {differing}"
+    expected, got = _final_weights(uninterrupted), _final_weights(run_dir)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {**json.loads((uninterrupted / "summary.json").read_text()), "rl_seconds": summary["rl_seconds"]}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rollout.kk=3"], "did you mean"),
+    (["--policy.loss.clip=ppo2"], "clip"),
+    (["--task.source=files"], "data.train_files"),
+    (["--preset", "nope"], "unknown preset"),
+])
+def test_config_errors_say_why(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={tmp_path}", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
