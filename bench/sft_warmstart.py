@@ -202,7 +202,12 @@ def run(args, seed: int) -> list[dict]:
             model.train()
         clock["last"], clock["last_cpu"] = time.perf_counter(), time.process_time()
 
-    train_sft(model, examples, config, log=log, pad_id=tokenizer.pad_token_id)
+    if args.load_sft:  # reuse a saved warm start (same seed and task); skips SFT
+        model = AutoModelForCausalLM.from_pretrained(args.load_sft, dtype=torch.float32).eval()
+    else:
+        train_sft(model, examples, config, log=log, pad_id=tokenizer.pad_token_id)
+    if args.save_sft:
+        model.save_pretrained(args.save_sft)
     if args.rl_steps:
         def on_eval(rl_step, seconds):
             for temperature in args.temperatures:
@@ -210,6 +215,8 @@ def run(args, seed: int) -> list[dict]:
                        **evaluate(model, tokenizer, heldout, tool_fn, temperature, seed)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+        if args.load_sft:
+            on_eval(0, 0.0)  # the warm start's own accuracy, the RL baseline
         grpo_probe(model, tokenizer, list(task.train), tool_fn, args, seed, on_eval)
     if args.show:
         responses = rollout(model, tokenizer, heldout[:args.show], tool_fn, 1.0, seed)
@@ -243,6 +250,8 @@ def main():
     parser.add_argument("--topk", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--show", type=int, default=0, help="print this many sampled responses")
+    parser.add_argument("--save-sft", default=None, help="save the warm-started model here")
+    parser.add_argument("--load-sft", default=None, help="load a saved warm start instead of training")
     parser.add_argument("--rl-steps", type=int, default=0, help="GRPO probe steps after SFT")
     parser.add_argument("--rl-prompts", type=int, default=8)
     parser.add_argument("--rl-k", type=int, default=8)
