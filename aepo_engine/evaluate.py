@@ -59,6 +59,8 @@ def evaluate(
     """
     if config.num_questions:
         prompts, ground_truths = prompts[: config.num_questions], ground_truths[: config.num_questions]
+    if not prompts:
+        return {"accuracy": 0.0, f"pass@{config.samples}": 0.0, "reward": 0.0, "tool_calls": 0.0, "questions": 0.0}
     eval_rollout = msgspec.structs.replace(
         rollout_config, k=config.samples, branching=False, pre_monitoring=False,
         fixed_global_samples=config.samples, temperature=config.temperature, seed=config.seed,

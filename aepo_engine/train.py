@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from aepo_engine.rewards import get_reward
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.training.batch import TokenBatch
-from aepo_engine.training.policy import PolicyWorker
+from aepo_engine.training.policy import PolicyWorker, init_distributed
 
 
 def expand_presets(argv: list[str]) -> list[str]:
@@ -81,9 +82,9 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
+        self.rank, self.world, _ = init_distributed()
         self._prepare_task()
         self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps())
-        self.rank, self.world = self.policy.rank, self.policy.world_size
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.reward_fn = _reward_fn(cfg)
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
@@ -102,7 +103,10 @@ class Trainer:
     def _prepare_task(self) -> None:
         cfg = self.cfg
         if cfg.task.source == "synthetic":
-            run = prepare_synthetic_run(cfg, self.run_dir, log=_log)
+            if self.rank == 0:  # builds the files once; the other ranks then read them
+                prepare_synthetic_run(cfg, self.run_dir, log=_log)
+            _barrier()
+            run = prepare_synthetic_run(cfg, self.run_dir, log=lambda _: None)
             self.model_dir = str(cfg.model.path or run.model_dir)
             self.tools_config = run.tools_config
             self.train_examples = [_synthetic_example(i, q) for i, q in enumerate(run.task.train)]
@@ -186,13 +190,18 @@ class Trainer:
         return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
 
     def evaluate(self, label: str) -> dict[str, float]:
+        """Held-out metrics; under torchrun each rank takes every world-th question."""
         if not self.eval_examples:
             return {}
-        examples = self.eval_examples
+        questions = self.eval_examples[: self.cfg.eval.num_questions or None][self.rank :: self.world]
         t0 = time.perf_counter()
-        result = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                          [self.prompt_ids(e) for e in examples], [e.ground_truth for e in examples],
-                          self.reward_fn, self.cfg.eval)
+        local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
+                         [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
+                         self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0))
+        parts = _all_gather_objects([local], self.world)
+        total = sum(p["questions"] for p in parts)
+        result = {k: sum(p[k] * p["questions"] for p in parts) / max(total, 1) for k in local if k != "questions"}
+        result["questions"] = total
         _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items())
              + f" ({time.perf_counter() - t0:.0f}s)")
         return result
@@ -273,9 +282,12 @@ def _build_backend(cfg: TrainConfig, model_dir: str, tokenizer, rank: int):
 
 def _rank_rollout_config(rollout_cfg, rank: int):
     """Each rank samples different prompts: offset its seed so their draws are independent."""
-    import msgspec
-
     return msgspec.structs.replace(rollout_cfg, seed=rollout_cfg.seed + 1_000_003 * rank) if rank else rollout_cfg
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _all_gather_objects(obj: list, world: int) -> list:
