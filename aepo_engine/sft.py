@@ -28,11 +28,16 @@ _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
 
 
 class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Supervised warm-start settings (defaults sized for a ~2M-parameter model on 2 CPU cores)."""
+    """Supervised warm-start settings.
 
-    steps: int = 300  # optimizer steps
+    Defaults measured on the synthetic task (bench/results/sft_warmstart.json) with a 4-layer,
+    128-wide tied-embedding Qwen3 (0.9M params): ~150 CPU-seconds, held-out accuracy 35-43% at
+    temperature 1 (44-58% greedy), leaving headroom for RL; 600 steps reach ~90%.
+    """
+
+    steps: int = 400  # optimizer steps
     batch_size: int = 16  # sequences per step (padded to the longest in the batch)
-    lr: float = 3e-3  # peak AdamW learning rate; tiny freshly initialized models take large rates
+    lr: float = 1e-2  # peak AdamW learning rate; tiny freshly initialized models take large rates
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 20  # linear warm-up from 0 to lr
     weight_decay: float = 0.01  # AdamW decoupled weight decay
