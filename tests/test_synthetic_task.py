@@ -125,6 +125,11 @@ def test_extract_answer_takes_the_last_boxed_inside_answer():
     assert extract_answer("\\boxed{3}") is None and extract_answer("<answer>3</answer>") is None
 
 
+def test_split_sizes_are_exact_despite_rounding():
+    task = make_task(SyntheticTaskConfig(num_people=24, num_cities=4, num_train=32, num_heldout=5))
+    assert (len(task.train), len(task.heldout)) == (32, 5)
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError):
         SyntheticTaskConfig(lookup_weight=-1)

@@ -231,9 +231,11 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     total_weight = sum(weights.values())
     train: list[Question] = []
     heldout: list[Question] = []
-    for kind, weight in weights.items():
+    for position, (kind, weight) in enumerate(weights.items()):
         num_heldout = round(config.num_heldout * weight / total_weight)
         num_train = round(config.num_train * weight / total_weight)
+        if position == len(weights) - 1:  # the last kind takes the rounding remainder
+            num_heldout, num_train = config.num_heldout - len(heldout), config.num_train - len(train)
         questions = _distinct_questions(kind, num_heldout + num_train, people, by_name, rng)
         heldout += questions[:num_heldout]
         train += questions[num_heldout:]
