@@ -1,0 +1,73 @@
+"""Smoke test of bench/bench_rollout.py: its case function at a tiny size, in-process.
+
+Keeps the benchmark from rotting when the rollout, tools, SFT or task APIs change: a 1-layer
+Qwen3 gets a 20-step warm start, then the ``plain`` and ``aepo`` cases each time one rollout call
+(2 prompts x k=4, short token caps) through the HF backend with the real tools. The figures are
+not checked, only that the rows are complete and consistent.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_rollout  # noqa: E402
+
+TINY_SHAPE = dict(vocab_size=512, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """(model dir, corpus path, model info) of a tiny warm-started model on the bench task."""
+    tmp = tmp_path_factory.mktemp("bench_rollout")
+    task = bench_rollout.bench_task(0)
+    info = bench_rollout.warm_start(str(tmp / "model"), task, steps=20, seed=0, lr=1e-2,
+                                    shape=TINY_SHAPE)
+    return str(tmp / "model"), str(task.write_corpus(tmp / "kb.jsonl")), info
+
+
+def case(workload, mode: str) -> dict:
+    model_dir, corpus_path, _ = workload
+    spec = bench_rollout.CaseSpec(backend="hf", mode=mode, model_dir=model_dir,
+                                  corpus_path=corpus_path, prompts=2, k=4,
+                                  max_response_tokens=64, max_tokens_per_segment=24,
+                                  warmup=0, repeats=1, threads=1)
+    return bench_rollout.run_case(spec)
+
+
+def test_cases_give_complete_rows_and_a_ratio(workload):
+    rows = [case(workload, "plain"), case(workload, "aepo")]
+    for row in rows:
+        assert row["trajectories"] == 8
+        assert row["tokens_generated"] > 0 and row["rounds"] >= 1
+        assert row["tokens_per_s"] > 0 and row["total_s"] > 0
+        assert 0 < row["gen_s"] <= row["total_s"] and 0 <= row["tool_s"] <= row["total_s"]
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+        assert row["tokens_per_cpu_s"] > 0 and len(row["calls"]) == 1
+        assert row["model_tokens_per_traj"] <= row["response_tokens_per_traj"] <= 64
+        assert row["peak_bytes"] >= 0 and not math.isnan(row["load_1m_before"])
+    plain, aepo = rows
+    assert plain["branches"] == 0 and plain["mean_m"] == 4  # branching off: k global samples
+    assert 1 <= aepo["mean_m"] <= 4  # from pre-monitoring
+    summary = {r["mode"]: r for r in bench_rollout.aggregate(rows + [plain])}  # plain twice
+    assert summary["plain"]["cases"] == 2 and summary["plain"]["calls"] == 2
+    assert summary["plain"]["vs_plain"] == 1.0
+    assert summary["aepo"]["vs_plain"] == pytest.approx(
+        aepo["tokens_per_s"] / plain["tokens_per_s"])
+    assert workload[2]["model"].startswith("tiny-qwen3 + 20-step SFT")
+
+
+def test_modes_differ_only_in_the_branching_rule():
+    limits = dict(k=6, max_response_tokens=100, max_tokens_per_segment=50, seed=3)
+    plain, aepo, arpo = (bench_rollout.mode_config(m, **limits) for m in ("plain", "aepo", "arpo"))
+    assert not plain.branching
+    assert aepo.branching and aepo.pre_monitoring and aepo.branch_penalty
+    assert arpo.branching and not arpo.pre_monitoring and not arpo.branch_penalty
+    for config in (plain, aepo, arpo):
+        assert (config.k, config.max_response_tokens, config.seed) == (6, 100, 3)
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench_rollout.mode_config("grpo", **limits)
