@@ -21,9 +21,10 @@ from aepo_engine.evaluate import EvalConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.sft import SFTConfig
 from aepo_engine.tasks.synthetic import SyntheticTaskConfig
-from aepo_engine.tools.config import ToolsConfig
+from aepo_engine.tools.config import SearchConfig, ToolsConfig
 from aepo_engine.train_config import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig
 from aepo_engine.training.policy import PolicyConfig
+from aepo_kernels import LossConfig
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -50,16 +51,19 @@ class TinyModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         num_kv_heads: key/value heads (grouped-query attention).
         head_dim: per-head width; 32 or 64 (what vLLM's CPU attention supports).
         intermediate_size: MLP width.
+        tie_word_embeddings: share the embedding matrix and the LM head (the warm start learns
+            to copy names and numbers much faster with it).
         seed: initialisation seed.
     """
 
     vocab_size: int = 1024
     hidden_size: int = 128
-    num_layers: int = 2
+    num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 384
+    tie_word_embeddings: bool = True
     seed: int = 0
 
 
@@ -134,8 +138,18 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         prompts_per_step: prompts sampled per step (each gets rollout.k trajectories).
     """
 
-    steps: int = 20
-    prompts_per_step: int = 8
+    steps: int = 30
+    prompts_per_step: int = 16
+
+
+# The embedded default is a laptop-CPU job on a ~1M-parameter model, so a few sections differ
+# from their modules' own defaults (which follow the paper's 14B run, spec section 3):
+EMBEDDED_ROLLOUT = RolloutConfig(k=8, max_response_tokens=160, max_tokens_per_segment=64)
+# One fact per document: the top page is the fact asked for; more pages only distract a tiny model.
+EMBEDDED_TOOLS = ToolsConfig(search=SearchConfig(topk=1))
+EMBEDDED_POLICY = PolicyConfig(loss=LossConfig(), param_dtype="float32", micro_batch_size=32, ppo_mini_batch_size=8)
+EMBEDDED_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)
+EMBEDDED_CHECKPOINT = CheckpointConfig(every_n_steps=10)
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -166,14 +180,14 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
-    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
-    tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=lambda: EMBEDDED_ROLLOUT)
+    tools: ToolsConfig = msgspec.field(default_factory=lambda: EMBEDDED_TOOLS)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
-    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
-    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=lambda: EMBEDDED_POLICY)
+    optim: OptimConfig = msgspec.field(default_factory=lambda: EMBEDDED_OPTIM)
     train: TrainLoopConfig = msgspec.field(default_factory=TrainLoopConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=lambda: EMBEDDED_CHECKPOINT)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

