@@ -114,7 +114,9 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
 
     source: Literal["synthetic", "files"] = "synthetic"
     synthetic: SyntheticTaskConfig = msgspec.field(default_factory=SyntheticTaskConfig)
-    warm_start: SFTConfig = msgspec.field(default_factory=SFTConfig)
+    # 500 steps: the warm start's accuracy jumps late (seed 0 here: 400 steps -> 9.8% held-out,
+    # 500 -> 54.5%), and RL needs a policy that already copies names and values.
+    warm_start: SFTConfig = msgspec.field(default_factory=lambda: SFTConfig(steps=500))
     warm_start_enabled: bool = True
 
 
