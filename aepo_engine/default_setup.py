@@ -11,6 +11,7 @@ A finished step leaves a marker and is reused on resume (``--checkpoint.resume a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -81,7 +82,10 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     setup_dir = run_dir / "setup"
     setup_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(cfg.task.synthetic)
-    corpus_path = task.write_corpus(setup_dir / "corpus.jsonl")
+    corpus_path = setup_dir / "corpus.jsonl"
+    if not corpus_path.exists():  # atomic, once: other ranks may already be reading it
+        task.write_corpus(corpus_path.with_suffix(".tmp"))
+        os.replace(corpus_path.with_suffix(".tmp"), corpus_path)
     tools_config = synthetic_tools_config(cfg.tools, corpus_path)
     warm_dir, random_dir = setup_dir / "warm_start", setup_dir / "random_init"
     model_dir = warm_dir if cfg.task.warm_start_enabled else random_dir
