@@ -140,7 +140,7 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         prompts_per_step: prompts sampled per step (each gets rollout.k trajectories).
     """
 
-    steps: int = 30
+    steps: int = 60
     prompts_per_step: int = 16
 
 
