@@ -598,7 +598,7 @@ def parse_args(
         print(format_help(cls, prog))
         raise SystemExit(0)
     try:
-        files, rest = _pop_config_files(argv)
+        files, rest = pop_option(argv, "--config")
         return load_config(cls, path=files, overrides=rest)
     except ConfigError as err:
         if not exit_on_error:
@@ -607,23 +607,27 @@ def parse_args(
         raise SystemExit(2) from err
 
 
-def _pop_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separate ``--config FILE`` / ``--config=FILE`` (repeatable) from the overrides."""
-    files, rest, i = [], [], 0
+def pop_option(argv: list[str], option: str) -> tuple[list[str], list[str]]:
+    """Separate a repeatable ``--option VALUE`` / ``--option=VALUE`` from the other arguments.
+
+    Returns:
+        ``(values, rest)``.
+    """
+    values, rest, i = [], [], 0
     while i < len(argv):
         token = argv[i]
-        if token == "--config":
+        if token == option:
             if i + 1 >= len(argv):
-                raise ConfigError("--config needs a file path")
-            files.append(argv[i + 1])
+                raise ConfigError(f"{option} needs a value")
+            values.append(argv[i + 1])
             i += 2
             continue
-        if token.startswith("--config="):
-            files.append(token.split("=", 1)[1])
+        if token.startswith(f"{option}="):
+            values.append(token.split("=", 1)[1])
         else:
             rest.append(token)
         i += 1
-    return files, rest
+    return values, rest
 
 
 # --- dumping --------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from aepo_engine.algorithms.advantages import group_advantages
 from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, preset_path
-from aepo_engine.config_loader import dump_config, parse_args
+from aepo_engine.config_loader import ConfigError, dump_config, parse_args, pop_option
 from aepo_engine.data import Example, PromptSampler, load_examples
 from aepo_engine.default_setup import prepare_in_subprocess, prepare_synthetic_run
 from aepo_engine.evaluate import evaluate
@@ -48,18 +48,7 @@ from aepo_engine.training.policy import PolicyWorker, init_distributed
 def expand_presets(argv: list[str]) -> list[str]:
     """``--preset NAME`` -> ``--config <presets/NAME.toml>``, placed first so user files and
     overrides win."""
-    presets, rest, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--preset" and i + 1 < len(argv):
-            presets.append(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--preset="):
-            presets.append(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
-        i += 1
+    presets, rest = pop_option(argv, "--preset")
     return [x for name in presets for x in ("--config", str(preset_path(name)))] + rest
 
 
@@ -337,7 +326,7 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         argv = expand_presets(list(sys.argv[1:] if argv is None else argv))
-    except ValueError as err:
+    except (ValueError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     cfg = parse_args(TrainConfig, argv, prog="python -m aepo_engine.train")

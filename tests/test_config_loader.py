@@ -358,7 +358,7 @@ def test_meta_description_is_used_as_help():
 
 
 def test_config_flag_without_path_is_a_config_error():
-    with pytest.raises(ConfigError, match="--config needs a file path"):
+    with pytest.raises(ConfigError, match="--config needs a value"):
         parse_args(Top, ["--config"], exit_on_error=False)
 
 
