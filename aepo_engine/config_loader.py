@@ -547,7 +547,9 @@ def load_config(
         ConfigError: unknown keys, wrong types, bad values or a failed cross-field check.
     """
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
-    raw: dict[str, Any] = {}
+    # Start from the full default tree, not {}: a section whose default comes from a
+    # default_factory (e.g. a preset instance) must keep its other fields when one is overridden.
+    raw: dict[str, Any] = _default_tree(cls)
     sources = []
     for p in paths:
         raw = _merge(raw, read_config_file(p))
@@ -563,6 +565,14 @@ def load_config(
         raw = apply_overrides(cls, raw, overrides)
         source += " + command line"
     return _build(cls, raw, source)
+
+
+def _default_tree(cls: type) -> dict[str, Any]:
+    """The default config as plain data, or {} when the class has required fields."""
+    try:
+        return msgspec.to_builtins(cls())
+    except (TypeError, ValueError):
+        return {}
 
 
 def loads_config(cls: type[S], text: str, fmt: Literal["toml", "yaml", "json"] = "toml") -> S:
