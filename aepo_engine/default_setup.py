@@ -95,7 +95,8 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
 
     t0 = time.perf_counter()
     with ToolRunner(build_tools(tools_config), max_workers=tools_config.max_workers) as runner:
-        demos = make_demonstrations(task.train, tool_fn_from_runner(runner))
+        demos = make_demonstrations(task.train, tool_fn_from_runner(runner),
+                                    guess_rate=cfg.task.synthetic.demo_guess_rate, seed=cfg.task.synthetic.seed)
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
         f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
     texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]

@@ -4,7 +4,9 @@ Evaluation reuses the rollout scheduler with branching and pre-monitoring off, s
 question gets ``samples`` independent trajectories through exactly the machinery training uses
 (same prompts, stop strings, tools, token accounting). Accuracy is the mean of the reward's
 ``correct`` flag over all samples (pass@1 averaged over samples); ``pass@k`` is the fraction of
-questions with at least one correct sample.
+questions with at least one correct sample; ``no_tool_share`` the share of samples that made
+no tool call; with ``categories`` (a label per question: the data
+source, the question kind) accuracy is also reported per label as ``accuracy/<label>``.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def evaluate(
     ground_truths: Sequence[Any],
     reward_fn: Callable[..., Any],
     config: EvalConfig,
+    categories: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend``.
 
@@ -56,11 +59,16 @@ def evaluate(
         prompts: tokenized chat prompts; ground_truths: references per prompt.
         reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
         rollout_config: the training rollout's config; branching settings are overridden.
+        categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
     """
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"categories has {len(categories)} labels for {len(prompts)} prompts")
     if config.num_questions:
         prompts, ground_truths = prompts[: config.num_questions], ground_truths[: config.num_questions]
+        categories = categories[: config.num_questions] if categories is not None else None
     if not prompts:
-        return {"accuracy": 0.0, f"pass@{config.samples}": 0.0, "reward": 0.0, "tool_calls": 0.0, "questions": 0.0}
+        return {"accuracy": 0.0, f"pass@{config.samples}": 0.0, "reward": 0.0, "tool_calls": 0.0,
+                "no_tool_share": 0.0, "questions": 0.0}
     eval_rollout = msgspec.structs.replace(
         rollout_config, k=config.samples, branching=False, pre_monitoring=False,
         fixed_global_samples=config.samples, temperature=config.temperature, seed=config.seed,
@@ -74,10 +82,37 @@ def evaluate(
         correct_by_question[traj.prompt_index] += bool(result.correct)
         tool_calls.append(traj.tool_calls)
     n = max(len(trajectories), 1)
-    return {
+    result = {
         "accuracy": sum(correct_by_question) / n,
         f"pass@{config.samples}": sum(c > 0 for c in correct_by_question) / max(len(prompts), 1),
         "reward": sum(rewards) / n,
         "tool_calls": sum(tool_calls) / n,
+        "no_tool_share": sum(c == 0 for c in tool_calls) / n,
         "questions": float(len(prompts)),
     }
+    for label in sorted(set(categories or ())):
+        members = [i for i, c in enumerate(categories) if c == label]
+        result[f"accuracy/{label}"] = sum(correct_by_question[i] for i in members) / (len(members) * config.samples)
+        result[f"questions/{label}"] = float(len(members))
+    return result
+
+
+def merge_eval_results(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Combine :func:`evaluate` results over disjoint question shards (one per rank).
+
+    Each metric is weighted by the questions it was measured on: ``questions`` for the overall
+    ones, ``questions/<label>`` for ``accuracy/<label>`` (a shard may lack some labels).
+    """
+    def weight(part: dict[str, float], key: str) -> float:
+        return part.get("questions/" + key.split("/", 1)[1], 0.0) if key.startswith("accuracy/") else part["questions"]
+
+    keys = sorted({k for p in parts for k in p if not k.startswith("questions")},
+                  key=lambda k: (k.startswith("accuracy/"), k))
+    result = {}
+    for key in keys:
+        total = sum(weight(p, key) for p in parts if key in p)
+        result[key] = sum(p[key] * weight(p, key) for p in parts if key in p) / max(total, 1.0)
+    result["questions"] = float(sum(p["questions"] for p in parts))
+    for key in sorted({k for p in parts for k in p if k.startswith("questions/")}):
+        result[key] = float(sum(p.get(key, 0.0) for p in parts))
+    return result

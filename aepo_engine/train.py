@@ -35,7 +35,7 @@ from aepo_engine.config import TrainConfig, preset_path
 from aepo_engine.config_loader import ConfigError, dump_config, parse_args, pop_option
 from aepo_engine.data import Example, PromptSampler, load_examples
 from aepo_engine.default_setup import prepare_in_subprocess, prepare_synthetic_run
-from aepo_engine.evaluate import evaluate
+from aepo_engine.evaluate import evaluate, merge_eval_results
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import get_reward
@@ -189,12 +189,10 @@ class Trainer:
         t0 = time.perf_counter()
         local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
                          [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
-                         self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0))
-        parts = _all_gather_objects([local], self.world)
-        total = sum(p["questions"] for p in parts)
-        result = {k: sum(p[k] * p["questions"] for p in parts) / max(total, 1) for k in local if k != "questions"}
-        result["questions"] = total
-        _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+                         self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0),
+                         categories=[e.data_source for e in questions])
+        result = merge_eval_results(_all_gather_objects([local], self.world))
+        _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
              + f" ({time.perf_counter() - t0:.0f}s)")
         return result
 
@@ -242,7 +240,7 @@ class Trainer:
 
 def _synthetic_example(index: int, question) -> Example:
     return Example(index=index, question=question.text, prompt_messages=question.messages(),
-                   ground_truth=[question.answer], data_source="synthetic", meta={"kind": question.kind})
+                   ground_truth=[question.answer], data_source=f"synthetic/{question.kind}", meta={"kind": question.kind})
 
 
 def _load_tokenizer(model_dir: str):

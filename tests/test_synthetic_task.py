@@ -3,9 +3,10 @@ import re
 
 import pytest
 
-from aepo_engine.tasks.synthetic import (Question, SyntheticTaskConfig, ToolCall, exact_search,
-                                         extract_answer, is_correct, make_demonstrations, make_task,
-                                         reference_tool_fn, safe_print_eval)
+from aepo_engine.tasks.synthetic import (Question, SyntheticTaskConfig, ToolCall, answer_type,
+                                         exact_search, extract_answer, is_correct, is_guess,
+                                         make_demonstrations, make_task, reference_tool_fn,
+                                         safe_print_eval)
 
 CONFIG = SyntheticTaskConfig(seed=3, num_people=60, num_cities=5, num_train=300, num_heldout=60)
 
@@ -105,6 +106,32 @@ def test_demonstration_spacing_keeps_copied_words_identical():
                         "<search> Ka score</search> <result>\nPage 1: Ka score 10.\n</result>\n"
                         "<python>print( 20 + 10)</python> <result>\n30\n\n</result>\n"
                         "<answer> \\boxed{30} </answer>")
+
+
+def test_guessing_teacher_skips_tools_on_its_share_with_a_same_type_answer(task):
+    questions = task.train[:200]
+    tool_fn = reference_tool_fn(task)
+    demos = make_demonstrations(questions, tool_fn, guess_rate=0.3, seed=7)
+    guesses = [(q, d) for q, d in zip(questions, demos) if is_guess(d)]
+    assert len(guesses) == 60  # round(0.3 * 200), exactly
+    answers_by_type = {}
+    for q in questions:
+        answers_by_type.setdefault(answer_type(q), set()).add(q.answer)
+    for question, demo in guesses:
+        assert demo.startswith("<think></think>\n<answer> \\boxed{") and demo.endswith("} </answer>")
+        assert extract_answer(demo) in answers_by_type[answer_type(question)]
+    # most guesses are wrong (a guess is right only when two answers coincide, e.g. a colour)
+    assert sum(is_correct(d, q) for q, d in guesses) < len(guesses) / 2
+    # the other demonstrations are the gold tool-using ones, unchanged
+    gold = make_demonstrations(questions, tool_fn)
+    assert all(d == g for d, g in zip(demos, gold) if not is_guess(d))
+    assert make_demonstrations(questions, tool_fn, guess_rate=0.3, seed=7) == demos
+    assert make_demonstrations(questions, tool_fn, guess_rate=0.3, seed=8) != demos
+    assert answer_type(next(q for q in questions if q.kind == "arithmetic")) == "number"
+    with pytest.raises(ValueError, match="guess_rate"):
+        make_demonstrations(questions, tool_fn, guess_rate=1.5)
+    with pytest.raises(ValueError, match="demo_guess_rate"):
+        SyntheticTaskConfig(demo_guess_rate=-0.1)
 
 
 def test_demonstrations_refuse_results_that_do_not_hold_the_copied_value(task):

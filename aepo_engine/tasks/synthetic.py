@@ -61,19 +61,35 @@ _VOWELS = "aeiou"
 
 
 class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Size and mix of the generated task."""
+    """Size and mix of the generated task.
 
-    seed: int = 0  # one seed fixes the world, the questions and the split
-    num_people: int = 200  # people (4 fact documents each)
-    num_cities: int = 10  # cities (2 fact documents each); every person lives in one
-    num_train: int = 1000  # questions for SFT demonstrations and RL prompts
-    num_heldout: int = 200  # evaluation questions, disjoint from train
-    # Relative frequency of each question kind (normalized).
+    Attributes:
+        seed: fixes the world, the questions, the split and the demonstrations.
+        num_people: people in the world (4 fact documents each).
+        num_cities: cities (2 fact documents each); every person lives in one.
+        num_train: questions for warm-start demonstrations and RL prompts.
+        num_heldout: evaluation questions, disjoint from the train questions.
+        lookup_weight: relative frequency of one-search look-up questions.
+        two_hop_weight: relative frequency of two-hop questions (the city of a person, then its size or mayor).
+        arithmetic_weight: relative frequency of arithmetic questions (two searches, then python).
+        demo_guess_rate: share of warm-start demonstrations in which the teacher answers at once
+            with a guess instead of using tools (see ``make_demonstrations``): the imperfect cold
+            start that RL has to improve on. 0 = a perfect teacher.
+    """
+
+    seed: int = 0
+    num_people: int = 200
+    num_cities: int = 10
+    num_train: int = 1000
+    num_heldout: int = 200
     lookup_weight: float = 0.4
     two_hop_weight: float = 0.3
     arithmetic_weight: float = 0.3
+    demo_guess_rate: float = 0.3
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.demo_guess_rate <= 1.0:
+            raise ValueError(f"demo_guess_rate={self.demo_guess_rate} must be in [0, 1]")
         weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight)
         if min(weights) < 0 or sum(weights) <= 0:
             raise ValueError("question-kind weights must be >= 0 with a positive sum")
@@ -269,13 +285,24 @@ def _with_id(question: Question, qid: str) -> Question:
 # Demonstrations
 
 
-def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn) -> list[str]:
-    """Write one gold response per question, with tool results produced by ``tool_fn``.
+def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn, guess_rate: float = 0.0,
+                        seed: int = 0) -> list[str]:
+    """Write one response per question: the gold tool-using one, with tool results produced by
+    ``tool_fn``, or (for a ``guess_rate`` share of the questions) a guess without tools.
+
+    A guess is what an imperfect teacher does: it answers at once, from "memory", with the
+    answer of a random other question of the same answer type (an age for an age, a city for a
+    city, a sum for a sum), so it is wrong unless the values happen to coincide. The warm-started
+    policy then guesses about as often as its teacher did; RL has to learn that the tool calls
+    pay (the headroom of the embedded default, see ``SyntheticTaskConfig.demo_guess_rate``).
 
     Args:
         questions: the questions (use train questions only: held-out ones must stay unseen).
         tool_fn: ``tool_fn(tool_name, payload) -> str`` with tool_name "search" or "python";
             at integration the engine's real tools, in tests ``reference_tool_fn``.
+        guess_rate: share of questions, in [0, 1], whose demonstration is a guess; which ones is
+            fixed by ``seed``.
+        seed: seeds the choice of guessed questions and guessed values.
 
     Returns:
         Response texts (the assistant turn without the end-of-turn token), e.g.
@@ -286,7 +313,32 @@ def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn) -> list[
             did not return the document the plan relies on), so the demonstration would teach
             the model to answer from nowhere.
     """
-    return [_demonstration(q, tool_fn) for q in questions]
+    if not 0.0 <= guess_rate <= 1.0:
+        raise ValueError(f"guess_rate={guess_rate} must be in [0, 1]")
+    rng = random.Random(seed)
+    guessed = set(rng.sample(range(len(questions)), round(guess_rate * len(questions))))
+    pools: dict[str, list[str]] = {}
+    for q in questions:
+        pools.setdefault(answer_type(q), []).append(q.answer)
+    return [_guess(q, rng.choice(pools[answer_type(q)])) if i in guessed else _demonstration(q, tool_fn)
+            for i, q in enumerate(questions)]
+
+
+def answer_type(question: Question) -> str:
+    """What kind of value answers the question: the attribute asked for, or "number" for arithmetic."""
+    if question.kind == "arithmetic":
+        return "number"
+    return question.plan[-1].payload.split()[-1]
+
+
+def is_guess(response: str) -> bool:
+    """A response that answers without any tool call."""
+    return "<answer>" in response and not re.search(r"<(search|python)>", response)
+
+
+def _guess(question: Question, value: str) -> str:
+    space = "" if question.plan[-1].tool == "python" else " "  # as the tool-using answer would be
+    return f"<think></think>\n<answer> \\boxed{{{space}{value}}} </answer>"
 
 
 def _demonstration(question: Question, tool_fn: ToolFn) -> str:
