@@ -40,7 +40,8 @@ backend (``vs_plain``, ``best_vs_plain``, ``cpu_vs_plain``: see ``aggregate``).
 
 Deliberately left out: GPU-specific tuning, training steps between rollouts (weights are fixed,
 so vLLM's prefix cache stays valid across repeats: that favours vLLM, not either mode) and any
-accuracy measurement (see ``bench/sft_warmstart.py``).
+accuracy measurement (``bench/bench_default_run.py`` measures held-out accuracy of the whole
+default run).
 """
 from __future__ import annotations
 
