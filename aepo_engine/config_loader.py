@@ -739,8 +739,26 @@ def _default_text(f: msgspec.structs.FieldInfo) -> str:
         return repr(value)
 
 
+def _effective_default_text(tree: dict[str, Any], dotted: str, f: msgspec.structs.FieldInfo) -> str:
+    """The default a run actually gets: the value in the full default tree (a section built by a
+    parent's default factory may differ from its class's own defaults), else the field's own."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return _default_text(f)
+        node = node[key]
+    if node is None:
+        return "none"
+    try:
+        return _toml_value(node)
+    except ConfigError:
+        return repr(node)
+
+
 def format_help(cls: type, prog: str | None = None) -> str:
     """List every field as ``--section.key  TYPE = DEFAULT`` with its help, grouped by section.
+
+    DEFAULT is what a run gets with no config file, i.e. the value in ``cls()``'s tree.
 
     Args:
         cls: the top-level Struct class.
@@ -749,6 +767,7 @@ def format_help(cls: type, prog: str | None = None) -> str:
     Returns:
         The help text.
     """
+    tree = _default_tree(cls)
     lines = [f"usage: {prog or 'aepo'} [--config FILE.toml|.yaml] [--section.key=value ...]", ""]
     if _summary(cls):
         lines += [_summary(cls), ""]
@@ -758,7 +777,7 @@ def format_help(cls: type, prog: str | None = None) -> str:
         if owner is not last_owner:
             lines.append(f"[{section}]  {_summary(owner)}" if section else "top-level options")
             last_owner = owner
-        lines.append(f"  --{dotted}  {_type_name(f.type)} = {_default_text(f)}")
+        lines.append(f"  --{dotted}  {_type_name(f.type)} = {_effective_default_text(tree, dotted, f)}")
         help_text = field_help(owner).get(f.name, "(no help)")
         lines += [f"      {line}" for line in _wrap(help_text, 94)]
     return "\n".join(lines)

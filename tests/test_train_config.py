@@ -15,3 +15,18 @@ def test_override_keeps_the_sections_embedded_defaults():
 def test_resolved_config_round_trips():
     cfg = load_config(TrainConfig, overrides=["--policy.loss.clip=gppo", "--rollout.k=4"])
     assert loads_config(TrainConfig, dump_config(cfg)) == cfg
+
+
+def test_help_shows_the_defaults_a_run_gets_not_the_section_classes_own():
+    from aepo_engine.config_loader import format_help
+    from aepo_engine.rollout.config import RolloutConfig
+    from aepo_engine.train_config import OptimConfig
+
+    # the embedded default builds these sections with other values than their classes' defaults
+    assert RolloutConfig().k != TrainConfig().rollout.k == 8
+    assert OptimConfig().lr != TrainConfig().optim.lr == 3e-4
+    text = format_help(TrainConfig)
+    for flag in ("--rollout.k  int = 8\n", "--optim.lr  float = 0.0003\n",
+                 f"--task.warm_start.steps  int = {TrainConfig().task.warm_start.steps}\n",
+                 "--data.max_examples  int | None = none\n"):
+        assert flag in text, flag
