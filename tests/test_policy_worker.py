@@ -123,6 +123,11 @@ def test_token_batch_splits():
     for part in minis[0].micro_batches(max_tokens=40):
         assert part.num_rows == 1 or part.num_rows * int(part.lengths.max()) <= 40
         assert part.input_ids.shape[1] == int(part.lengths.max())  # trimmed
+    packed_parts = minis[0].micro_batches(max_tokens=40, packed=True)  # budget = sum of lengths
+    for part in packed_parts:
+        assert part.num_rows == 1 or int(part.lengths.sum()) <= 40
+    assert sum(p.num_rows for p in packed_parts) == minis[0].num_rows
+    assert len(packed_parts) <= len(minis[0].micro_batches(max_tokens=40))
     shuffled = batch.rows([0, 2, 1])  # prompt 0, prompt 1, prompt 0 again
     with pytest.raises(ValueError, match="consecutive"):
         shuffled.mini_batches(1)
@@ -212,6 +217,31 @@ def test_fused_and_materialised_paths_give_the_same_update(tiny_model):
     _, plain, m_plain = update_once(tiny_model, batch, use_fused_linear=False, temperature=0.8)
     assert relative_delta_gap(before, fused, plain) < 2e-5
     assert m_fused["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_sequences_give_the_same_logprobs_and_update(tiny_model, attn):
+    """Padding-free micro-batches (one row, per-row position ids -> block-diagonal causal mask)
+    against padded ones: same log-probs, entropies, loss and update."""
+    batch = random_batch(vocab_of(tiny_model))
+    padded = make_worker(tiny_model, attn_implementation=attn, pack_sequences="off", micro_batch_size=3)
+    packed = make_worker(tiny_model, attn_implementation=attn, pack_sequences="on", micro_batch_size=3)
+    assert packed.policy.pack and not padded.policy.pack
+    (lp_pad, h_pad), (lp_pack, h_pack) = padded.compute_logprobs(batch), packed.compute_logprobs(batch)
+    torch.testing.assert_close(lp_pack, lp_pad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_pack, h_pad, rtol=1e-5, atol=1e-5)
+    before, plain, m_plain = update_once(tiny_model, batch, attn_implementation=attn, pack_sequences="off")
+    _, pack, m_pack = update_once(tiny_model, batch, attn_implementation=attn, pack_sequences="on")
+    assert relative_delta_gap(before, plain, pack) < 2e-5
+    assert m_pack["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-7)
+    assert m_pack["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=1e-5)
+
+
+def test_pack_sequences_auto_packs_only_with_flash_attention():
+    assert PolicyConfig(attn_implementation="flash_attention_2").packs
+    assert not PolicyConfig(attn_implementation="sdpa").packs
+    assert PolicyConfig(attn_implementation="sdpa", pack_sequences="on").packs
+    assert not PolicyConfig(attn_implementation="flash_attention_2", pack_sequences="off").packs
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny_model):

@@ -154,19 +154,22 @@ class TokenBatch:
         filler = self.rows([0] * missing).masked_out()
         return filler if shard is None else concat_rows([shard, filler])
 
-    def micro_batches(self, size: int | None = None, max_tokens: int | None = None) -> list["TokenBatch"]:
-        """Split by row count (``size``) or greedily by a padded-token budget (``max_tokens``:
-        rows x longest row per micro-batch; a row longer than the budget goes alone)."""
+    def micro_batches(self, size: int | None = None, max_tokens: int | None = None,
+                      packed: bool = False) -> list["TokenBatch"]:
+        """Split by row count (``size``) or greedily by a token budget (``max_tokens``: rows x
+        longest row per micro-batch, or the sum of row lengths when the rows will be ``packed``
+        without padding; a row longer than the budget goes alone)."""
         if (size is None) == (max_tokens is None):
             raise ValueError("give exactly one of size and max_tokens")
         if size is not None:
             return [self.rows(slice(i, i + size)) for i in range(0, self.num_rows, size)]
-        lengths, groups, start, longest = self.lengths.tolist(), [], 0, 0
+        lengths, groups, start, longest, total = self.lengths.tolist(), [], 0, 0, 0
         for i, n in enumerate(lengths):
-            if i > start and max(longest, n) * (i - start + 1) > max_tokens:
+            cost = total + n if packed else max(longest, n) * (i - start + 1)
+            if i > start and cost > max_tokens:
                 groups.append((start, i))
-                start, longest = i, 0
-            longest = max(longest, n)
+                start, longest, total = i, 0, 0
+            longest, total = max(longest, n), total + n
         groups.append((start, self.num_rows))
         return [self.rows(slice(a, b)) for a, b in groups]
 

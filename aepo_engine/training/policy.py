@@ -81,7 +81,8 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         micro_batch_size: Rows (trajectories) per forward/backward on each rank (gradient
             accumulation); ignored when micro_batch_max_tokens is set.
         micro_batch_max_tokens: If set, micro-batches are cut greedily so that rows x longest row
-            stays within this many tokens (a longer row goes alone) instead of by row count.
+            (the sum of row lengths when sequences are packed) stays within this many tokens (a
+            longer row goes alone) instead of by row count.
         ppo_mini_batch_size: Prompts (or rows, see mini_batch_unit) per optimizer step, over all ranks.
         mini_batch_unit: "prompts" counts prompt groups (all k trajectories of a prompt stay in one
             mini-batch, as in verl); "rows" counts trajectories.
@@ -102,7 +103,11 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         activation_checkpointing: Recompute each decoder layer in backward (HF gradient
             checkpointing, non-reentrant) to save activation memory.
         attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager", or
-            "flash_attention_2" (only where flash-attn imports on CUDA; padded batches, no packing).
+            "flash_attention_2" (only where flash-attn imports on CUDA).
+        pack_sequences: Concatenate a micro-batch's rows without padding into one sequence with
+            per-row position ids (HF's padding-free format): flash_attention_2 then runs its varlen
+            kernel, sdpa/eager a block-diagonal causal mask. "auto" packs with flash_attention_2
+            only (the sdpa/eager mask is [T, T] for T tokens per micro-batch); "on" / "off" force it.
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -121,6 +126,14 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    pack_sequences: Literal["auto", "on", "off"] = "auto"
+
+    @property
+    def packs(self) -> bool:
+        """Whether micro-batches are packed (``pack_sequences`` resolved)."""
+        if self.pack_sequences == "auto":
+            return self.attn_implementation == "flash_attention_2"
+        return self.pack_sequences == "on"
 
     def __post_init__(self) -> None:
         _require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
@@ -149,10 +162,11 @@ class PolicyModel(nn.Module):
     kernel (which reads ``weight`` directly instead of calling the head).
     """
 
-    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, token_chunk: int, vocab_chunk: int):
+    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, token_chunk: int, vocab_chunk: int,
+                 pack: bool = False):
         super().__init__()
         self.hf = hf_model
-        self.temperature, self.fused = temperature, fused
+        self.temperature, self.fused, self.pack = temperature, fused, pack
         self.token_chunk, self.vocab_chunk = token_chunk, vocab_chunk
 
     @property
@@ -160,8 +174,22 @@ class PolicyModel(nn.Module):
         return getattr(self.hf, self.hf.base_model_prefix)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """Args: ``[B, L]`` each. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]`` (0 logp at -100)."""
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        """Args: ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]``
+        (0 logp at -100 and on padding)."""
+        if not self.pack:
+            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return self._head(hidden, labels)  # hidden: [B, L, D]
+        # Padding-free: the T real tokens as one row; position ids restart at 0 for every
+        # original row, which is how HF detects the packed rows (varlen / block-diagonal mask).
+        real = attention_mask.bool()  # [B, L]
+        positions = (attention_mask.cumsum(-1) - 1)[real]  # [T]
+        hidden = self.decoder(input_ids=input_ids[real][None], position_ids=positions[None],
+                              attention_mask=None, use_cache=False).last_hidden_state  # [1, T, D]
+        logprobs, entropy = self._head(hidden, labels[real][None])  # [1, T] each
+        return (logprobs.new_zeros(real.shape).masked_scatter(real, logprobs[0]),
+                entropy.new_zeros(real.shape).masked_scatter(real, entropy[0]))
+
+    def _head(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
         if self.fused:
             logprobs, entropy = fused_linear_logprob_entropy(
@@ -239,7 +267,7 @@ class PolicyWorker:
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, config.temperature, config.use_fused_linear,
-                                  config.fused_token_chunk, config.fused_vocab_chunk)
+                                  config.fused_token_chunk, config.fused_vocab_chunk, pack=config.packs)
         self._shard_or_place()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)
@@ -282,7 +310,7 @@ class PolicyWorker:
         if cfg.micro_batch_max_tokens is None:
             parts = local.micro_batches(size=cfg.micro_batch_size)
         else:
-            parts = local.micro_batches(max_tokens=cfg.micro_batch_max_tokens)
+            parts = local.micro_batches(max_tokens=cfg.micro_batch_max_tokens, packed=self.policy.pack)
         real = len(parts)
         if self.world_size > 1 and cfg.micro_batch_max_tokens is not None:
             count = torch.tensor([real], device=self.device)
