@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from aepo_engine.models import build_tiny_qwen3
-from aepo_engine.sft import build_examples, train_sft
+from aepo_engine.sft import SFTConfig, build_examples, train_sft
 from aepo_engine.tasks.synthetic import SyntheticTask, make_demonstrations, make_task
 from aepo_engine.tools import ToolCall, ToolRunner, build_tools
 from aepo_engine.tools.config import ToolsConfig
@@ -107,13 +107,19 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
                      tie_word_embeddings=tiny.tie_word_embeddings, seed=tiny.seed)
     (random_dir / "DONE").write_text("ok")
     if cfg.task.warm_start_enabled:
-        _warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)
+        warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)
+        (warm_dir / "DONE").write_text("ok")
     return SyntheticRun(task, corpus_path, model_dir, tools_config)
 
 
-def _warm_start(src: Path, dst: Path, task: SyntheticTask, demos: list[str], sft_cfg, log) -> None:
+def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: list[str], sft_cfg: SFTConfig,
+               log: Callable[[str], None] = print) -> dict[str, float]:
+    """Supervised warm start: load the model in ``src``, train it on ``demos`` (one per train
+    question, loss on model-written tokens only), save model and tokenizer to ``dst`` (may be
+    ``src``) with ``warm_start.json`` (steps, seconds, final loss), which is also returned."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    src, dst = Path(src), Path(dst)
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     examples = build_examples(tokenizer, [q.messages() for q in task.train], demos, sft_cfg.max_length)
@@ -128,10 +134,11 @@ def _warm_start(src: Path, dst: Path, task: SyntheticTask, demos: list[str], sft
     train_sft(model, examples, sft_cfg, log=on_step, pad_id=tokenizer.pad_token_id or 0)
     model.save_pretrained(dst)
     tokenizer.save_pretrained(dst)
-    (dst / "warm_start.json").write_text(json.dumps({"steps": sft_cfg.steps, "seconds": time.perf_counter() - t0,
-                                                     "final_loss": losses[-1]}))
-    (dst / "DONE").write_text("ok")
-    log(f"[warm start] {sft_cfg.steps} steps in {time.perf_counter() - t0:.0f}s, final loss {losses[-1]:.4f}")
+    info = {"steps": sft_cfg.steps, "seconds": time.perf_counter() - t0, "final_loss": losses[-1],
+            "params": sum(p.numel() for p in model.parameters())}
+    (dst / "warm_start.json").write_text(json.dumps(info))
+    log(f"[warm start] {sft_cfg.steps} steps in {info['seconds']:.0f}s, final loss {losses[-1]:.4f}")
+    return info
 
 
 if __name__ == "__main__":

@@ -119,17 +119,17 @@ MODEL_SHAPE = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, 
 
 def warm_start(out_dir: str, task: SyntheticTask, steps: int, seed: int, lr: float = 3e-3,
                shape: dict[str, int] | None = None) -> dict[str, Any]:
-    """Build a tiny Qwen3 in ``out_dir`` and train it ``steps`` SFT steps on gold demonstrations.
+    """Build a tiny Qwen3 in ``out_dir`` and warm-start it ``steps`` SFT steps on gold demonstrations
+    (``aepo_engine.default_setup.warm_start``, the embedded default's own routine).
 
     Demonstrations take their tool results from ``reference_tool_fn`` (exact lookup, the same
     ``Page 1: ...`` text BM25 top-1 returns for a correct query) so that no sandbox runs here.
     ``shape`` overrides ``MODEL_SHAPE`` (the smoke test uses a smaller model). Returns a
     description of the model for the rows.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from aepo_engine.default_setup import warm_start as sft_warm_start
     from aepo_engine.models import build_tiny_qwen3
-    from aepo_engine.sft import SFTConfig, build_examples, train_sft
+    from aepo_engine.sft import SFTConfig
     from aepo_engine.tasks.synthetic import SYSTEM_PROMPT, make_demonstrations, reference_tool_fn
 
     t0 = time.perf_counter()
@@ -137,19 +137,10 @@ def warm_start(out_dir: str, task: SyntheticTask, steps: int, seed: int, lr: flo
     texts = [SYSTEM_PROMPT] + [row["contents"] for row in task.corpus] + \
         [q.text for q in task.train] + demos
     build_tiny_qwen3(out_dir, texts=texts, seed=seed, **{**MODEL_SHAPE, **(shape or {})})
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    config = SFTConfig(steps=steps, batch_size=16, lr=lr, seed=seed,
-                       warmup_steps=min(20, steps))
-    examples = build_examples(tokenizer, [q.messages() for q in task.train], demos,
-                              config.max_length)
-    losses: list[float] = []
-    train_sft(model, examples, config, log=lambda e: losses.append(e["loss"]),
-              pad_id=tokenizer.pad_token_id)
-    model.save_pretrained(out_dir)
-    info = {"model": f"tiny-qwen3 + {steps}-step SFT warm start",
-            "params": sum(p.numel() for p in model.parameters()),
-            "sft_final_loss": round(statistics.mean(losses[-10:]), 4),
+    config = SFTConfig(steps=steps, batch_size=16, lr=lr, seed=seed, warmup_steps=min(20, steps))
+    result = sft_warm_start(out_dir, out_dir, task, demos, config, log=lambda _: None)
+    info = {"model": f"tiny-qwen3 + {steps}-step SFT warm start", "params": result["params"],
+            "sft_final_loss": round(result["final_loss"], 4),
             "warm_start_s": round(time.perf_counter() - t0, 1)}
     Path(out_dir, WARM_START_INFO).write_text(json.dumps(info))  # read back by --model
     return info
