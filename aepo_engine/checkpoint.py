@@ -191,14 +191,31 @@ def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _export_hf(out_dir: Path, model: torch.nn.Module, tokenizer: Any, full_state: dict) -> None:
     """Rank 0 writes the model (and tokenizer) as a ``from_pretrained`` directory."""
     out_dir.mkdir(parents=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out_dir, state_dict=full_state)
+    if hasattr(model, "save_pretrained"):  # from_pretrained re-ties what the config says is tied
+        model.save_pretrained(out_dir, state_dict=_drop_tied_repeats(model, full_state))
     else:
         from safetensors.torch import save_file
 
         save_file(_unshare(full_state), str(out_dir / "model.safetensors"))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+
+
+def _drop_tied_repeats(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name per tied parameter (e.g. ``lm_head.weight`` tied to the embeddings).
+
+    A gathered full state dict holds separate copies under each name of a tied parameter, so the
+    tie can no longer be seen from storage sharing and ``save_pretrained`` would write both. The
+    first name in module order is kept, as a single-process ``save_pretrained`` does.
+    """
+    first_name: dict[int, str] = {}
+    repeats = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            repeats.add(name)
+        else:
+            first_name[id(param)] = name
+    return {k: v for k, v in state.items() if k not in repeats}
 
 
 def _unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -152,7 +152,12 @@ class Trainer:
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
         batch = TokenBatch.from_trajectories(trajectories, advantages, self.tokenizer.pad_token_id or 0)
+        rollout_logprobs = batch.old_logprobs  # what the backend reported while sampling
         batch.old_logprobs, batch.entropy = self.policy.compute_logprobs(batch)
+        sampled = batch.loss_mask > 0
+        # Backend vs policy on the sampled tokens: ~0 for the HF backend; for vLLM the gap of its
+        # kernels / precision. A large value means the two hold different weights.
+        logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
         update = self.policy.update(batch)
         self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
         elapsed = time.perf_counter() - t0
@@ -161,7 +166,7 @@ class Trainer:
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "train/accuracy": float(np.mean(correct)),
             **{f"loss/{k}": v for k, v in update.items()},
-            **_rollout_metrics(stats, trajectories),
+            **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap,
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
         self.logger.dump_samples(step, _samples(trajectories, rewards, self.tokenizer, self.cfg.logging.sample_trajectories))

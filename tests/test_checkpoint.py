@@ -396,3 +396,23 @@ def test_fsdp2_sharded_save_load_and_full_hf_export(tmp_path):
     assert result[0] == ("RESULT 2 {'k': 1} True [('0.bias', (16,)), ('0.weight', (16, 8)), "
                          "('2.bias', (4,)), ('2.weight', (4, 16))]")
     assert (tmp_path / "ckpt" / "step_000002" / "train_state" / "__1_0.distcp").is_file()  # sharded write
+
+
+def test_export_keeps_one_name_per_tied_parameter():
+    """A gathered (FSDP) full state dict holds separate copies of tied weights; keep the first name."""
+    from aepo_engine.checkpoint import _drop_tied_repeats
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.norm = torch.nn.LayerNorm(3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    copies = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+    assert "head.weight" in copies and "embed.weight" in copies
+    assert set(_drop_tied_repeats(model, copies)) == {"embed.weight", "norm.weight", "norm.bias"}
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())  # untied: keep both
+    assert set(_drop_tied_repeats(model, copies)) == set(copies)

@@ -54,11 +54,14 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_run_writes_everything_a_user_looks_at(uninterrupted):
     summary = json.loads((uninterrupted / "summary.json").read_text())
     for phase in ("eval_before", "eval_after"):
-        assert set(summary[phase]) >= {"accuracy", "reward", "tool_calls"}
+        assert set(summary[phase]) >= {"accuracy", "reward", "tool_calls", "no_tool_share"}
+        assert any(key.startswith("accuracy/synthetic/") for key in summary[phase])
     rows = _metrics(uninterrupted)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reward/mean", "loss/entropy", "loss/clipfrac_high", "rollout/branches", "loss/grad_norm"):
         assert all(key in r for r in rows), key
+    # the HF backend samples with the very weights the policy holds: same log-probs up to fp32 noise
+    assert all(r["rollout/logprob_gap"] < 1e-4 for r in rows)
     assert (uninterrupted / "config.toml").read_text().startswith("#")
     assert sorted(p.name for p in (uninterrupted / "plots").glob("*.png"))
     assert len(list((uninterrupted / "logs" / "samples").glob("step_*.jsonl"))) == 3
@@ -105,3 +108,39 @@ def test_config_errors_say_why(args, message, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
+    """The trainer itself on 2 gloo ranks with FSDP2: rank 0 builds the set-up, each rank samples
+    its share of the prompts, the batch is all-gathered, evaluation is sharded and merged, only
+    rank 0 writes; the sharded state is checkpointed and exported as one HF model."""
+    import signal
+
+    from test_fsdp_invariance import free_port
+
+    run_dir = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "aepo_engine.train",
+               f"--run_dir={run_dir}", *TINY, "--train.steps=2", "--policy.fsdp=on", "--logging.sample_trajectories=8"]
+    env = {**os.environ, "AEPO_TORCH_COMPILE": "0", "AEPO_FAULT": ""}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out\n{output[-6000:]}")
+    assert proc.returncode == 0, output[-6000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]  # one writer: a row per step, not per rank
+    # the gathered global batch: prompt 0 sampled on rank 0, prompt 1 on rank 1, k=2 trajectories each
+    samples = [json.loads(line) for line in (run_dir / "logs" / "samples" / "step_000000.jsonl").read_text().splitlines()]
+    assert sorted((s["prompt_index"], s["traj_id"]) for s in samples) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_before"]["questions"] == 2  # one question per rank, merged
+    assert output.count("[done] held-out accuracy") == 1
+    weights = _final_weights(run_dir)
+    assert weights.keys() == _final_weights(uninterrupted).keys()
+    assert all(torch.isfinite(w).all() for w in weights.values())
