@@ -1,9 +1,12 @@
-"""The GPU check script keeps working: its --smoke mode runs the same code on CPU tiny shapes."""
+"""The benchmark scripts keep working: the GPU check's --smoke mode runs its code on CPU tiny
+shapes; the default-run benchmark runs a shrunken default and its summary is hand-checked."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -17,3 +20,33 @@ def test_gpu_check_smoke(tmp_path):
     check = next(r for r in rows if r.get("check") == "logprob_entropy")
     assert check["max_abs_logp"] < 1e-4 and check["max_rel_dlogits"] < 2e-2
     assert {r.get("impl") for r in rows} >= {"triton", "triton_inplace", "naive_eager", "naive_compiled"}
+
+
+def test_default_run_bench_summary_hand_worked():
+    sys.path.insert(0, str(BENCH))
+    from bench_default_run import seed_args, summarize
+
+    rows = [{"gain": g, "acc_before": b, "wall_s": w} for g, b, w in ((0.1, 0.3, 400.0), (0.2, 0.5, 420.0), (0.3, 0.4, 410.0))]
+    summary = summarize(rows)
+    assert summary["gain_mean"] == pytest.approx(0.2) and summary["gain_sd"] == pytest.approx(0.1)
+    assert summary["paired_t"] == pytest.approx(0.2 / (0.1 / 3 ** 0.5))
+    assert summary["min_gain"] == pytest.approx(0.1) and summary["max_wall_s"] == 420.0
+    assert seed_args(2) == ["--seed=2", "--model.tiny.seed=2", "--task.warm_start.seed=2", "--rollout.seed=2",
+                            "--task.synthetic.seed=2", "--eval.seed=12347"]
+
+
+def test_default_run_bench_smoke(tmp_path):
+    """One seed of a shrunken default run through the benchmark script (the real trainer)."""
+    tiny = ["--train.steps=1", "--task.warm_start.steps=2", "--task.warm_start.warmup_steps=1",
+            "--eval.num_questions=4", "--task.synthetic.num_train=40", "--task.synthetic.num_heldout=8",
+            "--train.prompts_per_step=2", "--rollout.k=2", "--checkpoint.every_n_steps=0"]
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_default_run.py"), "--seeds", "5", "--base-dir",
+                           str(tmp_path), "--results", "", "--extra", *tiny],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"seed": 5')))
+    assert row["steps"] == 1 and row["samples"] == 8 and 0.0 <= row["acc_before"] <= 1.0
+    assert row["per_kind_before"] and set(row["per_kind_before"]) <= {
+        "accuracy/synthetic/lookup", "accuracy/synthetic/two_hop", "accuracy/synthetic/arithmetic"}
+    assert json.loads((tmp_path / "seed5" / "summary.json").read_text())["steps"] == 1
+    assert '"seeds": 1' in proc.stdout
