@@ -5,8 +5,8 @@ question gets ``samples`` independent trajectories through exactly the machinery
 (same prompts, stop strings, tools, token accounting). Accuracy is the mean of the reward's
 ``correct`` flag over all samples (pass@1 averaged over samples); ``pass@k`` is the fraction of
 questions with at least one correct sample; ``no_tool_share`` the share of samples that made
-no tool call; with ``categories`` (a label per question: the data
-source, the question kind) accuracy is also reported per label as ``accuracy/<label>``.
+no tool call. With ``categories`` (a label per question: the data source, the question kind)
+accuracy is also reported per label as ``accuracy/<label>``.
 """
 from __future__ import annotations
 

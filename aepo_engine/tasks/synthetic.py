@@ -22,8 +22,9 @@ Answers are short strings or integers. The intended response (AEPO_SPEC §3):
 The tiny policy never has to know a fact or do arithmetic: every query word is copied from the
 question or from a result, every number in the python code is copied from a result and the answer
 is copied from the last result. What it must learn is the format and *which* span to copy (two-hop
-questions name the attributes in the opposite order of the searches) - the part RL can improve
-after a short supervised warm-start.
+questions name the attributes in the opposite order of the searches). The warm-start
+demonstrations can come from an imperfect teacher that sometimes guesses instead of searching
+(``demo_guess_rate``); unlearning that is what RL measurably improves in the embedded default.
 
 Deliberately left out: natural-language variety (one template per kind), distractor documents,
 questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks

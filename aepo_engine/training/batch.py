@@ -14,10 +14,11 @@ real next tokens; the mask, not the label, decides what counts).
 Splitting: a batch is cut into PPO mini-batches (consecutive rows, by prompt group or count),
 each mini-batch into rank shards (strided rows, padded with masked-out dummy rows so every rank
 runs the same number of forward/backward calls, which FSDP's collectives need) and each shard
-into micro-batches (by row count or a padded-token budget); every piece is trimmed to its own
-longest row. Splitting runs on the host (the batch stays on CPU; each micro-batch is copied to
-the device once), so reading lengths there syncs nothing. Left out: sequence packing (varlen
-attention), left padding.
+into micro-batches (by row count or a token budget: padded, or summed when the worker packs the
+rows); every piece is trimmed to its own longest row. Splitting runs on the host (the batch stays
+on CPU; each micro-batch is copied to the device once), so reading lengths there syncs nothing.
+Packing itself (rows concatenated without padding) happens in the worker's forward
+(``PolicyModel``); the batch keeps the padded layout. Left out: left padding.
 """
 from __future__ import annotations
 

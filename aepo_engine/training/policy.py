@@ -29,9 +29,11 @@ Log-probs and entropies come from the final hidden states and the lm_head weight
 :func:`aepo_kernels.fused_linear_logprob_entropy` (no ``[N, V]`` logits) or, with
 ``use_fused_linear=False``, from materialised logits through :func:`aepo_kernels.logprob_entropy`.
 
-Left out: sequence packing / varlen flash-attention (``flash_attention_2`` is accepted only where
-flash-attn imports on CUDA and then runs on padded batches), mini-batch shuffling across PPO
-epochs, tensor/sequence parallelism, CPU offload of parameters or optimizer state, models whose
+With ``pack_sequences`` a micro-batch's rows are concatenated without padding and given per-row
+position ids (HF's padding-free format: flash-attn varlen kernels, or a block-diagonal causal mask
+for sdpa/eager); outputs are scattered back to the padded ``[B, L]`` layout.
+
+Left out: mini-batch shuffling across PPO epochs, tensor/sequence parallelism, CPU offload of parameters or optimizer state, models whose
 logits are post-processed (soft-capping, logit scale), and weight decay exclusions (all
 parameters decay, as in verl).
 """
