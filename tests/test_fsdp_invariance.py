@@ -32,22 +32,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_torchrun(model_dir: Path, out: Path, *flags: str) -> None:
-    """2 ranks on a free port (not the fixed default, which parallel jobs may hold)."""
+def launch_torchrun(args: list[str], timeout: int = 300) -> str:
+    """``torchrun --nproc_per_node 2 ARGS`` on a free port (not the fixed default, which parallel
+    jobs may hold); fails the test on a non-zero exit or a hang; returns the ranks' output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPT), str(model_dir),
-               str(out), *flags]
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "AEPO_TORCH_COMPILE": "0"}  # compiling the CPU kernels would dominate this short run
+           "AEPO_TORCH_COMPILE": "0", "AEPO_FAULT": ""}  # compiling the CPU kernels would dominate short runs
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # own process group: a hang kills both ranks
     try:
-        output, _ = proc.communicate(timeout=300)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"torchrun timed out\n{output[-6000:]}")
-    assert proc.returncode == 0 and out.is_file(), f"rc={proc.returncode}\n{output[-6000:]}"
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{output[-6000:]}"
+    return output
+
+
+def run_torchrun(model_dir: Path, out: Path, *flags: str) -> None:
+    launch_torchrun([str(SCRIPT), str(model_dir), str(out), *flags])
+    assert out.is_file(), f"{SCRIPT.name} wrote no {out}"
 
 
 def test_two_fsdp_ranks_match_one_process(tmp_path):

@@ -115,24 +115,11 @@ def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
     """The trainer itself on 2 gloo ranks with FSDP2: rank 0 builds the set-up, each rank samples
     its share of the prompts, the batch is all-gathered, evaluation is sharded and merged, only
     rank 0 writes; the sharded state is checkpointed and exported as one HF model."""
-    import signal
-
-    from test_fsdp_invariance import free_port
+    from test_fsdp_invariance import launch_torchrun
 
     run_dir = tmp_path / "torchrun"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "aepo_engine.train",
-               f"--run_dir={run_dir}", *TINY, "--train.steps=2", "--policy.fsdp=on", "--logging.sample_trajectories=8"]
-    env = {**os.environ, "AEPO_TORCH_COMPILE": "0", "AEPO_FAULT": ""}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    output = launch_torchrun(["-m", "aepo_engine.train", f"--run_dir={run_dir}", *TINY, "--train.steps=2",
+                              "--policy.fsdp=on", "--logging.sample_trajectories=8"], timeout=600)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]  # one writer: a row per step, not per rank
     # the gathered global batch: prompt 0 sampled on rank 0, prompt 1 on rank 1, k=2 trajectories each
