@@ -32,6 +32,7 @@ from aepo_engine.rewards import as_references
 from aepo_engine.train_config import HF_PREFIX, DataConfig, parse_hf_spec
 
 __all__ = [
+    "encode_chat_prompt",
     "BadRow",
     "BadRowError",
     "Example",
@@ -45,6 +46,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt with the generation prompt appended (the assistant turn starts
+    next). The warm start, the RL rollouts and the benchmarks all encode prompts here, so the
+    policy sees the same prompt tokens in each."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class Example(msgspec.Struct, kw_only=True):

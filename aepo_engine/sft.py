@@ -23,6 +23,8 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from aepo_engine.data import encode_chat_prompt
+
 # A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
 _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
 
@@ -97,8 +99,7 @@ def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: s
         messages: the chat prompt (system + user).
         response: the assistant's text, tool results included.
     """
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    input_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    input_ids = encode_chat_prompt(tokenizer, messages)
     loss_mask = [0] * len(input_ids)
     for text, written_by_model in split_response(response):
         ids = tokenizer.encode(text, add_special_tokens=False)

@@ -33,7 +33,7 @@ from aepo_engine.algorithms.advantages import group_advantages
 from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, preset_path
 from aepo_engine.config_loader import ConfigError, dump_config, parse_args, pop_option
-from aepo_engine.data import Example, PromptSampler, load_examples
+from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, load_examples
 from aepo_engine.default_setup import prepare_in_subprocess, prepare_synthetic_run
 from aepo_engine.evaluate import evaluate, merge_eval_results
 from aepo_engine.faults import fault_point
@@ -115,8 +115,7 @@ class Trainer:
 
     def prompt_ids(self, example: Example) -> list[int]:
         messages = example.prompt_messages or [{"role": "user", "content": example.question}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_chat_prompt(self.tokenizer, messages)
 
     # --- the loop ---------------------------------------------------------------------------
 

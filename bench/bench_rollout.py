@@ -148,10 +148,9 @@ def warm_start(out_dir: str, task: SyntheticTask, steps: int, seed: int, lr: flo
 
 def chat_prompts(tokenizer: Any, task: SyntheticTask, count: int) -> list[list[int]]:
     """Token ids of the first ``count`` held-out questions as chat prompts."""
-    questions = list(task.heldout)[:count]
-    texts = [tokenizer.apply_chat_template(q.messages(), add_generation_prompt=True, tokenize=False)
-             for q in questions]
-    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    from aepo_engine.data import encode_chat_prompt
+
+    return [encode_chat_prompt(tokenizer, q.messages()) for q in list(task.heldout)[:count]]
 
 
 # ---------------------------------------------------------------------------------------------
