@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aepo_engine.metrics import read_metrics
+
 # A few-step run: small world, short responses, 2 prompts x 2 trajectories per step.
 TINY = [
     "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
@@ -31,11 +33,9 @@ def train(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.Co
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    rows = {}
-    for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = {k: v for k, v in row.items() if not any(k.startswith(p) or k.endswith(p) for p in VOLATILE)}
-    return [rows[s] for s in sorted(rows)]
+    """The run's metric rows (a resumed step's last row wins), without the timing-dependent keys."""
+    return [{k: v for k, v in row.items() if not any(k.startswith(p) or k.endswith(p) for p in VOLATILE)}
+            for row in read_metrics(run_dir / "logs" / "metrics.jsonl")]
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
