@@ -33,9 +33,9 @@ With ``pack_sequences`` a micro-batch's rows are concatenated without padding an
 position ids (HF's padding-free format: flash-attn varlen kernels, or a block-diagonal causal mask
 for sdpa/eager); outputs are scattered back to the padded ``[B, L]`` layout.
 
-Left out: mini-batch shuffling across PPO epochs, tensor/sequence parallelism, CPU offload of parameters or optimizer state, models whose
-logits are post-processed (soft-capping, logit scale), and weight decay exclusions (all
-parameters decay, as in verl).
+Left out: mini-batch shuffling across PPO epochs, tensor/sequence parallelism, CPU offload of
+parameters or optimizer state, models whose logits are post-processed (soft-capping, logit
+scale), and weight decay exclusions (all parameters decay, as in verl).
 """
 from __future__ import annotations
 
