@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -51,12 +51,53 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from aepo_engine import distributed
 from aepo_engine.faults import fault_point
 
 __all__ = [
-    "CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "find_latest", "list_checkpoints",
+    "CheckpointConfig", "CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "find_latest", "list_checkpoints",
     "restore_rng_state",
 ]
+
+# --- config ---------------------------------------------------------------------------------------
+def _require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``ok``; msgspec reports it with the section's path."""
+    if not ok:
+        raise ValueError(message)
+
+
+class CheckpointConfig(msgspec.Struct, kw_only=True):
+    """Checkpoint saving and resuming.
+
+    Attributes:
+        dir: Directory holding step_XXXXXX/ checkpoints and the `latest` marker.
+        every_n_steps: Save every N optimizer steps; 0 = only at the end of training.
+        keep_last: Keep this many most recent checkpoints (the one `latest` names is never deleted).
+        resume: "auto" resumes from the latest checkpoint in dir if there is one, "never" starts fresh,
+            any other value is the path of a step_XXXXXX directory to resume from.
+        save_at_end: Save a final checkpoint when training finishes.
+        export_hf: Also write each checkpoint's model as a Hugging Face directory (safetensors, config,
+            tokenizer) loadable with from_pretrained; the training state is saved either way.
+    """
+
+    dir: str = "checkpoints"
+    every_n_steps: int = 50
+    keep_last: int = 3
+    resume: str = "auto"
+    save_at_end: bool = True
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir.strip()), "dir must be a non-empty path")
+        _require(self.every_n_steps >= 0, f"every_n_steps must be >= 0 (0 = only at the end), got {self.every_n_steps}")
+        _require(self.keep_last >= 1,
+                 f"keep_last must be >= 1 because resuming needs at least one checkpoint, got {self.keep_last}")
+        _require(bool(self.resume.strip()), 'resume must be "auto", "never" or a checkpoint path')
+        _require(self.every_n_steps > 0 or self.save_at_end,
+                 "every_n_steps=0 and save_at_end=false would never save a checkpoint; enable one of them")
+
+
+# --- layout ---------------------------------------------------------------------------------------
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -81,35 +122,11 @@ class LoadedCheckpoint:
     config_text: str | None = None
 
 
-# --- process group helpers ------------------------------------------------------------------------
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _barrier() -> None:
-    if _dist_on():
-        dist.barrier()
-
-
-def _broadcast(value: Any) -> Any:
-    """Rank 0's value on every rank."""
-    if not _dist_on():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns that it assumes a single process when no process group exists; that is intended."""
     with warnings.catch_warnings():
-        if not _dist_on():
+        if not distributed.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
@@ -269,10 +286,10 @@ class CheckpointManager:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root, self.keep_last = Path(root), keep_last
-        if _rank() == 0:
+        if distributed.rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self.cleanup_tmp()
-        _barrier()
+        distributed.barrier()
 
     # -- listing --
 
@@ -326,23 +343,23 @@ class CheckpointManager:
         Returns:
             The final checkpoint directory.
         """
-        tmp = self.root / _broadcast(f"step_{step:06d}{TMP_TAG}{uuid.uuid4().hex}")
+        tmp = self.root / distributed.broadcast_object(f"step_{step:06d}{TMP_TAG}{uuid.uuid4().hex}")
         try:
             self._write(tmp, step, model, tokenizer, optimizer, scheduler, extra_state, config_text, export_hf)
-            final = self._publish(tmp, step) if _rank() == 0 else self.step_dir(step)
+            final = self._publish(tmp, step) if distributed.rank() == 0 else self.step_dir(step)
         except BaseException:
-            if _rank() == 0:  # a real crash leaves tmp behind; the next manager cleans it
+            if distributed.rank() == 0:  # a real crash leaves tmp behind; the next manager cleans it
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _barrier()
+        distributed.barrier()
         return final
 
     def _write(self, tmp: Path, step: int, model, tokenizer, optimizer, scheduler, extra_state,
                config_text, export_hf) -> None:
         """Fill the temporary directory (collective)."""
-        if _rank() == 0:
+        if distributed.rank() == 0:
             tmp.mkdir(parents=True)
-        _barrier()
+        distributed.barrier()
         # An optimizer that never stepped has no state; fetching its state dict would run torch's
         # zero-gradient init step, advancing its step count, so it is left out (load then skips it).
         state = self._state_template(model, optimizer if optimizer is not None and optimizer.state else None)
@@ -350,20 +367,20 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION, "step": step, "extra": extra_state or {},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
         })
-        state[f"rng/rank_{_rank()}"] = _to_bytes(capture_rng_state())
+        state[f"rng/rank_{distributed.rank()}"] = _to_bytes(capture_rng_state())
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=tmp / "train_state")
         fault_point("checkpoint_write", step)
         full_state = _full_model_state(model) if export_hf else None
-        if _rank() == 0:
+        if distributed.rank() == 0:
             if export_hf:
                 _export_hf(tmp / "hf_model", model, tokenizer, full_state)
             if config_text is not None:
                 (tmp / "config.toml").write_text(config_text, encoding="utf-8")
-            meta = {"step": step, "time": time.time(), "world_size": dist.get_world_size() if _dist_on() else 1,
+            meta = {"step": step, "time": time.time(), "world_size": distributed.world_size(),
                     "format_version": FORMAT_VERSION}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        _barrier()
+        distributed.barrier()
 
     def _publish(self, tmp: Path, step: int) -> Path:
         """Rank 0: fsync, rename into place, update ``latest``, prune."""
@@ -449,10 +466,10 @@ class CheckpointManager:
     @staticmethod
     def _rng_key(path: Path, saved_keys: Any) -> str:
         """This rank's RNG entry; rank 0's when the run had fewer ranks (a warned approximation)."""
-        key = f"rng/rank_{_rank()}"
+        key = f"rng/rank_{distributed.rank()}"
         if key in saved_keys:
             return key
-        warnings.warn(f"{path} has no RNG state for rank {_rank()} (saved with fewer ranks); using rank 0's")
+        warnings.warn(f"{path} has no RNG state for rank {distributed.rank()} (saved with fewer ranks); using rank 0's")
         return "rng/rank_0"
 
     def load_latest(self, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> LoadedCheckpoint | None:

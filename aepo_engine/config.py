@@ -1,32 +1,49 @@
-"""The whole run's configuration: one typed tree, one source of truth for every default.
+"""The whole run's configuration: one typed tree, one default per field, presets as files.
 
 Each section is owned by the module that uses it (``RolloutConfig`` by the rollout, ``ToolsConfig``
-by the tools, ``LossConfig`` by the kernels, ...); this module composes them, adds the few
-run-level sections, checks cross-section constraints, and knows the presets. Loading, command
-line overrides (``--section.key=value``), unknown-key errors and TOML dumps are the generic
-machinery of :mod:`aepo_engine.config_loader`.
+by the tools, ``LossConfig`` by the kernels, ``DataConfig`` by ``data``, ...); this module composes
+them, adds the run loop, derives the sub-seeds from the root seed, lists the cross-section
+problems of a config, and knows the presets. Loading, command-line overrides
+(``--section.key=value``), unknown-key errors and TOML dumps are the generic machinery of
+:mod:`aepo_engine.config_loader`.
 
-Presets are partial TOML files in ``aepo_engine/presets/``: ``--preset grpo`` loads one below the
-user's ``--config`` files and overrides. The embedded default (no preset, no file) is the
-laptop-CPU job: a generated tool-use task, a tiny local Qwen3, a short warm start, then AEPO.
+Defaults: every field's default is the one in its section class, and those are the values for a
+real-model run (AEPO_SPEC.md section 3 where the spec names one). Nothing else holds a default.
+
+Presets are partial TOML files in ``aepo_engine/presets/``, applied in the order given, below the
+user's ``--config`` files and overrides. ``embedded`` is the laptop-CPU job (a generated tool-use
+task, a tiny local Qwen3, a short warm start, then AEPO); ``python -m aepo_engine.train`` applies it
+when neither ``--config`` nor ``--preset`` is given. ``qwen3_14b_deep_research`` is the paper's run.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Sequence
 
 import msgspec
 
+from aepo_engine.checkpoint import CheckpointConfig
+from aepo_engine.config_loader import ConfigError, load_config, pop_option
+from aepo_engine.data import DataConfig
 from aepo_engine.evaluate import EvalConfig
+from aepo_engine.metrics import LoggingConfig
+from aepo_engine.models import ModelConfig
+from aepo_engine.rewards import RewardConfig
+from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
-from aepo_engine.sft import SFTConfig
-from aepo_engine.tasks.synthetic import SyntheticTaskConfig
-from aepo_engine.tools.config import SearchConfig, ToolsConfig
-from aepo_engine.train_config import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig
+from aepo_engine.seeding import SEED_OFFSETS
+from aepo_engine.tasks import TaskConfig
+from aepo_engine.tools import ToolsConfig, registered_tools
+from aepo_engine.training.optim import OptimConfig
 from aepo_engine.training.policy import PolicyConfig
-from aepo_kernels import LossConfig
+
+__all__ = ["DEFAULT_PRESET", "PRESETS_DIR", "ResolvedArgs", "TrainConfig", "TrainLoopConfig", "config_problems",
+           "list_presets", "load_train_config", "preset_path", "split_train_args"]
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+# What `python -m aepo_engine.train` runs when given neither --config nor --preset.
+DEFAULT_PRESET = "embedded"
 
 
 def list_presets() -> list[str]:
@@ -36,138 +53,56 @@ def list_presets() -> list[str]:
 def preset_path(name: str) -> Path:
     path = PRESETS_DIR / f"{name}.toml"
     if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
     return path
-
-
-class TinyModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The locally built tiny Qwen3 of the embedded default (used when model.path is empty).
-
-    Attributes:
-        vocab_size: BPE vocabulary trained on the task's corpus and demonstrations.
-        hidden_size: model width.
-        num_layers: decoder layers.
-        num_heads: attention heads.
-        num_kv_heads: key/value heads (grouped-query attention).
-        head_dim: per-head width; 32 or 64 (what vLLM's CPU attention supports).
-        intermediate_size: MLP width.
-        tie_word_embeddings: share the embedding matrix and the LM head (the warm start learns
-            to copy names and numbers much faster with it).
-        seed: initialisation seed.
-    """
-
-    vocab_size: int = 1024
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 384
-    tie_word_embeddings: bool = True
-    seed: int = 0
-
-
-class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The policy model.
-
-    Attributes:
-        path: a local Hugging Face model directory (config, safetensors, tokenizer), loaded with
-            from_pretrained. Empty: build the embedded default's tiny model and warm-start it.
-        tiny: shape of the locally built tiny model (used only when path is empty).
-    """
-
-    path: str = ""
-    tiny: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
-
-
-class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The generation backend that samples rollouts.
-
-    Attributes:
-        kind: "hf" (Hugging Face model, exact entropies; CPU default) or "vllm" (vLLM engine with
-            prefix caching; entropies estimated from top-k logprobs).
-        device: "auto" (cuda when available, else cpu), "cpu" or "cuda".
-        max_batch_size: most sequences the HF backend samples at once.
-        gpu_memory_utilization: vLLM's share of GPU memory.
-        max_model_len: vLLM's context length (prompt + response).
-        logprobs_topk: top-k logprobs vLLM returns per token for the entropy estimate.
-    """
-
-    kind: Literal["hf", "vllm"] = "hf"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_batch_size: int = 64
-    gpu_memory_utilization: float = 0.5
-    max_model_len: int = 8192
-    logprobs_topk: int = 20
-
-
-class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """What the agent is trained on.
-
-    Attributes:
-        source: "synthetic" (the generated knowledge-base task of the embedded default, with its
-            own search corpus) or "files" (data.train_files / data.eval_files).
-        synthetic: size and mix of the generated task.
-        warm_start: supervised warm start on generated demonstrations before RL (synthetic task).
-        warm_start_enabled: run the warm start (only for the synthetic task).
-    """
-
-    source: Literal["synthetic", "files"] = "synthetic"
-    synthetic: SyntheticTaskConfig = msgspec.field(default_factory=SyntheticTaskConfig)
-    # The warm start must teach copying names and values (what the tool calls need) before RL can
-    # pay off, and that skill appears suddenly, at a seed-dependent step: with lr 1e-2 the loss
-    # dropped from its ~0.7 plateau at step ~300 for one seed and not before step ~550 for another
-    # (whose 500-step warm start then scored 4%). 800 steps at lr 2e-2 get past it (see README).
-    warm_start: SFTConfig = msgspec.field(default_factory=lambda: SFTConfig(steps=800, lr=2e-2))
-    warm_start_enabled: bool = True
-
-
-class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Reward function.
-
-    Attributes:
-        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math.
-        options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
-    """
-
-    name: str = "deep_research"
-    options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
 
 
 class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The RL loop.
 
     Attributes:
-        steps: RL steps (each: rollouts for prompts_per_step prompts, then PPO updates).
+        steps: RL steps (each: rollouts for prompts_per_step prompts, then PPO updates); none =
+            epochs passes over the training prompts, ceil(epochs * prompts / prompts_per_step).
+        epochs: passes over the training prompts when steps is none (the paper: 5 over
+            hard_search_1k's 1,071 prompts at 64 per step = 84 steps).
         prompts_per_step: prompts sampled per step (each gets rollout.k trajectories).
     """
 
-    steps: int = 60
-    prompts_per_step: int = 16
+    steps: int | None = None
+    epochs: int = 5
+    prompts_per_step: int = 64
 
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 0:
+            raise ValueError(f"steps must be >= 0 (or none for epochs), got {self.steps}")
+        if self.epochs < 1 or self.prompts_per_step < 1:
+            raise ValueError("epochs and prompts_per_step must be >= 1")
 
-# The embedded default is a laptop-CPU job on a ~1M-parameter model, so a few sections differ
-# from their modules' own defaults (which follow the paper's 14B run, spec section 3):
-EMBEDDED_ROLLOUT = RolloutConfig(k=8, max_response_tokens=160, max_tokens_per_segment=64)
-# One fact per document: the top page is the fact asked for; more pages only distract a tiny model.
-EMBEDDED_TOOLS = ToolsConfig(search=SearchConfig(topk=1))
-EMBEDDED_POLICY = PolicyConfig(loss=LossConfig(), param_dtype="float32", micro_batch_size=32, ppo_mini_batch_size=8)
-EMBEDDED_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)
-EMBEDDED_CHECKPOINT = CheckpointConfig(every_n_steps=10)
+    def resolved_steps(self, num_prompts: int) -> int:
+        """RL steps of the run for ``num_prompts`` training prompts."""
+        if self.steps is not None:
+            return self.steps
+        return -(-self.epochs * num_prompts // self.prompts_per_step)
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """An AEPO training run.
 
+    Sub-seeds left at none (rollout.seed, eval.seed, data.shuffle_seed, model.tiny.seed,
+    task.synthetic.seed, task.warm_start.seed) are derived from ``seed`` when the config is built
+    (``aepo_engine.seeding``): build a new config to change the root seed, since
+    ``msgspec.structs.replace(cfg, seed=...)`` keeps the sub-seeds already derived.
+
     Attributes:
-        seed: global seed (python, numpy, torch); rollout.seed seeds the sampling separately.
+        seed: root seed: python, numpy and torch, and every sub-seed left at none.
         run_dir: output folder: checkpoints, metrics.jsonl, plots, samples, the resolved config
             (relative checkpoint.dir and logging.dir are inside it).
         model: the policy model.
         backend: the generation backend.
-        task: the task (generated default or files).
-        data: dataset files when task.source is "files".
-        rollout: entropy-balanced rollout (AEPO spec section 1).
+        task: the task (data files, or the generated task of the embedded preset).
+        data: dataset files and how rows become prompts.
+        rollout: entropy-balanced rollout (AEPO spec section 1); its temperature is also the one
+            the policy scores log-probs and entropies with.
         tools: search and python tools.
         reward: the reward function.
         policy: the policy update (loss, micro-batching, FSDP2, precision).
@@ -179,25 +114,120 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """
 
     seed: int = 0
-    run_dir: str = "runs/aepo-default"
+    run_dir: str = "runs/aepo"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
-    rollout: RolloutConfig = msgspec.field(default_factory=lambda: EMBEDDED_ROLLOUT)
-    tools: ToolsConfig = msgspec.field(default_factory=lambda: EMBEDDED_TOOLS)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
-    policy: PolicyConfig = msgspec.field(default_factory=lambda: EMBEDDED_POLICY)
-    optim: OptimConfig = msgspec.field(default_factory=lambda: EMBEDDED_OPTIM)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     train: TrainLoopConfig = msgspec.field(default_factory=TrainLoopConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = msgspec.field(default_factory=lambda: EMBEDDED_CHECKPOINT)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        if self.task.source == "files" and not self.data.train_files:
-            raise ValueError("task.source='files' needs data.train_files because there is nothing else to train on")
-        if self.task.source == "files" and not self.model.path:
-            raise ValueError("task.source='files' needs model.path: the tiny built-in model only knows the synthetic task")
-        if self.train.steps < 0 or self.train.prompts_per_step < 1:
-            raise ValueError("train.steps must be >= 0 and train.prompts_per_step >= 1")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for key, offset in SEED_OFFSETS.items():
+            _derive(self, key.split("."), self.seed + offset)
+
+
+def _derive(node: Any, path: list[str], value: int) -> Any:
+    """Set the leaf ``path`` of ``node`` to ``value`` if it is None; returns the (new) node.
+    Sections are frozen: a changed child is a replaced copy, set on its parent."""
+    name = path[0]
+    if len(path) == 1:
+        return msgspec.structs.replace(node, **{name: value}) if getattr(node, name) is None else node
+    child = getattr(node, name)
+    new = _derive(child, path[1:], value)
+    if new is not child:
+        if isinstance(node, TrainConfig):
+            msgspec.structs.force_setattr(node, name, new)  # inside __post_init__
+        else:
+            node = msgspec.structs.replace(node, **{name: new})
+    return node
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """Every cross-section problem of a run config (all of them, not the first).
+
+    These are the rules that need more than one section, or inputs a real run must be given
+    (model path, data): a config with problems is still built (``--help`` and ``--dry-run`` show
+    it), but the trainer refuses to start it.
+
+    Returns:
+        One message per problem, each naming the fields and saying why.
+    """
+    problems = []
+    if cfg.task.source == "files":
+        if not cfg.model.path:
+            problems.append("model.path is required with task.source='files': a local Hugging Face model "
+                            "directory (only the synthetic task builds a model of its own)")
+        if not cfg.data.train_files:
+            problems.append("data.train_files is required with task.source='files' because there is nothing "
+                            "else to train on")
+        if cfg.eval.every_n_steps and not cfg.data.eval_files:
+            problems.append(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.eval_files is empty: "
+                            "there is no held-out set to evaluate")
+    context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if cfg.backend.kind == "vllm" and cfg.backend.max_model_len < context:
+        problems.append(f"backend.max_model_len={cfg.backend.max_model_len} is shorter than "
+                        f"data.max_prompt_tokens + rollout.max_response_tokens = {context}: vLLM would "
+                        "refuse or cut a long prompt's response")
+    known_tools = registered_tools()
+    for name in cfg.tools.enabled:
+        if name not in known_tools:
+            problems.append(f"tools.enabled names {name!r}, which is no registered tool ({', '.join(known_tools)})")
+    return problems
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+@dataclass
+class ResolvedArgs:
+    """A train command line taken apart.
+
+    Attributes:
+        files: config files in load order (presets first, then --config files).
+        presets: the preset names applied (``[DEFAULT_PRESET]`` when none and no --config given).
+        overrides: the ``--section.key=value`` tokens.
+    """
+
+    files: list[Path]
+    presets: list[str]
+    overrides: list[str]
+
+    def describe(self) -> str:
+        """Where the defaults come from, for ``--help`` and the resolved config's header."""
+        parts = ["section defaults (real-model run)"]
+        parts += [f"preset {name!r} ({preset_path(name)})" for name in self.presets]
+        parts += [f"config {p}" for p in self.files[len(self.presets):]]
+        return " + ".join(parts)
+
+
+def split_train_args(argv: Sequence[str]) -> ResolvedArgs:
+    """``--preset NAME`` (repeatable), ``--config FILE`` (repeatable) and overrides.
+
+    With neither ``--preset`` nor ``--config`` the embedded preset is applied (the CPU job the
+    README's main command runs); give ``--config`` alone to start from the section defaults.
+    """
+    presets, rest = pop_option(list(argv), "--preset")
+    configs, overrides = pop_option(rest, "--config")
+    if not presets and not configs:
+        presets = [DEFAULT_PRESET]
+    files = [preset_path(name) for name in presets] + [Path(p) for p in configs]
+    return ResolvedArgs(files, presets, overrides)
+
+
+def load_train_config(argv: Sequence[str]) -> TrainConfig:
+    """The ``TrainConfig`` a train command line describes (presets, files, overrides).
+
+    Raises:
+        ConfigError: unknown preset or key, bad value, failed check.
+    """
+    args = split_train_args(argv)
+    return load_config(TrainConfig, path=args.files, overrides=args.overrides)

@@ -2,7 +2,7 @@
 
 A config is a tree of ``msgspec.Struct`` classes. Each section is owned by the module it configures
 (``RolloutConfig`` lives in ``aepo_engine/rollout/config.py``, ``OptimConfig`` in
-``aepo_engine/train_config.py``, ...); a top-level struct lists the sections as fields. This module knows
+``aepo_engine/training/optim.py``, ...); a top-level struct lists the sections as fields. This module knows
 no particular section. It:
 
 - reads a raw tree from TOML (``tomllib``), YAML (only if PyYAML is importable), JSON or a dict;
@@ -547,9 +547,9 @@ def load_config(
         ConfigError: unknown keys, wrong types, bad values or a failed cross-field check.
     """
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
-    # Start from the full default tree, not {}: a section whose default comes from a
-    # default_factory (e.g. a preset instance) must keep its other fields when one is overridden.
-    raw: dict[str, Any] = _default_tree(cls)
+    # Only what the sources set: every other field takes its class default when the structs are
+    # built (one default per field; check_config_class rejects section factories with others).
+    raw: dict[str, Any] = {}
     sources = []
     for p in paths:
         raw = _merge(raw, read_config_file(p))
@@ -755,22 +755,27 @@ def _effective_default_text(tree: dict[str, Any], dotted: str, f: msgspec.struct
         return repr(node)
 
 
-def format_help(cls: type, prog: str | None = None) -> str:
+def format_help(cls: type, prog: str | None = None, defaults: Any = None, defaults_from: str = "",
+                usage: str = "[--config FILE.toml|.yaml] [--section.key=value ...]") -> str:
     """List every field as ``--section.key  TYPE = DEFAULT`` with its help, grouped by section.
-
-    DEFAULT is what a run gets with no config file, i.e. the value in ``cls()``'s tree.
 
     Args:
         cls: the top-level Struct class.
         prog: program name for the usage line.
+        defaults: the config whose values are shown as DEFAULT (what a run with the same files
+            would get); None shows ``cls()``'s.
+        defaults_from: where those values come from, printed above the list.
+        usage: the options part of the usage line.
 
     Returns:
         The help text.
     """
-    tree = _default_tree(cls)
-    lines = [f"usage: {prog or 'aepo'} [--config FILE.toml|.yaml] [--section.key=value ...]", ""]
+    tree = msgspec.to_builtins(defaults) if defaults is not None else _default_tree(cls)
+    lines = [f"usage: {prog or 'aepo'} {usage}", ""]
     if _summary(cls):
         lines += [_summary(cls), ""]
+    if defaults_from:
+        lines += [f"DEFAULT values below: {defaults_from}", ""]
     last_owner = None
     for dotted, owner, f in _iter_fields(cls):
         section = dotted.rpartition(".")[0]
@@ -791,7 +796,9 @@ def _wrap(text: str, width: int) -> list[str]:
 
 def check_config_class(cls: type) -> list[str]:
     """Return problems in a config class tree: fields without help, Optional fields with a non-None
-    default (their None would not survive a TOML dump), fields without a default.
+    default (their None would not survive a TOML dump), fields without a default, and sections
+    whose default factory builds other values than the section class's own defaults (a second
+    source of defaults).
 
     Args:
         cls: the top-level Struct class.
@@ -808,4 +815,25 @@ def check_config_class(cls: type) -> list[str]:
             problems.append(f"{dotted} has no default")
         elif type(None) in (_union_members(f.type) or ()) and default is not None:
             problems.append(f"{dotted} is Optional but defaults to {default!r}; None would not round-trip")
+    problems += _second_default_sources(cls)
+    return problems
+
+
+def _second_default_sources(cls: type, path: str = "") -> list[str]:
+    """Sections built by their parent with values that differ from their own class defaults."""
+    problems = []
+    for key, f in _fields(cls).items():
+        section = _section_class(f.type)
+        if section is None:
+            continue
+        default = _default(f)
+        if _is_struct(type(default)):
+            try:
+                own = section()
+            except (TypeError, ValueError):
+                own = None
+            if own is not None and default != own:
+                problems.append(f"{_join(path, key)}: the parent's default differs from {section.__name__}()'s "
+                                "own defaults; set the values in the section class or in a preset")
+        problems += _second_default_sources(section, _join(path, key))
     return problems

@@ -1,12 +1,15 @@
-"""The embedded default's inputs, built locally in seconds to minutes: nothing is downloaded.
+"""The synthetic task's inputs (the embedded preset), built locally in seconds to minutes: nothing
+is downloaded.
 
-``prepare_synthetic_run`` makes, under ``<run_dir>/setup/``:
+``prepare_synthetic_task`` is the ``task.source = "synthetic"`` side of the task-preparation seam
+(``aepo_engine.tasks.prepare_task``). Its ``prepare_synthetic_run`` makes, under ``<run_dir>/setup/``:
 1. the generated task (knowledge base, train / held-out questions) and its search corpus JSONL;
 2. a BPE tokenizer trained on the corpus and demonstrations, and a tiny random Qwen3;
 3. the warm-started model: a short supervised run on demonstrations whose tool results come
    from the *real* tools the RL rollouts use (same search index, same python sandbox), so the
    warm start teaches exactly the text the policy will see.
 A finished step leaves a marker and is reused on resume (``--checkpoint.resume auto``).
+Under torchrun rank 0 builds the files and the other ranks wait, then read them.
 """
 from __future__ import annotations
 
@@ -22,9 +25,13 @@ from typing import Any, Callable
 import msgspec
 import torch
 
+from aepo_engine import distributed
+from aepo_engine.data import Example
 from aepo_engine.models import build_tiny_qwen3
+from aepo_engine.seeding import section_seed
 from aepo_engine.sft import SFTConfig, build_examples, train_sft
-from aepo_engine.tasks.synthetic import SyntheticTask, make_demonstrations, make_task
+from aepo_engine.tasks import PreparedTask
+from aepo_engine.tasks.synthetic import Question, SyntheticTask, make_demonstrations, make_task
 from aepo_engine.tools import ToolCall, ToolRunner, build_tools
 from aepo_engine.tools.config import ToolsConfig
 
@@ -53,6 +60,30 @@ def tool_fn_from_runner(runner: ToolRunner) -> Callable[[str, str], str]:
         return result.text
 
     return tool_fn
+
+
+def prepare_synthetic_task(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> PreparedTask:
+    """The synthetic task for the trainer: build (rank 0) or reuse the set-up, then every rank
+    reads it. ``model.path``, when set, replaces the built model."""
+    if distributed.is_main():
+        if cfg.backend.kind == "vllm":
+            from aepo_engine.config_loader import dump_config
+
+            prepare_in_subprocess(dump_config(cfg), run_dir)
+        else:
+            prepare_synthetic_run(cfg, run_dir, log=log)
+    distributed.barrier()
+    run = prepare_synthetic_run(cfg, run_dir, log=lambda _: None)
+    return PreparedTask(model_dir=str(cfg.model.path or run.model_dir), tools_config=run.tools_config,
+                        train_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.train)],
+                        eval_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.heldout)])
+
+
+def synthetic_example(index: int, question: Question) -> Example:
+    """A generated question as a data ``Example`` (its kind is the data source's category)."""
+    return Example(index=index, question=question.text, prompt_messages=question.messages(),
+                   ground_truth=[question.answer], data_source=f"synthetic/{question.kind}",
+                   meta={"kind": question.kind})
 
 
 def prepare_in_subprocess(config_text: str, run_dir: Path) -> None:
@@ -96,7 +127,8 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     t0 = time.perf_counter()
     with ToolRunner(build_tools(tools_config), max_workers=tools_config.max_workers) as runner:
         demos = make_demonstrations(task.train, tool_fn_from_runner(runner),
-                                    guess_rate=cfg.task.synthetic.demo_guess_rate, seed=cfg.task.synthetic.seed)
+                                    guess_rate=cfg.task.synthetic.demo_guess_rate,
+                                    seed=section_seed(cfg.task.synthetic.seed, "task.synthetic.seed"))
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
         f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
     texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
@@ -104,7 +136,8 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                      num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
                      head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size,
-                     tie_word_embeddings=tiny.tie_word_embeddings, seed=tiny.seed)
+                     tie_word_embeddings=tiny.tie_word_embeddings,
+                     seed=section_seed(tiny.seed, "model.tiny.seed"))
     (random_dir / "DONE").write_text("ok")
     if cfg.task.warm_start_enabled:
         warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)

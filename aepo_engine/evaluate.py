@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import msgspec
 
 from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.seeding import section_seed
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 
 
@@ -26,14 +27,15 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
         samples: independent samples per question (accuracy averages over them).
         temperature: sampling temperature of evaluation rollouts.
         every_n_steps: evaluate during training every n steps (0 = only before and after RL).
-        seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws).
+        seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws);
+            none = derived from the run's root seed (``aepo_engine.seeding``).
     """
 
-    num_questions: int = 200
-    samples: int = 2
+    num_questions: int = 0
+    samples: int = 1
     temperature: float = 1.0
     every_n_steps: int = 0
-    seed: int = 12345
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_questions < 0 or self.samples < 1:
@@ -71,9 +73,10 @@ def evaluate(
                 "no_tool_share": 0.0, "questions": 0.0}
     eval_rollout = msgspec.structs.replace(
         rollout_config, k=config.samples, branching=False, pre_monitoring=False,
-        fixed_global_samples=config.samples, temperature=config.temperature, seed=config.seed,
+        fixed_global_samples=config.samples, temperature=config.temperature,
+        seed=section_seed(config.seed, "eval.seed"),
     )
-    trajectories = EntropyBalancedRollout(backend, tool_runner, eval_rollout, tokenizer=tokenizer).rollout(list(prompts), step=0)
+    trajectories = EntropyBalancedRollout(backend, tool_runner, eval_rollout, tokenizer=tokenizer).rollout(list(prompts), step=0).trajectories
     correct_by_question = [0] * len(prompts)
     rewards, tool_calls = [], []
     for traj in trajectories:

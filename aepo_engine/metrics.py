@@ -9,12 +9,70 @@ Deliberately left out: a live dashboard; metrics from non-zero ranks (the traine
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
+
+import msgspec
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class LoggingConfig(msgspec.Struct, kw_only=True):
+    """Metrics logging, sample trajectories and plots.
+
+    Attributes:
+        dir: Directory for metrics.jsonl, samples.jsonl, TensorBoard events and plots.
+        jsonl: Append every step's metrics as one JSON line to dir/metrics.jsonl.
+        tensorboard: "auto" logs to TensorBoard if the tensorboard package is installed, "on" requires
+            it, "off" never.
+        wandb: Log to Weights & Biases (needs the wandb package and a login).
+        wandb_project: W&B project name.
+        run_name: Run name for W&B and TensorBoard; none = a timestamp.
+        print_every_n_steps: Print a one-line metrics summary every N steps; 0 = never.
+        sample_trajectories: Trajectories per step written to dir/samples.jsonl (full text, rewards,
+            tool calls) for inspection; 0 = none.
+        plots_at_end: Draw reward/entropy/length curves from metrics.jsonl when training ends (needs
+            matplotlib; skipped with a warning if missing).
+    """
+
+    dir: str = "logs"
+    jsonl: bool = True
+    tensorboard: Literal["auto", "on", "off"] = "auto"
+    wandb: bool = False
+    wandb_project: str = "aepo"
+    run_name: str | None = None
+    print_every_n_steps: int = 1
+    sample_trajectories: int = 2
+    plots_at_end: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dir.strip()), "dir must be a non-empty path")
+        _check(not self.wandb or bool(self.wandb_project.strip()), "wandb=true needs a wandb_project")
+        _check(self.print_every_n_steps >= 0, f"print_every_n_steps must be >= 0, got {self.print_every_n_steps}")
+        _check(self.sample_trajectories >= 0, f"sample_trajectories must be >= 0, got {self.sample_trajectories}")
+
+    def tensorboard_enabled(self) -> bool:
+        """Resolve ``tensorboard`` against what is installed.
+
+        Returns:
+            Whether to write TensorBoard events.
+
+        Raises:
+            RuntimeError: tensorboard="on" but the package is missing.
+        """
+        installed = importlib.util.find_spec("tensorboard") is not None
+        if self.tensorboard == "on" and not installed:
+            raise RuntimeError("logging.tensorboard='on' but tensorboard is not installed: "
+                               "pip install tensorboard, or set it to 'auto'")
+        return self.tensorboard != "off" and installed
+
 
 PLOT_GROUPS = {
     "reward": ("reward/mean", "eval/accuracy"),
@@ -54,9 +112,10 @@ class ProgressBar:
 class RunLogger:
     """Writes metrics and samples under ``run_dir``; a no-op on ranks other than 0."""
 
-    def __init__(self, run_dir: str | Path, *, rank: int = 0, tensorboard: bool = False,
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, jsonl: bool = True, tensorboard: bool = False,
                  wandb_project: str | None = None, run_name: str = "", config: dict | None = None):
         self.enabled = rank == 0
+        self.jsonl = jsonl
         self.run_dir = Path(run_dir)
         self.tb = self.wandb = None
         if not self.enabled:
@@ -77,9 +136,9 @@ class RunLogger:
         """Append one step's metrics (non-numbers are dropped from TensorBoard/wandb)."""
         if not self.enabled:
             return
-        row = {"step": step, **metrics}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.jsonl:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for key, value in numeric.items():

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from aepo_engine.data import encode_chat_prompt
+from aepo_engine.seeding import section_seed
 
 # A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
 _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
@@ -32,8 +33,8 @@ _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
 class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Supervised warm-start settings.
 
-    The embedded default overrides steps and lr (``aepo_engine.config.TaskConfig``: 800 steps at
-    lr 2e-2, measured on its 4-layer, 128-wide tied-embedding Qwen3; see the README).
+    The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
+    4-layer, 128-wide tied-embedding Qwen3 (see the README).
 
     Attributes:
         steps: optimizer steps.
@@ -44,7 +45,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         weight_decay: AdamW decoupled weight decay.
         grad_clip: clip the global gradient norm to this (0 disables).
         max_length: longer examples are rejected (truncation would cut off the answer).
-        seed: fixes the example order; the model's init is the caller's.
+        seed: fixes the example order; the model's init is the caller's. none = derived from the run's root seed (``aepo_engine.seeding``).
     """
 
     steps: int = 400
@@ -55,7 +56,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_length: int = 512
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -186,7 +187,7 @@ def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SF
     """
     if not examples:
         raise ValueError("no SFT examples")
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(section_seed(config.seed, "task.warm_start.seed"))
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},

@@ -6,10 +6,12 @@ One step (AEPO_SPEC.md):
     updates with the fused AEPO loss (§2b-2d; token-mean over the global token count) ->
     gradient clipping (a non-finite norm skips the step) -> AdamW -> push the weights to the
     rollout backend -> metrics, samples, checkpoint.
-With no arguments it runs the embedded default (see :mod:`aepo_engine.default_setup`): a
+With no arguments it runs the embedded preset (see :mod:`aepo_engine.default_setup`): a
 generated tool-use task, a tiny local Qwen3, a warm start, then AEPO; held-out accuracy is
-measured before and after RL. ``--preset grpo|dapo|arpo|aepo`` switches the algorithm by config
-alone; ``-h`` lists every option.
+measured before and after RL. ``--preset NAME`` (repeatable: ``--preset embedded --preset grpo``)
+and ``--config FILE`` load presets and files (see :mod:`aepo_engine.config`); ``-h`` lists every
+option with the defaults those give; ``--dry-run`` checks the run without starting it
+(:mod:`aepo_engine.dry_run`).
 
 Under ``torchrun`` every rank samples rollouts for its share of the step's prompts with its own
 generation backend; trajectories are all-gathered so every rank holds the same global batch,
@@ -27,29 +29,25 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from aepo_engine import distributed
 from aepo_engine.algorithms.advantages import group_advantages
 from aepo_engine.checkpoint import CheckpointManager
-from aepo_engine.config import TrainConfig, preset_path
-from aepo_engine.config_loader import ConfigError, dump_config, parse_args, pop_option
-from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, load_examples
-from aepo_engine.default_setup import prepare_in_subprocess, prepare_synthetic_run
+from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
+from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
+from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
 from aepo_engine.evaluate import evaluate, merge_eval_results
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
-from aepo_engine.rewards import get_reward
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+from aepo_engine.rewards import build_reward_fn
+from aepo_engine.rollout.backends import build_backend
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.training.batch import TokenBatch
-from aepo_engine.training.policy import PolicyWorker, init_distributed
+from aepo_engine.training.policy import PolicyWorker
 
-
-def expand_presets(argv: list[str]) -> list[str]:
-    """``--preset NAME`` -> ``--config <presets/NAME.toml>``, placed first so user files and
-    overrides win."""
-    presets, rest = pop_option(argv, "--preset")
-    return [x for name in presets for x in ("--config", str(preset_path(name)))] + rest
+PROG = "python -m aepo_engine.train"
 
 
 def seed_everything(seed: int) -> None:
@@ -59,7 +57,7 @@ def seed_everything(seed: int) -> None:
 
 
 def _log(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if distributed.is_main():
         print(message, flush=True)
 
 
@@ -67,55 +65,48 @@ class Trainer:
     """Builds the parts from a :class:`TrainConfig` and runs the RL loop."""
 
     def __init__(self, cfg: TrainConfig):
+        problems = config_problems(cfg)
+        if problems:
+            raise ConfigError("the config cannot run:\n" + "\n".join(f"- {p}" for p in problems))
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
-        self.rank, self.world, _ = init_distributed()
-        self._prepare_task()
-        self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps())
+        self.rank, self.world, _ = distributed.init_distributed()
+        task = prepare_task(cfg, self.run_dir, log=_log)
+        self.model_dir, self.tools_config = task.model_dir, task.tools_config
         self.tokenizer = _load_tokenizer(self.model_dir)
-        self.reward_fn = _reward_fn(cfg)
+        self.train_examples = fit_prompts(task.train_examples, self.prompt_length, cfg.data, "train")
+        self.eval_examples = fit_prompts(task.eval_examples, self.prompt_length, cfg.data, "eval")
+        self.total_steps = cfg.train.resolved_steps(len(self.train_examples))
+        self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps(),
+                                   temperature=cfg.rollout.temperature)
+        self.reward_fn = build_reward_fn(cfg.reward)
         # The backend first: a vLLM engine must start before the search index loads numba.
-        self.backend = _build_backend(cfg, self.model_dir, self.tokenizer, self.rank)
+        self.backend = build_backend(cfg.backend, self.model_dir, self.tokenizer, seed=cfg.rollout.seed + self.rank)
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
         self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
-        self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.seed)
+        self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,
+                                     shuffle=cfg.data.shuffle)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
-        self.logger = RunLogger(self.run_dir / cfg.logging.dir, rank=self.rank,
+        self.logger = RunLogger(self.run_dir / cfg.logging.dir, rank=self.rank, jsonl=cfg.logging.jsonl,
                                 tensorboard=cfg.logging.tensorboard_enabled(),
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
 
     # --- set-up -----------------------------------------------------------------------------
 
-    def _prepare_task(self) -> None:
-        cfg = self.cfg
-        if cfg.task.source == "synthetic":
-            if self.rank == 0 and cfg.backend.kind == "vllm":
-                prepare_in_subprocess(self.config_text, self.run_dir)
-            elif self.rank == 0:  # builds the files once; the other ranks then read them
-                prepare_synthetic_run(cfg, self.run_dir, log=_log)
-            _barrier()
-            run = prepare_synthetic_run(cfg, self.run_dir, log=lambda _: None)
-            self.model_dir = str(cfg.model.path or run.model_dir)
-            self.tools_config = run.tools_config
-            self.train_examples = [_synthetic_example(i, q) for i, q in enumerate(run.task.train)]
-            self.eval_examples = [_synthetic_example(i, q) for i, q in enumerate(run.task.heldout)]
-        else:
-            self.model_dir, self.tools_config = cfg.model.path, cfg.tools
-            self.train_examples = load_examples(cfg.data.train_files, cfg.data)
-            self.eval_examples = load_examples(cfg.data.eval_files, cfg.data) if cfg.data.eval_files else []
-
     def _optimizer_steps(self) -> int:
         policy, train = self.cfg.policy, self.cfg.train
         units = train.prompts_per_step * (self.cfg.rollout.k if policy.mini_batch_unit == "rows" else 1)
-        return max(1, train.steps * policy.steps_per_update(units))
+        return max(1, self.total_steps * policy.steps_per_update(units))
 
     def prompt_ids(self, example: Example) -> list[int]:
-        messages = example.prompt_messages or [{"role": "user", "content": example.question}]
-        return encode_chat_prompt(self.tokenizer, messages)
+        return encode_chat_prompt(self.tokenizer, example.messages())
+
+    def prompt_length(self, example: Example) -> int:
+        return len(self.prompt_ids(example))
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -127,14 +118,15 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(self.config_text)
         start, extra = self._resume()
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
-        bar = ProgressBar(self.cfg.train.steps, start)
+        bar = ProgressBar(self.total_steps, start)
+        every = self.cfg.logging.print_every_n_steps
         t0 = time.perf_counter()
-        for step in range(start, self.cfg.train.steps):
+        for step in range(start, self.total_steps):
             metrics = self.train_step(step)
             if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
                 metrics.update({f"eval/{k}": v for k, v in self.evaluate(f"step {step + 1}").items()})
             self.logger.log(step, metrics)
-            if self.rank == 0 and (step + 1) % max(1, self.cfg.logging.print_every_n_steps) == 0:
+            if self.rank == 0 and every and (step + 1) % every == 0:
                 bar.update(step, _progress_fields(metrics))
             if self._checkpoint_due(step):
                 self.save(step, eval_before)
@@ -176,11 +168,11 @@ class Trainer:
         mine = list(range(self.rank, len(examples), self.world))
         local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
         scored = []
-        for traj in local:
+        for traj in local.trajectories:
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
             result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
             scored.append((traj, float(result.score), bool(result.correct)))
-        gathered = _all_gather_objects([(scored, self.rollout.last_stats)], self.world)
+        gathered = distributed.all_gather_objects((scored, local.stats))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
         stats = [st for _, st in gathered]
         return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
@@ -195,7 +187,7 @@ class Trainer:
                          [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
                          self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0),
                          categories=[e.data_source for e in questions])
-        result = merge_eval_results(_all_gather_objects([local], self.world))
+        result = merge_eval_results(distributed.all_gather_objects(local))
         _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
              + f" ({time.perf_counter() - t0:.0f}s)")
         return result
@@ -204,7 +196,7 @@ class Trainer:
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_n_steps
-        last = step + 1 == self.cfg.train.steps
+        last = step + 1 == self.total_steps
         return (every > 0 and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_at_end)
 
     def save(self, step: int, eval_before: dict[str, float]) -> None:
@@ -223,7 +215,7 @@ class Trainer:
         return loaded.step, loaded.extra_state
 
     def _finish(self, before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
-        summary = {"eval_before": before, "eval_after": after, "rl_seconds": seconds, "steps": self.cfg.train.steps}
+        summary = {"eval_before": before, "eval_after": after, "rl_seconds": seconds, "steps": self.total_steps}
         if self.rank == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if self.cfg.logging.plots_at_end and self.logger.enabled and self.logger.metrics_path.exists():
@@ -242,36 +234,10 @@ class Trainer:
 # Helpers
 
 
-def _synthetic_example(index: int, question) -> Example:
-    return Example(index=index, question=question.text, prompt_messages=question.messages(),
-                   ground_truth=[question.answer], data_source=f"synthetic/{question.kind}", meta={"kind": question.kind})
-
-
 def _load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _reward_fn(cfg: TrainConfig):
-    reward = get_reward(cfg.reward.name)
-    options = dict(cfg.reward.options)
-    return lambda response, ground_truth: reward(response, ground_truth, **options)
-
-
-def _build_backend(cfg: TrainConfig, model_dir: str, tokenizer, rank: int):
-    device = cfg.backend.device
-    if device == "auto":
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    if cfg.backend.kind == "vllm":
-        from aepo_engine.rollout.backends.vllm import VLLMBackend
-
-        return VLLMBackend(model_dir, seed=cfg.rollout.seed + rank, max_model_len=cfg.backend.max_model_len,
-                           gpu_memory_utilization=cfg.backend.gpu_memory_utilization,
-                           logprobs_topk=cfg.backend.logprobs_topk)
-    from aepo_engine.rollout.backends.hf import HFBackend
-
-    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.backend.max_batch_size)
 
 
 def _rank_rollout_config(rollout_cfg, rank: int):
@@ -279,25 +245,12 @@ def _rank_rollout_config(rollout_cfg, rank: int):
     return msgspec.structs.replace(rollout_cfg, seed=rollout_cfg.seed + 1_000_003 * rank) if rank else rollout_cfg
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _all_gather_objects(obj: list, world: int) -> list:
-    if world == 1:
-        return obj
-    out: list = [None] * world
-    dist.all_gather_object(out, obj[0])
-    return out
-
-
-def _rollout_metrics(stats: list[dict[str, Any]], trajectories) -> dict[str, float]:
+def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float]:
     """Rollout statistics summed/averaged over ranks."""
     def total(key):
-        return float(sum(s.get(key) or 0 for s in stats))
+        return float(sum(getattr(s, key) for s in stats))
 
-    m_values = [m for s in stats for m in s.get("m", [])]
+    m_values = [m for s in stats for m in s.m]
     model_entropies = [e for t in trajectories for e, keep in zip(t.entropies, t.loss_mask) if keep]
     return {
         "rollout/global_samples": float(np.mean(m_values)) if m_values else 0.0,
@@ -325,14 +278,30 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
     return {name: metrics[key] for name, key in keys.items() if key in metrics}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """``python -m aepo_engine.train [--preset NAME ...] [--config FILE ...] [--section.key=value ...]
+    [--dry-run] [-h]``: exit status 2 on a config error (and on problems found by --dry-run)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     try:
-        argv = expand_presets(list(sys.argv[1:] if argv is None else argv))
-    except (ValueError, ConfigError) as err:
+        args = split_train_args(argv)
+        if "-h" in argv or "--help" in argv:
+            overrides = [a for a in args.overrides if a not in ("-h", "--help")]
+            cfg = load_config(TrainConfig, path=args.files, overrides=overrides)
+            source = f"{args.describe()}\n(presets, for --preset: {', '.join(list_presets())})"
+            print(format_help(TrainConfig, PROG, defaults=cfg, defaults_from=source,
+                              usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] [--dry-run]"))
+            return None
+        cfg = load_config(TrainConfig, path=args.files, overrides=args.overrides)
+        if dry_run:
+            from aepo_engine.dry_run import dry_run as check
+
+            raise SystemExit(check(cfg, args.describe()))
+        return Trainer(cfg).run()
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
-    cfg = parse_args(TrainConfig, argv, prog="python -m aepo_engine.train")
-    return Trainer(cfg).run()
 
 
 if __name__ == "__main__":

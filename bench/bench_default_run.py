@@ -1,8 +1,9 @@
 """The embedded default run as a benchmark: wall time and held-out accuracy before/after RL, per seed.
 
-Runs ``python -m aepo_engine.train`` once per seed, each in a fresh run folder, with every seed of
-the run set to that seed (world and questions, tiny-model init, warm start, rollouts, evaluation
-draws), so the spread over seeds is the whole seed-to-seed noise of the result. Rows go to
+Runs ``python -m aepo_engine.train --seed N`` once per seed, each in a fresh run folder. Every
+seed of the run (world and questions, tiny-model init, warm start, data order, rollouts, evaluation
+draws) derives from the root seed (``aepo_engine.seeding``), so the spread over seeds is the whole
+seed-to-seed noise of the result; each row records the derived seeds from the run's config.toml. Rows go to
 ``bench/results/default_run.jsonl``; the summary prints the gain (after - before) per seed, its
 mean, sample standard deviation and a paired t statistic (mean / (sd / sqrt(n))).
 
@@ -21,38 +22,32 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import print_table, write_rows  # noqa: E402
-
-SEEDED_FIELDS = ("--seed", "--model.tiny.seed", "--task.warm_start.seed", "--rollout.seed",
-                 "--task.synthetic.seed", "--eval.seed")
-
-
-def seed_args(seed: int) -> list[str]:
-    """Every seed of the run set to ``seed`` (the evaluation draws offset so seed 0 keeps 12345)."""
-    return [f"{name}={12345 + seed if name == '--eval.seed' else seed}" for name in SEEDED_FIELDS]
-
 
 def run_one(seed: int, base_dir: Path, extra: list[str]) -> dict:
     run_dir = base_dir / f"seed{seed}"
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: remove it or choose another --base-dir (a reused run "
                          "would resume instead of measuring a fresh one)")
-    command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", *seed_args(seed), *extra]
+    command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", f"--seed={seed}", *extra]
     print("$", " ".join(command), flush=True)
     t0 = time.perf_counter()
     with (base_dir / f"seed{seed}.log").open("w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
     wall = time.perf_counter() - t0
     summary = json.loads((run_dir / "summary.json").read_text())
+    config = tomllib.loads((run_dir / "config.toml").read_text())
     warm = run_dir / "setup" / "warm_start" / "warm_start.json"
     before, after = summary["eval_before"], summary["eval_after"]
     return {
         "seed": seed, "extra_args": extra, "wall_s": round(wall, 1), "rl_s": round(summary["rl_seconds"], 1),
         "warm_start_s": round(json.loads(warm.read_text())["seconds"], 1) if warm.exists() else None,
-        "steps": summary["steps"], "samples": int(before["questions"]) * _samples(run_dir),
+        "steps": summary["steps"], "samples": int(before["questions"]) * config["eval"]["samples"],
+        "seeds": derived_seeds(config),
         "acc_before": before["accuracy"], "acc_after": after["accuracy"],
         "gain": after["accuracy"] - before["accuracy"],
         "no_tool_before": before.get("no_tool_share"), "no_tool_after": after.get("no_tool_share"),
@@ -61,10 +56,17 @@ def run_one(seed: int, base_dir: Path, extra: list[str]) -> dict:
     }
 
 
-def _samples(run_dir: Path) -> int:
-    import tomllib
+def derived_seeds(config: dict) -> dict[str, int]:
+    """``{dotted key: seed}`` of every sub-seed as the run resolved it (from its config.toml)."""
+    from aepo_engine.seeding import SEED_OFFSETS
 
-    return tomllib.loads((run_dir / "config.toml").read_text())["eval"]["samples"]
+    def leaf(key: str) -> int:
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    return {key: leaf(key) for key in SEED_OFFSETS}
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -19,7 +19,7 @@ loads the model into the backend once (untimed), then ``harness.measure`` times 
 ``EntropyBalancedRollout.rollout`` calls, call r using rollout step r (so calls sample different
 trajectories while every mode sees the same seeds). ``--rounds N`` runs the sweep of modes N
 times, interleaved, so that a change of machine load hits every mode alike. Per call:
-    tokens_per_s      model tokens sampled (``last_stats["tokens_generated"]``, discarded probes
+    tokens_per_s      model tokens sampled (``RolloutStats.tokens_generated``, discarded probes
                       included) / wall time of the rollout call (generation + tools + scheduler)
     gen_tokens_per_s  the same tokens / time inside ``backend.generate``
     tokens_per_cpu_s  the same tokens / CPU time of the case process (robust to machine load;
@@ -64,6 +64,7 @@ from harness import measure, print_table, run_case_subprocess, write_rows  # noq
 from aepo_engine.rollout.config import RolloutConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    from aepo_engine.rollout.scheduler import RolloutStats
     from aepo_engine.tasks.synthetic import SyntheticTask
 
 # aepo_engine.tools - and everything that imports it: the scheduler, the synthetic task - is
@@ -257,11 +258,11 @@ def run_case(spec: CaseSpec) -> dict[str, Any]:
         def body(step: int) -> dict[str, float]:
             backend.seconds, backend.context_tokens, tools.seconds = 0.0, 0, 0.0
             start, start_cpu = time.perf_counter(), time.process_time()
-            trajectories = scheduler.rollout(prompts, step=step)
+            result = scheduler.rollout(prompts, step=step)
             calls.append({"wall_s": time.perf_counter() - start,
                           "cpu_s": time.process_time() - start_cpu, "gen_s": backend.seconds,
                           "context_tokens": backend.context_tokens,
-                          **_call_stats(scheduler.last_stats, trajectories)})
+                          **_call_stats(result.stats, result.trajectories)})
             return {"gen_s": backend.seconds, "tool_s": tools.seconds}
 
         steps = iter(range(spec.warmup + spec.repeats))
@@ -295,12 +296,12 @@ def summarize_calls(calls: Sequence[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def _call_stats(stats: dict[str, Any], trajectories: Sequence[Any]) -> dict[str, float]:
-    """The per-call figures of a row, from ``last_stats`` and the returned trajectories."""
+def _call_stats(stats: "RolloutStats", trajectories: Sequence[Any]) -> dict[str, float]:
+    """The per-call figures of a row, from the call's statistics and trajectories."""
     n = len(trajectories)
-    ms = [m for m in stats["m"] if m is not None]
-    return {"tokens_generated": stats["tokens_generated"], "rounds": stats["rounds"],
-            "tool_calls": stats["tool_calls_executed"], "branches": stats["branches"],
+    ms = [m for m in stats.m if m is not None]
+    return {"tokens_generated": stats.tokens_generated, "rounds": stats.rounds,
+            "tool_calls": stats.tool_calls_executed, "branches": stats.branches,
             "mean_m": statistics.mean(ms) if ms else float("nan"),
             "model_tokens_per_traj": sum(sum(t.loss_mask) for t in trajectories) / n,
             "response_tokens_per_traj": sum(len(t.response_ids) for t in trajectories) / n}

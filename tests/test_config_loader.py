@@ -17,7 +17,10 @@ from aepo_engine.config_loader import (
     loads_config,
     parse_args,
 )
-from aepo_engine.train_config import CheckpointConfig, DataConfig, LoggingConfig, OptimConfig
+from aepo_engine.checkpoint import CheckpointConfig
+from aepo_engine.data import DataConfig
+from aepo_engine.metrics import LoggingConfig
+from aepo_engine.training.optim import OptimConfig
 
 
 # A stand-in for a section owned by another module, using every supported annotation.
@@ -363,12 +366,12 @@ def test_config_flag_without_path_is_a_config_error():
 
 
 def test_tensorboard_auto_on_off(monkeypatch):
-    import aepo_engine.train_config as train_config
+    import aepo_engine.metrics as metrics
 
-    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
     assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is False
     assert LoggingConfig(tensorboard="off").tensorboard_enabled() is False
     with pytest.raises(RuntimeError, match="pip install tensorboard"):
         LoggingConfig(tensorboard="on").tensorboard_enabled()
-    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: object())
     assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is True

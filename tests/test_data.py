@@ -18,7 +18,7 @@ from aepo_engine.data import (
     drop_long_prompts,
     load_examples,
 )
-from aepo_engine.train_config import DataConfig
+from aepo_engine.data import DataConfig
 
 ARPO = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo"
 needs_arpo = pytest.mark.skipif(not (ARPO / "rl_datasets").is_dir(),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aepo_engine.rollout.trajectory import Trajectory
-from aepo_engine.train_config import OptimConfig
+from aepo_engine.training.optim import OptimConfig
 from aepo_engine.training import IGNORE_INDEX, PolicyConfig, PolicyWorker, TokenBatch, build_lr_scheduler, concat_rows
 from aepo_kernels import LossConfig
 
@@ -66,9 +66,9 @@ def vocab_of(path) -> int:
     return AutoConfig.from_pretrained(path).vocab_size
 
 
-def make_worker(path, optim=SGD_LIKE, **overrides) -> PolicyWorker:
+def make_worker(path, optim=SGD_LIKE, temperature=1.0, **overrides) -> PolicyWorker:
     overrides.setdefault("param_dtype", "float32")
-    return PolicyWorker(str(path), PolicyConfig(**overrides), optim, total_steps=100)
+    return PolicyWorker(str(path), PolicyConfig(**overrides), optim, total_steps=100, temperature=temperature)
 
 
 def with_old_policy(worker: PolicyWorker, batch: TokenBatch) -> TokenBatch:

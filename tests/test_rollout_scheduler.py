@@ -194,7 +194,8 @@ def test_config_has_help_for_every_field_and_round_trips():
 ])
 def test_exactly_k_per_prompt_grouped(overrides):
     scheduler, backend, runner = make(tool_agent(3), **overrides)
-    trajs = scheduler.rollout(PROMPTS, step=0)
+    result = scheduler.rollout(PROMPTS, step=0)
+    trajs = result.trajectories
     k = scheduler.config.k
     assert len(trajs) == k * len(PROMPTS)
     assert [t.prompt_index for t in trajs] == sorted(t.prompt_index for t in trajs)
@@ -203,7 +204,7 @@ def test_exactly_k_per_prompt_grouped(overrides):
         assert [t.traj_id for t in group] == sorted(t.traj_id for t in group)
         assert all(t.done and t.prompt_ids == PROMPTS[i] for t in group)
     # One backend call per round, one tool batch per round with calls.
-    assert len(backend.batches) == scheduler.last_stats["rounds"]
+    assert len(backend.batches) == result.stats.rounds
     assert len(runner.batches) <= len(backend.batches)
 
 
@@ -218,11 +219,12 @@ def test_one_batched_call_per_round_across_prompts():
 def test_fresh_global_samples_when_all_ended_early():
     answer_now = lambda context, request: ("<answer>x</answer>", 1.0, True)  # noqa: E731
     scheduler, backend, _ = make(answer_now, k=5, pre_monitoring=False, fixed_global_samples=2)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     assert len(trajs) == 5 and all(t.kind == "global" for t in trajs)
-    assert scheduler.last_stats["fresh_global_samples"] == 3
+    assert result.stats.fresh_global_samples == 3
     assert [len(b) for b in backend.batches] == [2, 3]
-    assert scheduler.last_stats["finish_reasons"] == {"eos": 5}
+    assert result.stats.finish_reasons == {"eos": 5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,35 +236,38 @@ def test_pre_monitoring_m_from_probe_entropies():
     # -> m = 8 for k = 12 (hand-worked above). Constant alpha 0 never branches.
     scheduler, _, _ = make(tool_agent(2, h_first=2.0, h_after=1.0), k=12,
                            branch_alpha_mode="constant", branch_alpha=0.0)
-    trajs = scheduler.rollout([[50]], step=0)
-    stats = scheduler.last_stats
-    assert stats["m"] == [8] and stats["h_root"] == [2.0] and stats["h_tool"] == [1.0]
-    assert stats["kinds"] == {"probe": 1, "global": 11}   # probe + 7 globals + 4 fresh
-    assert stats["fresh_global_samples"] == 4
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
+    stats = result.stats
+    assert stats.m == [8] and stats.h_root == [2.0] and stats.h_tool == [1.0]
+    assert stats.kinds == {"probe": 1, "global": 11}   # probe + 7 globals + 4 fresh
+    assert stats.fresh_global_samples == 4
     assert trajs[0].kind == "probe" and trajs[0].traj_id == 0
 
 
 def test_probe_without_tool_calls_uses_neutral_h_tool():
     scheduler, _, _ = make(tool_agent(0, h_first=3.0), k=12)
-    scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
     # H_tool := H_root -> sigmoid(0) = 0.5 -> floor(6) + 1 = 7.
-    assert scheduler.last_stats["h_tool"] == [3.0] and scheduler.last_stats["m"] == [7]
+    assert result.stats.h_tool == [3.0] and result.stats.m == [7]
 
 
 def test_discarded_probe_is_not_returned():
     scheduler, _, _ = make(tool_agent(1), k=4, reuse_probe_as_sample=False)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     assert len(trajs) == 4 and all(t.kind != "probe" and t.traj_id >= 1 for t in trajs)
-    assert scheduler.last_stats["discarded_probes"] == 1
+    assert result.stats.discarded_probes == 1
 
 
 def test_reused_probe_takes_its_branch_decisions_after_m_is_known():
     # Always branch (alpha 1, no penalty); k=6; m: H equal -> floor(3) + 1 = 4 -> 2 branches.
     scheduler, _, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant", branch_alpha=1.0,
                            branch_penalty=False)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     probe = trajs[0]
-    assert scheduler.last_stats["m"] == [4]
+    assert result.stats.m == [4]
     assert [d.branched for d in probe.decisions] == [True, True]
     children = [t for t in trajs if t.parent_id == probe.traj_id]
     assert sorted(c.branch_tool_step for c in children) == [1, 2]
@@ -287,7 +292,8 @@ def test_lineage_counters_are_per_lineage():
     scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
                            branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0,
                            penalty_slope=0.5)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     by_id = {t.traj_id: t for t in trajs}
     a, b = by_id[0], by_id[1]
     # Both global lineages branch at their first tool result with l=0: a per-prompt counter
@@ -306,14 +312,15 @@ def test_lineage_counters_are_per_lineage():
             assert t.decisions == [] or t.decisions[0].tool_step == t.branch_tool_step + 1
         else:
             check_lineage_rule(t, 0)
-    assert len(trajs) == 8 and scheduler.last_stats["branches"] == 6
+    assert len(trajs) == 8 and result.stats.branches == 6
 
 
 def test_branch_never_exceeds_budget_and_child_copies_prefix():
     scheduler, backend, _ = make(tool_agent(4, seed_in_text=True), k=5, pre_monitoring=False,
                                  fixed_global_samples=1, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     assert len(trajs) == 5
     by_id = {t.traj_id: t for t in trajs}
     for t in trajs:
@@ -325,7 +332,7 @@ def test_branch_never_exceeds_budget_and_child_copies_prefix():
         assert t.segments[len([s for s in t.segments if s.end <= cut]) - 1].kind == "tool"
         assert t.tool_calls == sum(s.kind == "tool" for s in t.segments)
         assert t.h_init == parent.h_init
-    assert scheduler.last_stats["branch_budget_blocked"] > 0
+    assert result.stats.branch_budget_blocked > 0
 
 
 def test_branching_depends_on_entropy_change():
@@ -334,12 +341,12 @@ def test_branching_depends_on_entropy_change():
                     fixed_global_samples=1, branch_alpha_mode="constant", branch_alpha=0.5)
     down, _, _ = make(tool_agent(2, h_first=2.0, h_after=1.0), k=4, pre_monitoring=False,
                       fixed_global_samples=1, branch_alpha_mode="constant", branch_alpha=0.5)
-    up.rollout([[50]], step=0)
-    down.rollout([[50]], step=0)
-    assert up.last_stats["branches"] > 0
-    assert down.last_stats["branches"] == 0 and down.last_stats["fresh_global_samples"] == 3
+    up_stats = up.rollout([[50]], step=0).stats
+    down_stats = down.rollout([[50]], step=0).stats
+    assert up_stats.branches > 0
+    assert down_stats.branches == 0 and down_stats.fresh_global_samples == 3
     # (0.5 + 0.2 * 1.0) * (1 - 0.05 * 0) = 0.7 at the first decision
-    assert up.last_stats["mean_branch_probability"] > 0.5
+    assert up_stats.mean_branch_probability > 0.5
 
 
 def test_no_stale_h_init_across_steps():
@@ -353,11 +360,13 @@ def test_no_stale_h_init_across_steps():
     scheduler, _, _ = make(policy, k=4, pre_monitoring=False, fixed_global_samples=2,
                            branch_alpha_mode="constant", branch_alpha=0.9)
     tok = CharTokenizer()
-    step0 = scheduler.rollout([tok.encode("A?")], step=0)
-    assert scheduler.last_stats["branches"] == 0
+    result = scheduler.rollout([tok.encode("A?")], step=0)
+    step0 = result.trajectories
+    assert result.stats.branches == 0
     assert all(d.h_init == 5.0 for t in step0 for d in t.decisions)
-    step1 = scheduler.rollout([tok.encode("B?")], step=1)
-    assert scheduler.last_stats["branches"] > 0
+    result = scheduler.rollout([tok.encode("B?")], step=1)
+    step1 = result.trajectories
+    assert result.stats.branches > 0
     assert all(d.h_init == 1.0 for t in step1 for d in t.decisions)
     assert all(t.step == 1 and t.uid.startswith("step1/") for t in step1)
 
@@ -368,7 +377,8 @@ def test_no_stale_h_init_across_steps():
 
 def test_masks_logprobs_and_tool_tokens_aligned():
     scheduler, backend, runner = make(tool_agent(2), k=2, branching=False)
-    trajs = scheduler.rollout([[50, 51]], step=0)
+    result = scheduler.rollout([[50, 51]], step=0)
+    trajs = result.trajectories
     tok = CharTokenizer()
     for t in trajs:
         n = len(t.response_ids)
@@ -397,7 +407,8 @@ def test_masks_logprobs_and_tool_tokens_aligned():
 
 def test_tool_call_limit():
     scheduler, _, runner = make(tool_agent(100), k=2, branching=False, max_tool_calls=2)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     for t in trajs:
         assert t.tool_calls == 2 and t.finish_reason == "tool_limit"
         assert [s.kind for s in t.segments] == ["model", "tool", "model", "tool", "model"]
@@ -407,7 +418,8 @@ def test_tool_call_limit():
 def test_length_cap_truncates_and_stops():
     scheduler, _, _ = make(tool_agent(100), k=2, branching=False, max_response_tokens=60,
                            max_tokens_per_segment=30)
-    trajs = scheduler.rollout([[50]], step=0)
+    result = scheduler.rollout([[50]], step=0)
+    trajs = result.trajectories
     for t in trajs:
         assert len(t.response_ids) <= 60 and t.finish_reason == "length"
 
@@ -420,12 +432,13 @@ def test_malformed_calls_counted_not_run():
 
     scheduler, _, runner = make(policy, k=3)
     tok = CharTokenizer()
-    trajs = scheduler.rollout([tok.encode("1?"), tok.encode("2?")], step=0)
+    result = scheduler.rollout([tok.encode("1?"), tok.encode("2?")], step=0)
+    trajs = result.trajectories
     bad = by_prompt(trajs)[1]
     assert len(bad) == 3
     assert all(t.malformed_calls == 1 and t.finish_reason == "malformed" for t in bad)
     assert all(t.tool_calls == 0 for t in bad)
-    assert scheduler.last_stats["malformed_calls"] == 3
+    assert result.stats.malformed_calls == 3
     assert all(call.payload.startswith("q") for batch in runner.batches for call in batch)
 
 
@@ -436,7 +449,8 @@ def test_malformed_calls_counted_not_run():
 def test_same_seed_same_rollouts_different_seed_different_branching():
     def run(seed: int):
         scheduler, backend, _ = make(tool_agent(3, seed_in_text=True), k=6, seed=seed)
-        trajs = scheduler.rollout(PROMPTS, step=3)
+        result = scheduler.rollout(PROMPTS, step=3)
+        trajs = result.trajectories
         return signature(trajs), [r.seed for b in backend.batches for r in b]
 
     first, seeds_first = run(0)
@@ -468,7 +482,8 @@ def test_with_real_tool_runner():
     with ToolRunner({"echo": EchoTool()}, max_workers=2) as runner:
         scheduler, _, _ = make(policy, runner=runner, k=3)
         assert scheduler.stop_strings == ("</echo>",)
-        trajs = scheduler.rollout([[50], [51]], step=0)
+        result = scheduler.rollout([[50], [51]], step=0)
+        trajs = result.trajectories
     tok = CharTokenizer()
     assert len(trajs) == 6
     for t in trajs:
@@ -483,7 +498,8 @@ def test_rollout_tree_lists_every_trajectory_under_its_parent():
     scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
                            branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0,
                            penalty_slope=0.5)
-    trajs = scheduler.rollout([[50], [60]], step=0)
+    result = scheduler.rollout([[50], [60]], step=0)
+    trajs = result.trajectories
     tree = rollout_tree(trajs, 1)
     assert [t.traj_id for t in tree[None]] == [0, 1]
     assert sum(len(v) for v in tree.values()) == 8
@@ -495,7 +511,7 @@ def test_rollout_tree_lists_every_trajectory_under_its_parent():
     parent_line = next(x for x in text.splitlines() if f"- t{child.parent_id} [" in x)
     indent = lambda s: len(s) - len(s.lstrip())  # noqa: E731
     assert indent(line) == indent(parent_line) + 2
-    assert not math.isnan(scheduler.last_stats["mean_branch_probability"])
+    assert not math.isnan(result.stats.mean_branch_probability)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,11 +559,12 @@ def test_end_to_end_hf_backend_token_in_token_out(tiny_hf):
         with ToolRunner({"search": FoundTool()}, max_workers=2) as runner:
             scheduler = EntropyBalancedRollout(HFBackend(model, tok), runner,
                                                RolloutConfig(**config))
-            return scheduler.rollout(prompts, step=0), scheduler.last_stats
+            result = scheduler.rollout(prompts, step=0)
+            return result.trajectories, result.stats
 
     trajs, stats = run()
     assert [len(g) for g in by_prompt(trajs).values()] == [4, 4]
-    assert stats["tool_calls_executed"] > 0 and all(t.done for t in trajs)
+    assert stats.tool_calls_executed > 0 and all(t.done for t in trajs)
     for t in trajs:
         assert len(t.response_ids) <= 60
         for seg in t.segments:

@@ -26,7 +26,7 @@ FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=256)
 
 # "full": everything this machine allows; "bare": no namespaces, no uid - what a non-root
 # machine without user namespaces gets (rlimits, scrubbed env, process-group kill only).
-MODES = {"full": {}, "bare": {"isolation": "none", "run_as_uid": None}}
+MODES = {"full": {}, "bare": {"isolation": "none", "run_as_uid": "engine"}}
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
@@ -62,7 +62,7 @@ def test_code_runs_exactly_once(tmp_path):
     # must run once. The counter file lives outside the sandbox, so run as the engine's uid.
     counter = tmp_path / "count"
     counter.write_text("")
-    tool = build_tool("python", run_as_uid=None, **FAST)
+    tool = build_tool("python", run_as_uid="engine", **FAST)
     result = tool(f"open({str(counter)!r}, 'a').write('x')")
     assert result.ok and result.text == "(no output)"
     assert counter.read_text() == "x"
@@ -107,7 +107,7 @@ def test_environment_secret_is_not_visible(python_tool, monkeypatch):
                                   "'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']\n")
 
 
-@pytest.mark.parametrize("run_as_uid", [61_000, None])
+@pytest.mark.parametrize("run_as_uid", [61_000, "engine"])
 def test_workdir_is_fresh_and_removed(run_as_uid):
     # chmod 000 on a sub-directory must not leave the work dir behind
     code = ("import os\nos.makedirs('d/e')\nopen('d/e/f.txt', 'w').write('x')\n"
@@ -172,7 +172,7 @@ def test_as_root_nproc_is_ignored_but_the_pid_namespace_kills_everything():
     code = (f"import os, sys\nfor _ in range(40):\n    if os.fork() == 0:\n        os.setsid()\n"
             f"        os.execv(sys.executable, [sys.executable, '-c', "
             f"'import time; time.sleep(600)', '{token}'])\nprint('forked 40')")
-    outcome = run_python(code, PythonConfig(nproc=8, run_as_uid=None, **FAST))
+    outcome = run_python(code, PythonConfig(nproc=8, run_as_uid="engine", **FAST))
     assert outcome.stdout == "forked 40\n" and outcome.uid is None
     assert _processes_with(token) == []
 

@@ -10,12 +10,15 @@ may run them in a thread or process pool; nothing here touches torch.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-__all__ = ["RewardResult", "RewardFn", "register_reward", "get_reward", "list_rewards",
-           "as_references"]
+import msgspec
+
+__all__ = ["RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward", "get_reward",
+           "list_rewards", "as_references"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,37 @@ def get_reward(name: str) -> RewardFn:
 def list_rewards() -> list[str]:
     """Names of all registered reward functions, sorted."""
     return sorted(_REGISTRY)
+
+
+class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Reward function.
+
+    Attributes:
+        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math.
+        options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
+    """
+
+    name: str = "deep_research"
+    options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
+
+
+def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
+    """``(response, ground_truth) -> RewardResult`` with the configured options bound.
+
+    Raises:
+        ValueError: an unknown reward name, or an option the reward does not take (checked here,
+            not at the first scored response).
+    """
+    try:
+        reward = get_reward(cfg.name)
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
+    options = dict(cfg.options)
+    try:
+        inspect.signature(reward).bind("", "", **options)
+    except TypeError as err:
+        raise ValueError(f"reward.options {sorted(options)} do not fit reward {cfg.name!r}: {err}") from None
+    return lambda response, ground_truth: reward(response, ground_truth, **options)
 
 
 # ---------------------------------------------------------------------------------------------

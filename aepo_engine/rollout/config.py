@@ -41,8 +41,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         max_tool_calls: Tool calls executed per trajectory; a further call ends it ("tool_limit").
         temperature: Sampling temperature passed to the backend.
         top_p: Nucleus sampling top-p passed to the backend.
-        seed: Root seed; every sampling seed and branch draw derives from (seed, step, prompt index,
-            trajectory id, ...), so the same seed reproduces the same rollouts.
+        seed: Every sampling seed and branch draw derives from (seed, step, prompt index,
+            trajectory id, ...), so the same seed reproduces the same rollouts; none = derived from the run's root seed (``aepo_engine.seeding``).
     """
 
     k: int = 12
@@ -63,7 +63,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     max_tool_calls: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.k >= 1, f"k must be >= 1 because each prompt needs a group, got {self.k}")
@@ -97,7 +97,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
                f"temperature must be > 0 because entropies and log-probs are taken under "
                f"softmax(z / T), got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.seed >= 0, f"seed must be >= 0 (numpy SeedSequence), got {self.seed}")
+        _check(self.seed is None or self.seed >= 0, f"seed must be >= 0 (numpy SeedSequence), got {self.seed}")
 
     @property
     def global_samples_without_monitoring(self) -> int:

@@ -56,6 +56,7 @@ import numpy as np
 
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
+from aepo_engine.seeding import section_seed
 from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
 from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, find_tool_call,
                                format_tool_result)
@@ -136,6 +137,52 @@ class _Stats:
     decisions: list[BranchDecision] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RolloutStats:
+    """What one :meth:`EntropyBalancedRollout.rollout` call did.
+
+    Attributes:
+        m: global samples per prompt (spec 1a).
+        h_root, h_tool: pre-monitoring entropies per prompt (None without pre-monitoring).
+        branches: branches taken; branch_decisions: branch decisions made;
+            branch_budget_blocked: decisions with P > tau but no budget left.
+        mean_branch_probability: mean P over the decisions (None without decisions).
+        tool_calls_executed, tool_errors, malformed_calls: tool use.
+        finish_reasons, kinds: counts over the returned trajectories.
+        tokens_generated: all sampled tokens, discarded probes included; tool_tokens: tool-result
+            tokens appended; rounds: backend calls.
+        fresh_global_samples: global samples started because a prompt's trajectories all ended;
+            discarded_probes: probes thrown away (``reuse_probe_as_sample=False``).
+    """
+
+    m: list[int]
+    h_root: list[float | None]
+    h_tool: list[float | None]
+    branches: int
+    branch_decisions: int
+    branch_budget_blocked: int
+    mean_branch_probability: float | None
+    tool_calls_executed: int
+    tool_errors: int
+    malformed_calls: int
+    finish_reasons: dict[str, int]
+    kinds: dict[str, int]
+    tokens_generated: int
+    tool_tokens: int
+    rounds: int
+    fresh_global_samples: int
+    discarded_probes: int
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """The output of one rollout call: ``trajectories`` (k per prompt, grouped by prompt index,
+    each group sorted by ``traj_id``) and their :class:`RolloutStats`."""
+
+    trajectories: list[Trajectory]
+    stats: RolloutStats
+
+
 # ---------------------------------------------------------------------------------------------
 # The scheduler
 
@@ -151,8 +198,6 @@ class EntropyBalancedRollout:
             decodes segments when the backend gives no text; default ``backend.tokenizer``.
         tool_names: enabled tool tags; default the keys of ``tool_runner.tools`` if present,
             else the tags of ``TOOL_STOP_STRINGS``. Stop strings are ``</name>`` for each.
-
-    After each :meth:`rollout`, ``last_stats`` holds the rollout statistics.
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
@@ -160,6 +205,7 @@ class EntropyBalancedRollout:
         self.backend = backend
         self.tool_runner = tool_runner
         self.config = config
+        self.seed = section_seed(config.seed, "rollout.seed")
         self.tokenizer = tokenizer if tokenizer is not None else backend.tokenizer
         if tool_names is None:
             runner_tools = getattr(tool_runner, "tools", None)
@@ -167,11 +213,10 @@ class EntropyBalancedRollout:
                           [s.removeprefix("</").removesuffix(">") for s in TOOL_STOP_STRINGS])
         self.tool_names = tuple(tool_names)
         self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
-        self.last_stats: dict[str, Any] = {}
 
     # -- public -------------------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], step: int) -> list[Trajectory]:
+    def rollout(self, prompts: list[list[int]], step: int) -> RolloutResult:
         """Sample exactly ``config.k`` trajectories per prompt.
 
         Args:
@@ -180,7 +225,7 @@ class EntropyBalancedRollout:
 
         Returns:
             ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
-            sorted by ``traj_id``. Statistics are left in ``self.last_stats``.
+            sorted by ``traj_id``, with the call's statistics.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0 because it seeds the rollout, got {step}")
@@ -200,8 +245,7 @@ class EntropyBalancedRollout:
                 self._advance(state, step, stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
-        self.last_stats = self._summarize(states, out, stats)
-        return out
+        return RolloutResult(out, self._summarize(states, out, stats))
 
     # -- prompt life cycle --------------------------------------------------------------------
 
@@ -282,7 +326,7 @@ class EntropyBalancedRollout:
     def _request(self, traj: Trajectory, step: int) -> GenRequest:
         cfg = self.config
         remaining = cfg.max_response_tokens - len(traj.response_ids)
-        seed = derive_seed(cfg.seed, step, traj.prompt_index, traj.traj_id, len(traj.segments),
+        seed = derive_seed(self.seed, step, traj.prompt_index, traj.traj_id, len(traj.segments),
                            _SAMPLE)
         return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids),
                           max_new_tokens=min(cfg.max_tokens_per_segment, remaining),
@@ -344,7 +388,7 @@ class EntropyBalancedRollout:
         cfg = self.config
         tool_step = sum(s.kind == "tool" for s in traj.segments[:seg_index])
         if cfg.branch_alpha_mode == "random":
-            seed = derive_seed(cfg.seed, step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
+            seed = derive_seed(self.seed, step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
             alpha = float(np.random.default_rng(seed).random())
         else:
             alpha = cfg.branch_alpha
@@ -367,33 +411,24 @@ class EntropyBalancedRollout:
     # -- statistics ---------------------------------------------------------------------------
 
     def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
-                   ) -> dict[str, Any]:
-        """Build ``last_stats``.
-
-        Keys: per prompt ``m``, ``h_root``, ``h_tool`` (None without pre-monitoring); branching
-        ``branches``, ``branch_decisions``, ``branch_budget_blocked`` (P > tau but no budget),
-        ``mean_branch_probability`` (None without decisions); tools ``tool_calls_executed``,
-        ``tool_errors``, ``malformed_calls``; ``finish_reasons`` and ``kinds`` of the returned
-        trajectories; cost ``tokens_generated`` (all sampled tokens, discarded probes included),
-        ``tool_tokens``, ``rounds``; ``fresh_global_samples``, ``discarded_probes``.
-        """
+                   ) -> RolloutStats:
         probs = [d.probability for d in stats.decisions]
-        return {
-            "m": [s.m for s in states],
-            "h_root": [s.h_root for s in states],
-            "h_tool": [s.h_tool for s in states],
-            "branches": sum(d.branched for d in stats.decisions),
-            "branch_decisions": len(stats.decisions),
-            "branch_budget_blocked": sum(d.budget_blocked for d in stats.decisions),
-            "mean_branch_probability": sum(probs) / len(probs) if probs else None,
-            "tool_calls_executed": stats.tool_calls_executed,
-            "tool_errors": stats.tool_errors,
-            "malformed_calls": stats.malformed_calls,
-            "finish_reasons": dict(Counter(t.finish_reason for t in out)),
-            "kinds": dict(Counter(t.kind for t in out)),
-            "tokens_generated": stats.tokens_generated,
-            "tool_tokens": stats.tool_tokens,
-            "rounds": stats.rounds,
-            "fresh_global_samples": stats.fresh_global_samples,
-            "discarded_probes": stats.discarded_probes,
-        }
+        return RolloutStats(
+            m=[s.m for s in states],
+            h_root=[s.h_root for s in states],
+            h_tool=[s.h_tool for s in states],
+            branches=sum(d.branched for d in stats.decisions),
+            branch_decisions=len(stats.decisions),
+            branch_budget_blocked=sum(d.budget_blocked for d in stats.decisions),
+            mean_branch_probability=sum(probs) / len(probs) if probs else None,
+            tool_calls_executed=stats.tool_calls_executed,
+            tool_errors=stats.tool_errors,
+            malformed_calls=stats.malformed_calls,
+            finish_reasons=dict(Counter(t.finish_reason for t in out)),
+            kinds=dict(Counter(t.kind for t in out)),
+            tokens_generated=stats.tokens_generated,
+            tool_tokens=stats.tool_tokens,
+            rounds=stats.rounds,
+            fresh_global_samples=stats.fresh_global_samples,
+            discarded_probes=stats.discarded_probes,
+        )

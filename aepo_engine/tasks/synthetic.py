@@ -44,6 +44,7 @@ from typing import Callable, Literal, Sequence
 
 import msgspec
 
+from aepo_engine.seeding import section_seed
 from aepo_engine.tools.parsing import format_tool_result
 
 QuestionKind = Literal["lookup", "two_hop", "arithmetic"]
@@ -65,7 +66,7 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     """Size and mix of the generated task.
 
     Attributes:
-        seed: fixes the world, the questions, the split and the demonstrations.
+        seed: fixes the world, the questions, the split and the demonstrations. none = derived from the run's root seed (``aepo_engine.seeding``).
         num_people: people in the world (4 fact documents each).
         num_cities: cities (2 fact documents each); every person lives in one.
         num_train: questions for warm-start demonstrations and RL prompts.
@@ -78,7 +79,7 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
             start that RL has to improve on. 0 = a perfect teacher.
     """
 
-    seed: int = 0
+    seed: int | None = None
     num_people: int = 200
     num_cities: int = 10
     num_train: int = 1000
@@ -240,7 +241,7 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     question text: a held-out question never appears among the train questions (so never in SFT
     demonstrations or RL prompts); the people and documents are shared.
     """
-    rng = random.Random(config.seed)
+    rng = random.Random(section_seed(config.seed, "task.synthetic.seed"))
     people, cities = make_world(config, rng)
     by_name = {c.name: c for c in cities}
     weights = {"lookup": config.lookup_weight, "two_hop": config.two_hop_weight,

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class SearchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The ``<search>`` tool.
 
-    Fields:
+    Attributes:
         backend: ``"cache"`` (offline JSON cache in the reference format, BM25 fallback on a
             miss), ``"corpus"`` (BM25 over a local JSONL corpus) or ``"http"`` (a Search-R1-style
             retrieval server, e.g. ``python -m aepo_engine.tools.retrieval_server``).
@@ -58,7 +58,7 @@ class SearchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The ``<python>`` sandbox (see ``aepo_engine.tools.sandbox`` for what it contains).
 
-    Fields:
+    Attributes:
         timeout_s: wall-clock limit; on expiry the whole process tree is killed.
         cpu_s: CPU-seconds limit per process (RLIMIT_CPU).
         memory_mb: address-space limit per process (RLIMIT_AS), MiB.
@@ -72,7 +72,7 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             fails loudly if they do not work; ``"none"`` only uses the process group.
         run_as_uid: when the engine runs as root, sandboxes run as uids
             ``run_as_uid .. run_as_uid + uid_pool_size - 1`` (one per concurrent run; pick
-            uids no real user has). None keeps the engine's uid (no file-permission containment).
+            uids no real user has). "engine" keeps the engine's uid (no file-permission containment).
         uid_pool_size: how many sandbox uids, i.e. the most concurrent sandboxes.
         site_packages: let code import installed packages (numpy, sympy...); False runs a bare
             ``python -I -S`` with the standard library only. Note: with a sandbox uid the
@@ -90,7 +90,7 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nproc: int = 32
     max_output_bytes: int = 65_536
     isolation: Literal["auto", "namespaces", "none"] = "auto"
-    run_as_uid: int | None = 61_000
+    run_as_uid: int | Literal["engine"] = 61_000
     uid_pool_size: int = 64
     site_packages: bool = False
     python_executable: str = ""
@@ -106,15 +106,21 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.open_files < 16:
             raise ValueError("python.open_files must be >= 16 because the interpreter opens "
                              f"files at start-up, got {self.open_files}")
-        if self.run_as_uid is not None and self.run_as_uid < 1000:
+        if self.run_as_uid != "engine" and self.run_as_uid < 1000:
             raise ValueError(f"python.run_as_uid must be >= 1000 so it is no system account, "
                              f"got {self.run_as_uid}")
+
+
+    @property
+    def sandbox_uid_base(self) -> int | None:
+        """The first sandbox uid, or None to run as the engine's uid."""
+        return None if self.run_as_uid == "engine" else self.run_as_uid
 
 
 class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """All tools of a rollout.
 
-    Fields:
+    Attributes:
         enabled: tool names (tags) offered to the model, e.g. ``["search", "python"]``.
         max_workers: tool calls run at once by the ``ToolRunner``.
         result_max_chars: every tool result is cut to this many characters before it is

@@ -276,7 +276,7 @@ def sandbox_interpreter(config: PythonConfig, uid: int | None) -> str:
         if os.path.exists(candidate) and world_executable(candidate):
             return candidate
     raise RuntimeError(f"the sandbox uid {uid} can execute none of {candidates}; set "
-                       "python.python_executable, or python.run_as_uid=None to run as the engine user")
+                       "python.python_executable, or python.run_as_uid='engine' to run as the engine user")
 
 
 def _command(config: PythonConfig, isolation: str, uid: int | None) -> list[str]:
@@ -371,8 +371,8 @@ def run_python(code: str, config: PythonConfig) -> SandboxOutcome:
         The captured output and how the run ended.
     """
     isolation = resolve_isolation(config.isolation)
-    lease = UidLease(config.run_as_uid, config.uid_pool_size) \
-        if os.geteuid() == 0 and config.run_as_uid is not None else None
+    lease = UidLease(config.sandbox_uid_base, config.uid_pool_size) \
+        if os.geteuid() == 0 and config.sandbox_uid_base is not None else None
     uid = lease.uid if lease else None
     workdir = tempfile.mkdtemp(prefix="aepo_py_")
     try:

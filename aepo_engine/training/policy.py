@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 import time
 from typing import Literal
 
@@ -51,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from aepo_engine.train_config import OptimConfig
+from aepo_engine.distributed import init_distributed
+from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TokenBatch
 from aepo_kernels import (
     LossConfig,
@@ -62,7 +62,7 @@ from aepo_kernels import (
     policy_loss_from_logprobs,
 )
 
-__all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker", "build_lr_scheduler"]
+__all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per-call statistics of policy_loss_from_logprobs that are token means (re-weighted by tokens).
@@ -79,7 +79,6 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         loss: The AEPO loss (clip rule, entropy-aware advantage, KL, aggregation).
-        temperature: Sampling temperature; log-probs and entropies are those of softmax(z / T).
         micro_batch_size: Rows (trajectories) per forward/backward on each rank (gradient
             accumulation); ignored when micro_batch_max_tokens is set.
         micro_batch_max_tokens: If set, micro-batches are cut greedily so that rows x longest row
@@ -113,7 +112,6 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
-    temperature: float = 1.0
     micro_batch_size: int = 4
     micro_batch_max_tokens: int | None = None
     ppo_mini_batch_size: int = 8
@@ -138,7 +136,6 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.pack_sequences == "on"
 
     def __post_init__(self) -> None:
-        _require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         _require(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _require(self.micro_batch_max_tokens is None or self.micro_batch_max_tokens >= 1,
                  f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
@@ -220,46 +217,25 @@ def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
     return model
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine to ``min_lr_ratio * lr``
-    at ``total_steps`` (optimizer steps over the whole run)."""
-    def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun process group if launched by torchrun; return ``(rank, world, device)``."""
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if not dist.is_initialized():
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 # --- the worker -----------------------------------------------------------------------------------
 
 class PolicyWorker:
     """Holds the policy (``model``: the HF module, ``policy``: the FSDP root), ``optimizer`` and
     ``scheduler``; computes log-probs and runs AEPO/PPO updates on global token batches."""
 
-    def __init__(self, model_path: str, config: PolicyConfig, optim: OptimConfig, total_steps: int):
+    def __init__(self, model_path: str, config: PolicyConfig, optim: OptimConfig, total_steps: int,
+                 temperature: float = 1.0):
         """
         Args:
             model_path: a local HF directory (``from_pretrained``).
             config: the policy section; optim: optimizer and schedule.
             total_steps: optimizer steps of the whole run (for the cosine schedule).
+            temperature: log-probs and entropies are those of softmax(z / T). The trainer passes
+                ``rollout.temperature``, the one the trajectories were sampled with: the ratio
+                and the entropy-aware advantage are only meaningful under the sampling policy.
         """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         self.config, self.optim_config = config, optim
         self.rank, self.world_size, self.device = init_distributed()
         self.use_fsdp = config.fsdp == "on" or (config.fsdp == "auto" and self.world_size > 1)
@@ -268,7 +244,7 @@ class PolicyWorker:
         self.model = load_hf_model(model_path, config.attn_implementation)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.policy = PolicyModel(self.model, config.temperature, config.use_fused_linear,
+        self.policy = PolicyModel(self.model, temperature, config.use_fused_linear,
                                   config.fused_token_chunk, config.fused_vocab_chunk, pack=config.packs)
         self._shard_or_place()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,

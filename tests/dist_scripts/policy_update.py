@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the b
 from test_policy_worker import random_batch, vocab_of  # noqa: E402
 
 from aepo_engine.checkpoint import CheckpointManager  # noqa: E402
-from aepo_engine.train_config import OptimConfig  # noqa: E402
+from aepo_engine.training.optim import OptimConfig  # noqa: E402
 from aepo_engine.training import PolicyConfig, PolicyWorker  # noqa: E402
 
 OPTIM = OptimConfig(lr=0.05, eps=1.0, weight_decay=0.0, grad_clip=0.0)  # SGD-like first steps

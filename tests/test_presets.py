@@ -1,0 +1,101 @@
+"""Every shipped preset resolves to the run it names.
+
+The paper preset is checked against every value AEPO_SPEC.md sections 1-3 name; each other preset
+against the values that define it. Every preset also loads alone, round-trips through its TOML
+dump and survives ``--dry-run`` (exit 0 or 2, never a crash, the printed TOML loads back equal).
+"""
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from aepo_engine.config import TrainConfig, list_presets, load_train_config
+from aepo_engine.config_loader import dump_config, loads_config
+
+
+def value(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+# AEPO_SPEC.md §1 (rollout), §2 (loss), §3 (the Qwen3-14B deep-research scripts).
+PAPER = {
+    "rollout.k": 12, "rollout.beta": 0.5, "rollout.gamma": 0.2, "rollout.tau": 0.5,
+    "rollout.n_entropy_tokens": 20, "rollout.penalty_slope": 0.05, "rollout.max_tool_calls": 6,
+    "rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
+    "rollout.branch_alpha_mode": "random", "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+    "rollout.max_response_tokens": 6192, "data.max_prompt_tokens": 2000,
+    "optim.lr": 1e-6, "optim.schedule": "constant", "optim.warmup_steps": 0, "optim.weight_decay": 0.01,
+    "optim.grad_clip": 1.0, "train.prompts_per_step": 64, "train.epochs": 5, "train.steps": None,
+    "policy.ppo_mini_batch_size": 8, "policy.mini_batch_unit": "prompts", "policy.ppo_epochs": 1,
+    "policy.loss.clip": "aepo", "policy.loss.eps_low": 0.2, "policy.loss.eps_high": 0.2,
+    "policy.loss.dual_clip": 3.0, "policy.loss.entropy_adv_alpha": 0.2, "policy.loss.kl_coef": 0.0,
+    "policy.loss.entropy_coef": 0.0, "policy.loss.aggregation": "token-mean",
+    "policy.entropy_stats_scope": "global", "reward.name": "deep_research", "task.source": "files",
+    "backend.kind": "vllm", "tools.enabled": ["search", "python"],
+}
+
+# What defines each other preset (on top of whatever it is combined with).
+EXPECTED = {
+    "qwen3_14b_deep_research": PAPER,
+    "embedded": {
+        "task.source": "synthetic", "backend.kind": "hf", "rollout.k": 8, "rollout.max_response_tokens": 160,
+        "rollout.max_tokens_per_segment": 64, "tools.search.topk": 1, "policy.param_dtype": "float32",
+        "policy.micro_batch_size": 32, "optim.lr": 3e-4, "optim.weight_decay": 0.0, "train.steps": 60,
+        "train.prompts_per_step": 16, "task.warm_start.steps": 800, "task.warm_start.lr": 0.02,
+        "eval.num_questions": 200, "eval.samples": 2, "checkpoint.every_n_steps": 10,
+        "run_dir": "runs/aepo-default",
+    },
+    "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
+             "policy.loss.clip": "aepo", "policy.loss.entropy_adv_alpha": 0.2},
+    "arpo": {"rollout.pre_monitoring": False, "rollout.branching": True, "rollout.branch_penalty": False,
+             "policy.loss.clip": "ppo", "policy.loss.entropy_adv_alpha": 0.0},
+    "grpo": {"rollout.pre_monitoring": False, "rollout.branching": False, "policy.loss.clip": "ppo",
+             "policy.loss.entropy_adv_alpha": 0.0},
+    "dapo": {"rollout.pre_monitoring": False, "rollout.branching": False, "policy.loss.clip": "ppo",
+             "policy.loss.eps_low": 0.2, "policy.loss.eps_high": 0.28, "policy.loss.entropy_adv_alpha": 0.0},
+}
+
+
+def test_every_shipped_preset_has_expectations():
+    assert sorted(EXPECTED) == list_presets()
+
+
+# Presets that only switch the algorithm, meant to be stacked on a run preset.
+ALGORITHMS = ("aepo", "arpo", "dapo", "grpo")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_resolves_to_its_run(name):
+    stacks = [["--preset", name]]
+    if name in ALGORITHMS:
+        stacks += [["--preset", "embedded", "--preset", name], ["--preset", "qwen3_14b_deep_research", "--preset", name]]
+    for argv in stacks:
+        cfg = load_train_config([*argv, "--model.path=/m"])
+        wrong = {key: (value(cfg, key), want) for key, want in EXPECTED[name].items() if value(cfg, key) != want}
+        assert not wrong, f"{argv}: {wrong}"
+        assert loads_config(TrainConfig, dump_config(cfg)) == cfg
+
+
+def test_paper_preset_never_cuts_a_response_short():
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research", "--model.path=/m"])
+    assert cfg.rollout.max_tokens_per_segment >= cfg.rollout.max_response_tokens
+    assert cfg.backend.max_model_len >= cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    assert cfg.tools.search.topk == 5  # not the embedded toy's one page
+    assert cfg.train.resolved_steps(1071) == 84
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_dry_run_prints_a_config_that_loads_back(name):
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", name, "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 2), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("dry run: ")
+    tomllib.loads(proc.stdout)
+    assert loads_config(TrainConfig, proc.stdout) == load_train_config(["--preset", name])
+    # 2 exactly when problems are listed (a file-data preset needs a model path and data)
+    assert (proc.returncode == 2) == ("problem: " in proc.stderr)
