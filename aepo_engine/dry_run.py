@@ -177,16 +177,19 @@ def _skipping(data_cfg: Any) -> Any:
 def _prompt_token_counter(cfg: TrainConfig, report: DryRunReport) -> Callable[[Any], int] | None:
     """Prompt length in tokens with the model's tokenizer and chat template (no weights loaded),
     or None when there is no loadable tokenizer."""
-    if not cfg.model.path or not Path(cfg.model.path).is_dir():
-        return None
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is None or not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None  # _check_model_dir reports the missing tokenizer
     try:
         from transformers import AutoTokenizer
 
         from aepo_engine.data import encode_chat_prompt
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    except Exception as exc:  # noqa: BLE001
-        report.problems.append(f"model.path {cfg.model.path!r}: the tokenizer does not load: {exc}")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        encode_chat_prompt(tokenizer, [{"role": "user", "content": "?"}])
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot render a prompt is a finding
+        report.problems.append(f"model.path {cfg.model.path!r}: the tokenizer cannot render a chat prompt: "
+                               f"{type(exc).__name__}: {str(exc)[:200]}")
         return None
 
     def count(example: Any) -> int:

@@ -1,0 +1,116 @@
+"""``python -m aepo_engine.train ... --dry-run``: the resolved config on stdout, every problem on
+stderr, exit 0 when clean and 2 otherwise, no weights loaded; on a real model directory, data
+files with bad rows, and the reference data in ../shared when the clone has it."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aepo_engine.config import TrainConfig, load_train_config
+from aepo_engine.config_loader import loads_config
+from aepo_engine.models import build_tiny_qwen3
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo"
+PAPER = ["--preset", "qwen3_14b_deep_research"]
+# The paper preset on a CPU machine without vLLM/flash-attn packages concerns: HF backend, sdpa.
+CPU = ["--backend.kind=hf", "--policy.attn_implementation=sdpa"]
+
+
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aepo_engine.train", *args, "--dry-run"],
+                          capture_output=True, text=True, timeout=180)
+
+
+def problems(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("problem: ")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return Path(build_tiny_qwen3(tmp_path_factory.mktemp("dry") / "model", seed=0))
+
+
+@pytest.fixture
+def qa_file(tmp_path) -> Path:
+    rows = [json.dumps({"question": f"What is {i}?", "answer": str(i)}) for i in range(3)]
+    rows += [json.dumps({"question": "no answer"}), "{not json", json.dumps({"question": "x" * 4000, "answer": "y"})]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_embedded_default_is_clean_and_prints_its_config():
+    t0 = time.perf_counter()
+    proc = dry_run()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60  # seconds, no weights, no task build
+    assert loads_config(TrainConfig, proc.stdout) == load_train_config([])
+    assert proc.stdout.startswith("# resolved from: section defaults (real-model run) + preset 'embedded'")
+    assert proc.stderr.rstrip().endswith("dry run: no problems found")
+
+
+def test_every_problem_is_reported_not_the_first():
+    proc = dry_run(*PAPER, "--model.path=/nonexistent/model", "--data.train_files=/nonexistent/a.parquet",
+                   "--tools.search.backend=cache", "--tools.search.cache_path=/nonexistent/cache.json",
+                   "--reward.options.nope=1", "--checkpoint.resume=/nonexistent/step_000001")
+    assert proc.returncode == 2
+    found = "\n".join(problems(proc))
+    for text in ("model.path '/nonexistent/model' is not a directory", "'/nonexistent/a.parquet' does not exist",
+                 "tools.search.cache_path", "reward.options ['nope'] do not fit", "checkpoint.resume"):
+        assert text in found, (text, found)
+    loads_config(TrainConfig, proc.stdout)  # the config is printed even when it cannot run
+
+
+def test_missing_inputs_of_the_paper_preset():
+    proc = dry_run(*PAPER)
+    assert proc.returncode == 2
+    found = "\n".join(problems(proc))
+    assert "model.path is required" in found and "data.train_files is required" in found
+
+
+def test_model_directory_and_data_rows(model_dir, qa_file, tmp_path):
+    proc = dry_run(*PAPER, *CPU, f"--model.path={model_dir}", f"--data.train_files={qa_file}",
+                   "--train.prompts_per_step=2", "--tools.search.backend=corpus",
+                   f"--tools.search.corpus_path={tmp_path / 'none.jsonl'}", "--data.max_prompt_tokens=200")
+    assert "Qwen3ForCausalLM" in proc.stderr
+    note = next(line for line in proc.stderr.splitlines() if line.startswith(f"note: train: {qa_file}"))
+    # 4 parse (one is over-long), 2 bad rows (a missing answer, a broken JSON line)
+    assert "4 rows, 2 bad (rows 4, 5;" in note and "1 prompts over data.max_prompt_tokens=200" in note
+    assert "note: train: 10 RL steps of 2 prompts" in proc.stderr  # ceil(5 epochs * 4 / 2)
+    assert problems(proc) == [f"problem: tools.search.corpus_path '{tmp_path / 'none.jsonl'}' does not exist"]
+    assert proc.returncode == 2
+
+    strict = dry_run(*PAPER, *CPU, f"--model.path={model_dir}", f"--data.train_files={qa_file}",
+                     "--tools.search.backend=corpus", f"--tools.search.corpus_path={qa_file}",
+                     "--data.bad_rows=error", "--data.max_prompt_tokens=200", "--data.overlong_prompts=error")
+    found = "\n".join(problems(strict))
+    assert "has 2 bad rows and data.bad_rows='error'" in found
+    assert "1 prompts over data.max_prompt_tokens and data.overlong_prompts='error'" in found
+    assert "expected JSONL rows with 'contents'" in found  # a QA file is no search corpus
+
+
+def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((model_dir / "config.json").read_text())
+    proc = dry_run(*PAPER, *CPU, f"--model.path={bare}", f"--data.train_files={qa_file}")
+    found = "\n".join(problems(proc))
+    assert "has no tokenizer" in found and "has no weights" in found and proc.returncode == 2
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="no ../shared/data/arpo in this clone (reference data)")
+def test_paper_run_on_the_reference_data(model_dir):
+    """The paper's run as a user would launch it, with the search cache standing in for the
+    retrieval server: clean, 1,071 prompts, 84 steps."""
+    proc = dry_run(*PAPER, *CPU, f"--model.path={model_dir}",
+                   f"--data.train_files={SHARED / 'rl_datasets' / 'hard_search_1k.parquet'}",
+                   f"--data.eval_files={SHARED / 'rl_datasets' / 'gaia_test.parquet'}",
+                   "--tools.search.backend=cache", f"--tools.search.cache_path={SHARED / 'search_cache.json'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hard_search_1k.parquet: 1071 rows\n" in proc.stderr
+    assert "gaia_test.parquet: 103 rows" in proc.stderr
+    assert "note: train: 84 RL steps of 64 prompts x 12 trajectories" in proc.stderr
+    assert "search_cache.json with 1000 queries" in proc.stderr
