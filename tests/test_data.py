@@ -310,3 +310,18 @@ def test_json_list_ground_truth_of_numbers_stays_one_answer():
     assert _parse_ground_truth("[1, 2]") == ["[1, 2]"]
     assert _parse_ground_truth('["New York", "NYC"]') == ["New York", "NYC"]
     assert _parse_ground_truth(["a", 3]) == ["a", "3"]
+
+
+def test_fit_prompts_drops_or_refuses_overlong_prompts():
+    from aepo_engine.data import Example, fit_prompts
+
+    examples = [Example(index=i, question="q" * n, prompt_messages=None, ground_truth=["a"], data_source="t")
+                for i, n in enumerate((3, 9, 5, 12))]
+    kept = fit_prompts(examples, lambda e: len(e.question), DataConfig(max_prompt_tokens=5))
+    assert [len(e.question) for e in kept] == [3, 5] and [e.index for e in kept] == [0, 1]
+    with pytest.raises(ValueError, match="2 of 4 eval prompts are longer than data.max_prompt_tokens=5"):
+        fit_prompts(examples, lambda e: len(e.question), DataConfig(max_prompt_tokens=5, overlong_prompts="error"),
+                    "eval")
+    with pytest.raises(ValueError, match="no train prompt fits"):
+        fit_prompts(examples, lambda e: len(e.question), DataConfig(max_prompt_tokens=2))
+    assert fit_prompts([], len, DataConfig()) == []

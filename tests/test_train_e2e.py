@@ -131,3 +131,17 @@ def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
     weights = _final_weights(run_dir)
     assert weights.keys() == _final_weights(uninterrupted).keys()
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_logging_switches_and_prompt_limit(tmp_path):
+    """logging.print_every_n_steps=0 prints no progress line, logging.jsonl=false writes no
+    metrics.jsonl, and data.max_prompt_tokens=1 with overlong_prompts=error refuses to start."""
+    run_dir = tmp_path / "quiet"
+    proc = train(run_dir, "--train.steps=1", "--logging.print_every_n_steps=0", "--logging.jsonl=false",
+                 "--checkpoint.every_n_steps=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 1/1" not in proc.stdout + proc.stderr
+    assert not (run_dir / "logs" / "metrics.jsonl").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    refused = train(tmp_path / "long", "--data.max_prompt_tokens=1", "--data.overlong_prompts=error")
+    assert refused.returncode != 0 and "longer than data.max_prompt_tokens=1" in refused.stderr
