@@ -43,6 +43,7 @@ __all__ = [
     "drop_long_prompts",
     "fit_prompts",
     "load_examples",
+    "load_source",
     "parse_row",
     "read_source",
 ]
@@ -430,8 +431,12 @@ def _stem(source: str) -> str:
 
 # --- loading --------------------------------------------------------------------------------------
 
-def _load_one(spec: str, cfg: DataConfig, first_index: int) -> tuple[list[Example], list[BadRow]]:
-    """Read one source; return its examples and the rows skipped."""
+def load_source(spec: str, cfg: DataConfig, first_index: int = 0) -> tuple[list[Example], list[BadRow]]:
+    """Read one source; return its examples and the rows skipped (``--dry-run`` reports both).
+
+    Raises:
+        BadRowError: the first bad row, when ``cfg.bad_rows == "error"``.
+    """
     examples: list[Example] = []
     bad: list[BadRow] = []
     for row_number, row in read_source(spec, cfg.format):
@@ -472,7 +477,7 @@ def load_examples(sources: Sequence[str], cfg: DataConfig) -> list[Example]:
     """
     examples: list[Example] = []
     for spec in sources:
-        loaded, bad = _load_one(spec, cfg, len(examples))
+        loaded, bad = load_source(spec, cfg, len(examples))
         if bad:
             _warn_skipped(spec, len(loaded), bad)
         if not loaded:

@@ -128,7 +128,7 @@ def _check_model_dir(path: Path, report: DryRunReport) -> None:
 
 def _check_data(cfg: TrainConfig, report: DryRunReport) -> dict[str, int]:
     """Parse every data source; returns the usable row count per split."""
-    from aepo_engine.data import HF_PREFIX, _load_one
+    from aepo_engine.data import HF_PREFIX, load_source
 
     count_tokens = _prompt_token_counter(cfg, report)
     counts: dict[str, int] = {}
@@ -141,7 +141,7 @@ def _check_data(cfg: TrainConfig, report: DryRunReport) -> dict[str, int]:
                 report.problems.append(f"data.{split}_files: {spec!r} needs the `datasets` package")
                 continue
             try:
-                examples, bad = _load_one(spec, _skipping(cfg.data), 0)
+                examples, bad = load_source(spec, _skipping(cfg.data), 0)
             except Exception as exc:  # noqa: BLE001 - any parse failure is a finding, not a crash
                 report.problems.append(f"data.{split}_files: cannot read {spec!r}: {type(exc).__name__}: {exc}")
                 continue
