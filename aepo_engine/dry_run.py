@@ -244,17 +244,18 @@ def _check_search(cfg: TrainConfig, report: DryRunReport) -> None:
 
 
 def _check_python_tool(cfg: TrainConfig, report: DryRunReport) -> None:
-    from aepo_engine.tools.sandbox import namespaces_work
+    from aepo_engine.tools.sandbox import IsolationUnavailable, check_isolation, describe_limits
 
     python = cfg.tools.python
     if python.isolation == "none":
-        report.warnings.append("tools.python.isolation='none': generated code runs without namespaces")
-    elif not namespaces_work():
-        message = "`unshare --net --pid` fails here, so the python sandbox cannot isolate generated code"
-        if python.isolation == "namespaces":
-            report.problems.append(f"tools.python.isolation='namespaces' but {message}")
-        else:
-            report.warnings.append(f"{message} (isolation 'auto' falls back to none)")
+        report.warnings.append("tools.python.isolation='none': generated code runs without a "
+                               "sandbox (host filesystem and network visible)")
+    try:
+        check_isolation(python)
+    except IsolationUnavailable as exc:
+        report.problems.append(str(exc))
+        return
+    report.notes.append(f"python tool: {describe_limits(python)}")
 
 
 def _check_packages(cfg: TrainConfig, report: DryRunReport) -> None:

@@ -67,19 +67,32 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         nproc: processes/threads of the sandbox user (RLIMIT_NPROC). The kernel ignores it for
             root, so it only bites when the sandbox runs under its own uid (``run_as_uid``).
         max_output_bytes: stdout+stderr kept; past this the run is killed and marked failed.
-        isolation: ``"auto"`` uses Linux namespaces (no network, own PID space) when
-            ``unshare`` works here and falls back to ``"none"`` otherwise; ``"namespaces"``
-            fails loudly if they do not work; ``"none"`` only uses the process group.
+        isolation: ``"bwrap"`` runs every call in a bubblewrap sandbox: its own read-only
+            filesystem view (interpreter + standard library, site-packages only with
+            ``site_packages``), a private capped tmpfs for the work dir, /tmp and /dev/shm, no
+            network, its own PID space; the tool refuses to start when bwrap cannot do that
+            here (never a silent downgrade). ``"none"``, for trusted code only: no namespaces,
+            the code sees the host filesystem and network (uid, rlimits and timeouts still
+            apply).
+        bwrap_path: the bubblewrap binary (a name looked up on PATH, or a path).
+        scratch_mb: size of the sandbox's one writable tmpfs, MiB: the work dir, /tmp and
+            /dev/shm together (bwrap only; it is RAM, so 64 concurrent calls may hold up to
+            64 x scratch_mb).
+        cgroup_parent: a cgroup v2 directory delegated to the engine (writable, ``memory`` and
+            ``pids`` available); each call then gets its own cgroup under it with
+            ``memory.max = memory_mb`` (no swap) and ``pids.max = nproc`` for the whole
+            sandbox. Empty: per-process rlimits only (worst case ``nproc`` x ``memory_mb``).
         run_as_uid: when the engine runs as root, sandboxes run as uids
             ``run_as_uid .. run_as_uid + uid_pool_size - 1`` (one per concurrent run; pick
             uids no real user has). "engine" keeps the engine's uid (no file-permission containment).
         uid_pool_size: how many sandbox uids, i.e. the most concurrent sandboxes.
         site_packages: let code import installed packages (numpy, sympy...); False runs a bare
-            ``python -I -S`` with the standard library only. Note: with a sandbox uid the
-            engine's interpreter may be unreadable (e.g. under a 0700 /root) and a system
-            ``python3`` is used instead, with *its* packages.
-        python_executable: interpreter to run; empty means the engine's own when the sandbox
-            uid can execute it, else /usr/local/bin/python3 or /usr/bin/python3.
+            ``python -I -S`` with the standard library only (under bwrap its site-packages
+            are also hidden). Under bwrap the interpreter's install tree is bound read-only
+            at its host path, so the engine's own interpreter works even under a 0700 /root.
+        python_executable: interpreter to run; empty means the engine's own. With
+            ``isolation="none"`` and a sandbox uid that cannot execute it (e.g. under a 0700
+            /root), /usr/local/bin/python3 or /usr/bin/python3, with *their* packages.
     """
 
     timeout_s: float = 10.0
@@ -89,7 +102,10 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     open_files: int = 64
     nproc: int = 32
     max_output_bytes: int = 65_536
-    isolation: Literal["auto", "namespaces", "none"] = "auto"
+    isolation: Literal["bwrap", "none"] = "bwrap"
+    bwrap_path: str = "bwrap"
+    scratch_mb: int = 64
+    cgroup_parent: str = ""
     run_as_uid: int | Literal["engine"] = 61_000
     uid_pool_size: int = 64
     site_packages: bool = False
@@ -97,7 +113,7 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_s", "file_size_mb", "open_files", "nproc",
-                     "max_output_bytes", "uid_pool_size"):
+                     "max_output_bytes", "uid_pool_size", "scratch_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"python.{name} must be > 0, got {getattr(self, name)}")
         if self.memory_mb < 128:

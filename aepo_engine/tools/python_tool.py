@@ -11,6 +11,7 @@ that needs earlier definitions must repeat them, as in the reference prompt form
 """
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any
 
@@ -18,9 +19,11 @@ import msgspec
 
 from aepo_engine.tools.base import Tool, ToolResult, error_result, register_tool, truncate_text
 from aepo_engine.tools.config import PythonConfig
-from aepo_engine.tools.sandbox import SandboxOutcome, resolve_isolation, run_python
+from aepo_engine.tools.sandbox import (SandboxOutcome, check_cgroup, check_isolation, describe_limits,
+                                      run_python)
 
 NO_OUTPUT = "(no output)"
+logger = logging.getLogger(__name__)
 
 
 @register_tool("python")
@@ -30,12 +33,18 @@ class PythonTool(Tool):
     Args:
         config: sandbox limits and isolation.
         max_result_chars: the result text is cut to this many characters.
+
+    Raises:
+        IsolationUnavailable: the configured isolation cannot be had here (the tool refuses to
+            start rather than run generated code unisolated).
     """
 
     def __init__(self, config: PythonConfig | None = None, max_result_chars: int = 3000) -> None:
         self.config = config or PythonConfig()
         self.max_result_chars = max_result_chars
-        self.isolation = resolve_isolation(self.config.isolation)  # fail early, not per call
+        self.isolation = check_isolation(self.config)  # fail early, not per call
+        check_cgroup(self.config)
+        logger.info("python tool: %s", describe_limits(self.config))
 
     @classmethod
     def from_options(cls, config: PythonConfig | None = None, max_result_chars: int = 3000,

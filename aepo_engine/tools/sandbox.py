@@ -1,39 +1,52 @@
-"""Running untrusted, model-written Python in a subprocess sandbox (Linux).
+"""Running untrusted, model-written Python in a sandbox that sees nothing of the host (Linux).
 
-What every run gets:
-- a fresh private working directory (mode 0700), deleted afterwards; the code is ``main.py`` in it;
+Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the default:
+- a filesystem namespace with a minimal read-only root: ``/usr`` (and the ``/bin``, ``/lib``...
+  links to it), ``/etc/ld.so.cache``, the interpreter's own install tree bound at its host path
+  (its ``site-packages`` hidden behind an empty read-only mount unless ``site_packages``),
+  ``/dev/null|zero|urandom`` (plus ``/dev/fd``, ``/dev/std*`` links), a fresh ``/proc`` of its
+  own PID namespace (bwrap covers ``/proc/sys`` & co read-only), and one private tmpfs of
+  ``scratch_mb`` MiB at ``/tmp`` holding the working directory ``/tmp/work`` (the code is
+  ``main.py`` there); ``/dev/shm`` is a link into that tmpfs, so the work dir, ``/tmp`` and
+  ``/dev/shm`` share one cap. Nothing else exists: not the engine's code or data, the
+  checkout, ``/home``, ``/root``, ``/etc``, credentials. Writes anywhere but the tmpfs fail
+  (read-only or missing); the tmpfs vanishes with the namespace.
+- new network (no interfaces but a down loopback), PID, IPC, UTS and (where possible) cgroup
+  namespaces; bwrap's PID 1 reaps, and when the run ends the kernel kills every process left in
+  the namespace, including ones that escaped the process group with setsid;
+- ``--die-with-parent``, ``--new-session`` (no TIOCSTI into a terminal), ``no_new_privs``.
+
+What every run gets in both modes:
 - an isolated interpreter: ``python -I -S -B`` (no user site, no PYTHON* variables, no
   site-packages unless ``site_packages``; cwd not on ``sys.path``);
 - a scrubbed environment: PATH, HOME/TMPDIR (the work dir), LANG and single-thread BLAS/OpenMP
   settings only - nothing of the engine's environment (API keys, tokens) reaches the code;
 - resource limits set in the child before the code runs: CPU seconds, address space, file size,
-  open files, processes (RLIMIT_NPROC), no core dumps; plus ``no_new_privs`` so set-uid binaries
-  cannot raise privileges;
+  open files, processes (RLIMIT_NPROC), no core dumps; plus ``no_new_privs``;
 - a wall-clock timeout after which the whole process group is SIGKILLed, and an output cap
-  (stdout+stderr bytes) past which the run is killed;
-- stdin is /dev/null.
+  (stdout+stderr bytes) past which the run is killed; stdin is /dev/null.
 
-When the engine runs as root (the usual container case) it also gets:
-- its own uid (``run_as_uid`` + a slot, locked with flock so concurrent runs, even from other
-  engine processes, never share one). That is what makes RLIMIT_NPROC bite - the kernel ignores
-  it for root, so a fork bomb run as root is bounded only by the timeout kill - and what denies
-  writes outside the work dir except to world-writable places (/tmp, /var/tmp, /dev/shm). Files
-  the uid left there are deleted after the run and every process of the uid is killed.
-- Linux namespaces via ``unshare`` when they work here (``isolation="auto"``): a new network
-  namespace (no interfaces but a down loopback: no network at all, not even to the host's
-  loopback services) and a new PID namespace with /proc remounted (the code sees only its own
-  processes; when the run ends, the kernel kills every process in the namespace, including ones
-  that escaped the process group with setsid). Without root, ``unshare --user`` maps the engine
-  user to root inside a user namespace for the same effect, when the kernel allows it.
+When the engine runs as root (the usual container case) each run also gets its own uid
+(``run_as_uid`` + a slot, locked with flock so concurrent runs, even from other engine
+processes, never share one): that is what makes RLIMIT_NPROC bite (the kernel ignores it for
+root) and what lets every leftover process of the uid be killed. The switch happens in the
+bootstrap, before any user code: under bwrap, bwrap runs as root (so it can bind an interpreter
+under a 0700 ``/root``) with every capability dropped but CAP_SETUID/SETGID, which the
+bootstrap's ``setuid`` then clears. Without root, bwrap uses a user namespace and the
+code runs as the engine's uid mapped into it.
 
-What it cannot do (do not run hostile code on a machine with secrets on disk):
-- read access to world-readable files (the code can read /etc, the engine's source, data files
-  that are not 0600); no filesystem namespace/chroot is set up;
-- disk space: RLIMIT_FSIZE caps each file, not the total written to /tmp;
-- without root and without user namespaces, neither uid separation nor namespaces apply: the
-  code then runs as the engine user with network access, limited by rlimits and the timeout;
-- memory is capped per process (RLIMIT_AS), not per sandbox (no cgroups), so ``nproc`` x
-  ``memory_mb`` is the real worst case; kernel exploits are out of scope.
+No silent downgrade: when bwrap is missing or cannot create its namespaces here,
+:func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing; trusted code
+may opt out with ``isolation="none"``: then no namespaces at all, the code sees the host
+filesystem with the sandbox uid's permissions (world-readable files are readable, writes land in
+world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and are deleted after the run) and has the
+network.
+
+Memory and processes: ``memory_mb`` (RLIMIT_AS) and ``nproc`` (RLIMIT_NPROC) are per process /
+per uid; with a delegated cgroup v2 (``cgroup_parent``, see :class:`CgroupScope`) each run also
+gets its own cgroup with ``memory.max = memory_mb`` (no swap) and ``pids.max = nproc`` for the
+whole sandbox. Without one the worst case of one run is ``nproc`` x ``memory_mb`` of memory
+(32 x 1 GiB with the defaults) plus ``scratch_mb`` of tmpfs. Kernel exploits are out of scope.
 """
 from __future__ import annotations
 
@@ -56,30 +69,32 @@ from aepo_engine.tools.config import PythonConfig
 
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_WORKDIR = "/tmp/work"  # inside the bwrap sandbox, on the scratch tmpfs
+SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+# Top-level host paths that are links into /usr on merged-/usr systems (bound as they are).
+_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_NAMESPACES = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
 _READ_CHUNK = 65_536
 _EXIT_GRACE_S = 0.5
 
-# Runs first in the child. As PID 1 of a new PID namespace the kernel drops signals it has no
-# handler for (SIGXCPU, SIGTERM...), so there it forks: the parent stays a minimal init that
-# reaps and exits with the child's status (128 + signal when killed), the child runs the code.
-# Then: no_new_privs, limits, the user's code as __main__ with the bootstrap frame removed from
-# tracebacks. argv: [limits_json, script].
+# Runs first in the child. Drops to the sandbox uid when given one (bwrap as root keeps only
+# CAP_SETUID/SETGID for this; the setuid clears them), then no_new_privs, limits, and the
+# user's code as __main__ with the bootstrap frame removed from tracebacks.
+# argv: [settings_json, script]; settings: {"uid": int|null, "rlimits": {name: [soft, hard]}}.
 _BOOTSTRAP = r"""
-import os, sys, resource
-if os.getpid() == 1:
-    _child = os.fork()
-    if _child:
-        while True:
-            _pid, _status = os.wait()
-            if _pid == _child:
-                os._exit(os.waitstatus_to_exitcode(_status) % 256 if os.WIFEXITED(_status)
-                         else 128 + os.WTERMSIG(_status))
+import os, sys, resource, json
+_settings = json.loads(sys.argv[1])
+if _settings["uid"] is not None:
+    os.setgroups([])
+    os.setgid(_settings["uid"])
+    os.setuid(_settings["uid"])
 try:
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
 except Exception:
     pass
-for _name, (_soft, _hard) in __import__("json").loads(sys.argv[1]).items():
+for _name, (_soft, _hard) in _settings["rlimits"].items():
     resource.setrlimit(getattr(resource, _name), (_soft, _hard))
 _path = sys.argv[2]
 sys.argv = [_path]
@@ -107,7 +122,7 @@ class SandboxOutcome:
         timed_out: the wall-clock limit killed it.
         output_limited: the output cap killed it.
         elapsed_s: wall-clock seconds.
-        isolation: ``"namespaces"`` or ``"none"``; uid: the uid it ran as.
+        isolation: ``"bwrap"`` or ``"none"``; uid: the host uid it ran as (None: the engine's).
     """
 
     stdout: str
@@ -121,40 +136,270 @@ class SandboxOutcome:
 
 
 # ---------------------------------------------------------------------------------------------
-# Isolation: namespaces and sandbox uids
+# Isolation: is bwrap here and able to make its namespaces?
 
 
-def _namespace_prefix(as_root: bool) -> list[str]:
-    user_ns = [] if as_root else ["--user", "--map-root-user"]
-    return ["unshare", *user_ns, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+class IsolationUnavailable(RuntimeError):
+    """The configured isolation cannot be had on this machine (the message says why and how to
+    opt out)."""
 
 
 @functools.lru_cache(maxsize=None)
-def namespaces_work() -> bool:
-    """Whether ``unshare`` can create network + PID namespaces here (probed once)."""
-    if shutil.which("unshare") is None:
-        return False
-    cmd = [*_namespace_prefix(os.geteuid() == 0), "--", "true"]
+def bwrap_problem(bwrap_path: str) -> str | None:
+    """Why bwrap cannot sandbox here, or None when a probe sandbox (same namespaces, a tmpfs,
+    /proc) ran ``true``. Probed once per path and process."""
+    resolved = shutil.which(bwrap_path)
+    if resolved is None:
+        return (f"bubblewrap not found (python.bwrap_path={bwrap_path!r}); install it: "
+                "`apt-get install bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`")
+    true = shutil.which("true") or "/bin/true"
+    cmd = [resolved, *_NAMESPACES, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+           "--size", str(1 << 20), "--tmpfs", "/tmp", "--", true]
     try:
-        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{resolved} could not run: {exc}"
+    if proc.returncode != 0:
+        return (f"{resolved} cannot create its namespaces here (exit {proc.returncode}: "
+                f"{proc.stderr.strip()[:300]}); it needs root or unprivileged user namespaces")
+    return None
 
 
-def resolve_isolation(mode: str) -> str:
-    """Map the configured mode to what is used: ``"namespaces"`` or ``"none"``.
+def check_isolation(config: PythonConfig) -> str:
+    """The isolation a run gets: ``"bwrap"`` or ``"none"`` - never less than configured.
 
     Raises:
-        RuntimeError: when ``mode == "namespaces"`` and they do not work here.
+        IsolationUnavailable: ``isolation="bwrap"`` and bwrap cannot sandbox here.
     """
-    if mode == "none":
+    if config.isolation == "none":
         return "none"
-    if namespaces_work():
-        return "namespaces"
-    if mode == "namespaces":
-        raise RuntimeError("python.isolation='namespaces' but `unshare --net --pid` fails here "
-                           "(no CAP_SYS_ADMIN and no user namespaces?); use 'auto' or 'none'")
-    return "none"
+    problem = bwrap_problem(config.bwrap_path)
+    if problem:
+        raise IsolationUnavailable(
+            f"the python tool cannot isolate generated code: {problem}. Refusing to run it "
+            "unisolated; for trusted code only, opt out with python.isolation='none' "
+            "(tools.python.isolation = \"none\" in a config file)")
+    return "bwrap"
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox filesystem (bwrap arguments)
+
+
+_LAYOUT_PROBE = r"""
+import json, os, site, sys, sysconfig
+paths = sysconfig.get_paths()
+print(json.dumps({
+    "executable": sys.executable,
+    "roots": sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                     os.path.dirname(os.path.realpath(sys.executable))}),
+    "site_dirs": sorted({*site.getsitepackages(), paths["purelib"], paths["platlib"]}),
+}))
+"""
+
+
+@dataclass(frozen=True)
+class InterpreterLayout:
+    """Where an interpreter lives: what to bind so it runs, and its site-packages to hide.
+
+    Args:
+        executable: the interpreter path (as given; symlinks resolve inside the binds).
+        roots: install trees (prefixes, the real executable's directory) to bind read-only.
+        site_dirs: its site-packages directories.
+    """
+
+    executable: str
+    roots: tuple[str, ...]
+    site_dirs: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_layout(python: str) -> InterpreterLayout:
+    """Ask ``python`` where it lives (one subprocess per interpreter and engine process).
+
+    Raises:
+        RuntimeError: when ``python`` does not run.
+    """
+    try:
+        proc = subprocess.run([python, "-I", "-c", _LAYOUT_PROBE], capture_output=True,
+                              text=True, timeout=60, env={"PATH": SAFE_PATH})
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"the sandbox interpreter {python!r} does not run: {exc}") from exc
+    if proc.returncode != 0:
+        raise RuntimeError(f"the sandbox interpreter {python!r} failed: {proc.stderr[-300:]}")
+    info = json.loads(proc.stdout)
+    return InterpreterLayout(python, tuple(info["roots"]), tuple(info["site_dirs"]))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str]:
+    """bwrap arguments for the sandbox's filesystem (see the module docstring), in mount order."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for link in _ROOT_LINKS:
+        if os.path.islink(link):
+            args += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            args += ["--ro-bind", link, link]
+    args += ["--perms", "0755", "--dir", "/etc",
+             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    bound, created = ["/usr"], set()
+    for root in sorted(layout.roots, key=len):
+        if os.path.isdir(root) and not any(_under(root, b) for b in bound):
+            # bwrap would copy the host's modes onto the directories above (0700 /root): make
+            # them traversable, with nothing in them but the way down.
+            for parent in reversed(Path(root).parents[:-1]):
+                if str(parent) not in created:
+                    args += ["--perms", "0755", "--dir", str(parent)]
+                    created.add(str(parent))
+            args += ["--ro-bind", root, root]
+            bound.append(root)
+    if not config.site_packages:
+        for site_dir in layout.site_dirs:
+            if os.path.isdir(site_dir) and any(_under(site_dir, b) for b in bound):
+                args += ["--size", "4096", "--tmpfs", site_dir, "--remount-ro", site_dir]
+    args += ["--proc", "/proc", "--dir", "/dev"]
+    for device in SANDBOX_DEVICES:
+        args += ["--dev-bind", device, device]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd"]
+    for number, name in enumerate(("stdin", "stdout", "stderr")):
+        args += ["--symlink", f"/proc/self/fd/{number}", f"/dev/{name}"]
+    # One tmpfs, one cap: the work dir, /tmp and /dev/shm all draw on it.
+    args += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", "/tmp",
+             "--symlink", "/tmp", "/dev/shm",
+             "--perms", "0777", "--dir", SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+    return args
+
+
+def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int) -> list[str]:
+    """The whole bwrap command line of one run; the code is copied from ``code_fd``."""
+    layout = interpreter_layout(config.python_executable or sys.executable)
+    caps = []
+    if os.geteuid() == 0:  # bwrap runs privileged: keep only what the bootstrap's setuid needs
+        caps = ["--cap-drop", "ALL"]
+        if uid is not None:
+            caps += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    return [shutil.which(config.bwrap_path) or config.bwrap_path, *_NAMESPACES, *caps,
+            *filesystem_args(layout, config),
+            "--perms", "0644", "--file", str(code_fd), f"{SANDBOX_WORKDIR}/main.py",
+            "--remount-ro", "/", "--",
+            *_python_argv(layout.executable, config, uid)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sandbox memory and process caps: cgroup v2
+
+
+_CGROUP_CONTROLLERS = ("memory", "pids")
+
+
+def cgroup_problem(parent: str) -> str | None:
+    """Why per-sandbox cgroups cannot be made under ``parent``, or None when they can.
+
+    ``parent`` must be a cgroup v2 directory this process may write, with the memory and pids
+    controllers available and enabled for its children (they are enabled here when missing,
+    which the kernel refuses while ``parent`` itself holds processes: delegate an empty one).
+    """
+    root = Path(parent)
+    try:
+        available = (root / "cgroup.controllers").read_text().split()
+    except OSError as exc:
+        return f"{parent} is no cgroup v2 directory ({exc.strerror}: cgroup.controllers)"
+    missing = [c for c in _CGROUP_CONTROLLERS if c not in available]
+    if missing:
+        return (f"the {'/'.join(missing)} controller(s) are not delegated to {parent} "
+                f"(cgroup.controllers: {' '.join(available) or 'empty'})")
+    try:
+        enabled = (root / "cgroup.subtree_control").read_text().split()
+        todo = [c for c in _CGROUP_CONTROLLERS if c not in enabled]
+        if todo:
+            (root / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in todo))
+    except OSError as exc:
+        return f"cannot enable {'/'.join(_CGROUP_CONTROLLERS)} for children of {parent}: {exc}"
+    if not os.access(root, os.W_OK):
+        return f"{parent} is not writable by this process"
+    return None
+
+
+def check_cgroup(config: PythonConfig) -> None:
+    """Fail loudly when a ``cgroup_parent`` is configured but unusable (no silent downgrade).
+
+    Raises:
+        IsolationUnavailable: with what is missing.
+    """
+    if config.cgroup_parent:
+        problem = cgroup_problem(config.cgroup_parent)
+        if problem:
+            raise IsolationUnavailable(f"python.cgroup_parent: {problem}; leave it empty to use "
+                                       "per-process limits only")
+
+
+class CgroupScope:
+    """One run's cgroup under ``parent``: memory (no swap) and pids caps for the whole sandbox.
+
+    Args:
+        parent: a delegated cgroup v2 directory (see :func:`cgroup_problem`).
+        config: ``memory_mb`` and ``nproc`` become ``memory.max`` and ``pids.max``.
+    """
+
+    def __init__(self, parent: str, config: PythonConfig) -> None:
+        self.path = Path(parent) / f"aepo_sandbox_{os.getpid()}_{time.monotonic_ns()}"
+        self.path.mkdir()
+        limits = {"memory.max": config.memory_mb << 20, "memory.swap.max": 0,
+                  "pids.max": config.nproc}
+        for name, value in limits.items():
+            if name != "memory.swap.max" or (self.path / name).exists():  # no swap accounting
+                (self.path / name).write_text(str(value))
+
+    def wrap(self, command: list[str]) -> list[str]:
+        """``command`` started inside this cgroup: a shell moves itself in, then execs it, so
+        every process of the run is born in the cgroup."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"),
+                *command]
+
+    def close(self) -> None:
+        """Kill what is left in the cgroup and remove it."""
+        try:
+            (self.path / "cgroup.kill").write_text("1")  # Linux >= 5.14
+        except OSError:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    continue
+        for _ in range(50):  # the kernel removes a cgroup only once its last process is reaped
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+def describe_limits(config: PythonConfig) -> str:
+    """One line for the log: the isolation and which memory/process limits are in force."""
+    if config.isolation == "bwrap":
+        where = (f"bwrap sandbox (own read-only root, no network, own PID space), "
+                 f"{config.scratch_mb} MiB scratch tmpfs for work dir + /tmp + /dev/shm")
+    else:
+        where = "NO isolation (isolation='none': host filesystem and network visible)"
+    uid = ("engine uid" if config.sandbox_uid_base is None or os.geteuid() != 0 else
+           f"uids {config.run_as_uid}..{config.run_as_uid + config.uid_pool_size - 1}")
+    rlimits = (f"per process: {config.memory_mb} MiB address space, {config.cpu_s} s CPU, "
+               f"{config.file_size_mb} MiB per file, {config.open_files} files; "
+               f"{config.nproc} processes per uid")
+    if config.cgroup_parent:
+        caps = (f"per sandbox (cgroup v2 under {config.cgroup_parent}): memory.max "
+                f"{config.memory_mb} MiB, pids.max {config.nproc}")
+    else:
+        caps = (f"no per-sandbox cgroup (python.cgroup_parent unset): worst case per call "
+                f"{config.nproc} x {config.memory_mb} MiB")
+    return f"{where}; {uid}; {rlimits}; {caps}; wall clock {config.timeout_s:g} s"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandbox uids
 
 
 class UidLease:
@@ -234,10 +479,6 @@ def remove_uid_files(uid: int, dirs: tuple[str, ...] = WORLD_WRITABLE_DIRS) -> l
     return removed
 
 
-# ---------------------------------------------------------------------------------------------
-# One run
-
-
 def _rlimits(config: PythonConfig) -> dict[str, tuple[int, int]]:
     mib = 1 << 20
     return {
@@ -279,19 +520,15 @@ def sandbox_interpreter(config: PythonConfig, uid: int | None) -> str:
                        "python.python_executable, or python.run_as_uid='engine' to run as the engine user")
 
 
-def _command(config: PythonConfig, isolation: str, uid: int | None) -> list[str]:
-    python = sandbox_interpreter(config, uid)
+def _python_argv(python: str, config: PythonConfig, uid: int | None) -> list[str]:
+    """The interpreter command; ``uid`` is the one the bootstrap switches to (None: stay)."""
     flags = ["-I", "-B"] if config.site_packages else ["-I", "-S", "-B"]
-    prefix: list[str] = []
-    if isolation == "namespaces":
-        prefix = _namespace_prefix(os.geteuid() == 0)
-        if uid is not None:
-            prefix += ["--setuid", str(uid), "--setgid", str(uid)]
-        prefix.append("--")
-    return [*prefix, python, *flags, "-c", _BOOTSTRAP, json.dumps(_rlimits(config)), "main.py"]
+    settings = {"uid": uid, "rlimits": _rlimits(config)}
+    return [python, *flags, "-c", _BOOTSTRAP, json.dumps(settings), "main.py"]
 
 
 def _environment(workdir: str) -> dict[str, str]:
+    """The code's whole environment; ``workdir`` as it is seen from inside."""
     # One BLAS/OpenMP thread: threads count against RLIMIT_NPROC and a 64-core machine would
     # otherwise make ``import numpy`` fail under the default nproc.
     single_thread = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
@@ -301,9 +538,16 @@ def _environment(workdir: str) -> dict[str, str]:
 
 
 def _remove_tree(path: str) -> None:
-    """Delete the work dir even when the code made parts of it unreadable (chmod 000)."""
+    """Delete the work dir even when the code made parts of it unreadable (chmod 000).
+
+    Only modes inside the tree are touched: when ``path`` itself fails (the code removed its
+    own work dir, or left it non-empty at the last moment) its parent - the host's /tmp - must
+    keep its mode (an earlier version set it to 0700 here).
+    """
 
     def make_writable_and_retry(function, failed_path, _exc_info) -> None:
+        if os.path.abspath(failed_path) == os.path.abspath(path):
+            return
         try:
             os.chmod(os.path.dirname(failed_path), 0o700)
             os.chmod(failed_path, 0o700)
@@ -360,6 +604,11 @@ def _collect_output(proc: subprocess.Popen, deadline: float, cap: int,
     return out[:cap], err[: max(0, cap - len(out))], timed_out, limited
 
 
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
 def run_python(code: str, config: PythonConfig) -> SandboxOutcome:
     """Run ``code`` once in a fresh sandbox (never retried).
 
@@ -369,37 +618,75 @@ def run_python(code: str, config: PythonConfig) -> SandboxOutcome:
 
     Returns:
         The captured output and how the run ended.
+
+    Raises:
+        IsolationUnavailable: the configured isolation cannot be had here.
     """
-    isolation = resolve_isolation(config.isolation)
+    isolation = check_isolation(config)
+    check_cgroup(config)
     lease = UidLease(config.sandbox_uid_base, config.uid_pool_size) \
         if os.geteuid() == 0 and config.sandbox_uid_base is not None else None
     uid = lease.uid if lease else None
-    workdir = tempfile.mkdtemp(prefix="aepo_py_")
+    scope = CgroupScope(config.cgroup_parent, config) if config.cgroup_parent else None
     try:
-        return _run_in(workdir, code, config, isolation, uid)
+        if isolation == "bwrap":
+            return _run_bwrap(code, config, uid, scope)
+        return _run_unisolated(code, config, uid, scope)
     finally:
+        if scope:
+            scope.close()
         if uid is not None:
             kill_uid_processes(uid)
-            remove_uid_files(uid)
-        _remove_tree(workdir)
+            if isolation == "none":
+                remove_uid_files(uid)
         if lease:
             lease.release()
 
 
-def _run_in(workdir: str, code: str, config: PythonConfig, isolation: str,
-            uid: int | None) -> SandboxOutcome:
-    script = Path(workdir) / "main.py"
-    script.write_text(code, encoding="utf-8")
-    if uid is not None:
-        os.chown(workdir, uid, uid)
-        os.chown(script, uid, uid)
-    drop = {} if uid is None or isolation == "namespaces" else \
-        {"user": uid, "group": uid, "extra_groups": []}
+def _run_bwrap(code: str, config: PythonConfig, uid: int | None,
+               scope: CgroupScope | None) -> SandboxOutcome:
+    # The code reaches the sandbox through an anonymous memory file that bwrap copies into the
+    # scratch tmpfs: nothing of it is written to the host's disk.
+    code_fd = os.memfd_create("aepo_main_py", os.MFD_CLOEXEC)
+    try:
+        os.write(code_fd, code.encode("utf-8"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        command = bwrap_command(config, uid, code_fd)
+        outcome = _execute(command, config, cwd="/", env=_environment(SANDBOX_WORKDIR),
+                           uid=uid, scope=scope, pass_fds=(code_fd,))
+    finally:
+        os.close(code_fd)
+    outcome.returncode = _signal_from_init_status(outcome.returncode)
+    outcome.isolation = "bwrap"
+    return outcome
+
+
+def _run_unisolated(code: str, config: PythonConfig, uid: int | None,
+                    scope: CgroupScope | None) -> SandboxOutcome:
+    workdir = tempfile.mkdtemp(prefix="aepo_py_")
+    try:
+        script = Path(workdir) / "main.py"
+        script.write_text(code, encoding="utf-8")
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+            os.chown(script, uid, uid)
+        command = _python_argv(sandbox_interpreter(config, uid), config, uid)
+        return _execute(command, config, cwd=workdir, env=_environment(workdir), uid=uid,
+                        scope=scope)
+    finally:
+        _remove_tree(workdir)
+
+
+def _execute(command: list[str], config: PythonConfig, *, cwd: str, env: dict[str, str],
+             uid: int | None, scope: CgroupScope | None, **popen_options) -> SandboxOutcome:
+    """Start ``command`` in its own session (and cgroup), collect its output under the limits,
+    kill leftovers."""
+    if scope:
+        command = scope.wrap(command)
     start = time.monotonic()
-    proc = subprocess.Popen(_command(config, isolation, uid), cwd=workdir,
-                            env=_environment(workdir), stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, **drop)
+                            start_new_session=True, **popen_options)
 
     def on_exit() -> None:
         _kill_group(proc)
@@ -411,11 +698,8 @@ def _run_in(workdir: str, code: str, config: PythonConfig, isolation: str,
             proc, start + config.timeout_s, config.max_output_bytes, on_exit)
         _kill_group(proc)
         returncode = proc.wait()
-    if isolation == "namespaces":
-        returncode = _signal_from_init_status(returncode)
     return SandboxOutcome(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                          returncode, timed_out, limited, time.monotonic() - start,
-                          isolation, uid)
+                          returncode, timed_out, limited, time.monotonic() - start, "none", uid)
 
 
 _FATAL_SIGNALS = {int(s) for s in (signal.SIGXCPU, signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT,
@@ -423,9 +707,9 @@ _FATAL_SIGNALS = {int(s) for s in (signal.SIGXCPU, signal.SIGKILL, signal.SIGSEG
                                    signal.SIGXFSZ)}
 
 
-def _signal_from_init_status(returncode: int) -> int:
-    """The namespace init reports a child killed by signal N as exit status 128 + N; map it back
+def _signal_from_init_status(returncode: int | None) -> int | None:
+    """bwrap (its PID 1) reports a child killed by signal N as exit status 128 + N; map it back
     to -N like subprocess does (a program that itself exits with such a status reads the same)."""
-    if returncode > 128 and returncode - 128 in _FATAL_SIGNALS:
+    if returncode is not None and returncode > 128 and returncode - 128 in _FATAL_SIGNALS:
         return -(returncode - 128)
     return returncode
