@@ -19,6 +19,11 @@ before and after the case; read times beside it.
 
     python bench/bench_sandbox.py --label after                    # all cases, default config
     python bench/bench_sandbox.py --cases print --repeats 50 --config '{"run_as_uid": "engine"}'
+    python bench/bench_sandbox.py --compare-commit a6f080e --rounds 3  # before/after, interleaved
+
+``--compare-commit SHA`` exports that commit's ``aepo_engine`` (``git archive``) to a temporary
+folder and runs every case ``--rounds`` times alternately on it (label ``before@SHA``) and on
+the working tree (label ``after``), so both see the same machine load; each round is a row.
 
 Rows go to ``bench/results/sandbox_latency.jsonl``. Deliberately left out: long-running code
 (the sandbox's cost is fixed per call, so trivial code isolates it) and GPU anything.
@@ -29,7 +34,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +51,7 @@ CODE = {
     "concurrent64": ("print(1)", "1\n", {}),
 }
 CONCURRENCY = 64
+REPO = Path(__file__).resolve().parents[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -74,7 +82,10 @@ def run_case(case: str, repeats: int, warmup: int, overrides: dict[str, Any]) ->
     config = msgspec.convert({**fields, **overrides}, PythonConfig)
     for _ in range(warmup):
         _one_call(code, expected, config)
-    row: dict[str, Any] = {"case": case, "config": {**fields, **overrides}}
+    import aepo_engine
+
+    row: dict[str, Any] = {"case": case, "config": {**fields, **overrides},
+                           "engine_dir": str(Path(aepo_engine.__file__).parent)}
     memory = harness.PeakMemory("cpu")
     memory.start()
     if case == "concurrent64":
@@ -107,6 +118,24 @@ def _sandbox_rss(code: str, config) -> int:
     return int(outcome.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
 
 
+def export_tree(commit: str, dest: Path) -> None:
+    """``aepo_engine`` as of ``commit`` into ``dest`` (read from git, the work tree untouched)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "aepo_engine"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def _run_in_subprocess(case: str, label: str, tree: str, args) -> dict[str, Any]:
+    repeats = args.concurrent_repeats if case == "concurrent64" else args.repeats
+    load_before = os.getloadavg()[0]
+    payload = json.dumps({"case": case, "repeats": repeats, "warmup": args.warmup})
+    pythonpath = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH", "")])])
+    row = harness.run_case_subprocess(Path(__file__), ["--config", args.config, "--case-json", payload],
+                                      env={"PYTHONPATH": pythonpath})
+    return {"label": label, "case": case, **row, "load_before": load_before,
+            "load_after": os.getloadavg()[0]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CODE), default=["print", "numpy",
@@ -118,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", default="", help="which code state this is (before/after)")
     parser.add_argument("--config", default="{}", help="JSON PythonConfig fields for every case")
     parser.add_argument("--no-write", action="store_true", help="print only, write no rows")
+    parser.add_argument("--compare-commit", default="",
+                        help="also time this commit's aepo_engine, interleaved with the working tree")
+    parser.add_argument("--rounds", type=int, default=1, help="alternations with --compare-commit")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     overrides = json.loads(args.config)
@@ -126,14 +158,15 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(case["case"], case["repeats"], case["warmup"], overrides)))
         return
     rows = []
-    for case in args.cases:
-        repeats = args.concurrent_repeats if case == "concurrent64" else args.repeats
-        load_before = os.getloadavg()[0]
-        payload = json.dumps({"case": case, "repeats": repeats, "warmup": args.warmup})
-        row = harness.run_case_subprocess(Path(__file__), ["--config", args.config,
-                                                           "--case-json", payload])
-        rows.append({"label": args.label, "case": case, **row, "load_before": load_before,
-                     "load_after": os.getloadavg()[0]})
+    with tempfile.TemporaryDirectory(prefix="aepo_bench_sandbox_") as baseline:
+        trees = [(args.label or "after", str(REPO))]
+        if args.compare_commit:
+            export_tree(args.compare_commit, Path(baseline))
+            trees.insert(0, (f"before@{args.compare_commit}", baseline))
+        for _ in range(args.rounds):
+            for case in args.cases:
+                for label, tree in trees:
+                    rows.append(_run_in_subprocess(case, label, tree, args))
     if not args.no_write:
         print("rows ->", harness.write_rows("sandbox_latency", rows))
     for row in rows:

@@ -11,9 +11,10 @@ Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the de
   ``/dev/shm`` share one cap. Nothing else exists: not the engine's code or data, the
   checkout, ``/home``, ``/root``, ``/etc``, credentials. Writes anywhere but the tmpfs fail
   (read-only or missing); the tmpfs vanishes with the namespace.
-- new network (no interfaces but a down loopback), PID, IPC, UTS and (where possible) cgroup
-  namespaces; bwrap's PID 1 reaps, and when the run ends the kernel kills every process left in
-  the namespace, including ones that escaped the process group with setsid;
+- new network (only a loopback of its own: no route to the host or anywhere), PID, IPC, UTS
+  and (where possible) cgroup namespaces; bwrap's PID 1 reaps, and when the run ends the
+  kernel kills every process left in the namespace, including ones that escaped the process
+  group with setsid;
 - ``--die-with-parent``, ``--new-session`` (no TIOCSTI into a terminal), ``no_new_privs``.
 
 What every run gets in both modes:
@@ -33,7 +34,9 @@ root) and what lets every leftover process of the uid be killed. The switch happ
 bootstrap, before any user code: under bwrap, bwrap runs as root (so it can bind an interpreter
 under a 0700 ``/root``) with every capability dropped but CAP_SETUID/SETGID, which the
 bootstrap's ``setuid`` then clears. Without root, bwrap uses a user namespace and the
-code runs as the engine's uid mapped into it.
+code runs as the engine's uid mapped into it. As root with ``run_as_uid="engine"`` the code is
+uid 0 without any capability: the filesystem and namespaces still hold, but RLIMIT_NPROC does
+not apply and it may ptrace bwrap's (equally capability-less) init.
 
 No silent downgrade: when bwrap is missing or cannot create its namespaces here,
 :func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing; trusted code
