@@ -244,7 +244,8 @@ def _check_search(cfg: TrainConfig, report: DryRunReport) -> None:
 
 
 def _check_python_tool(cfg: TrainConfig, report: DryRunReport) -> None:
-    from aepo_engine.tools.sandbox import IsolationUnavailable, check_isolation, describe_limits
+    from aepo_engine.tools.sandbox import (IsolationUnavailable, check_cgroup, check_isolation,
+                                           describe_limits)
 
     python = cfg.tools.python
     if python.isolation == "none":
@@ -252,6 +253,7 @@ def _check_python_tool(cfg: TrainConfig, report: DryRunReport) -> None:
                                "sandbox (host filesystem and network visible)")
     try:
         check_isolation(python)
+        check_cgroup(python)
     except IsolationUnavailable as exc:
         report.problems.append(str(exc))
         return

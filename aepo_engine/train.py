@@ -44,6 +44,7 @@ from aepo_engine.rollout.backends import build_backend
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
+from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
 
@@ -85,6 +86,8 @@ class Trainer:
         # The backend first: a vLLM engine must start before the search index loads numba.
         self.backend = build_backend(cfg.backend, self.model_dir, self.tokenizer, seed=cfg.rollout.seed + self.rank)
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
+        if "python" in self.tools_config.enabled:
+            _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
         self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,

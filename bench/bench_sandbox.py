@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -57,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-quantile by nearest rank on sorted values (q=0.95: p95)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _one_call(code: str, expected: str, config) -> float:

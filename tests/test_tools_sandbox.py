@@ -9,6 +9,7 @@ bwrap needs the ``bubblewrap`` package (CI installs it; ``.ci/run``).
 """
 import hashlib
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -70,8 +71,10 @@ def _try_each(action: str, paths: list[str]) -> str:
 
 @pytest.fixture
 def world_readable_secret():
-    """A host file any user may read (0644 in a 0755 directory): what the sandbox must not see."""
-    directory = Path(tempfile.mkdtemp(prefix="aepo_secret_"))
+    """A host file any user may read (0644 in a 0755 directory under a world-traversable one):
+    what the sandbox must not see. /dev/shm, not /tmp: other processes on a shared machine may
+    change /tmp's mode."""
+    directory = Path(tempfile.mkdtemp(prefix="aepo_secret_", dir="/dev/shm"))
     directory.chmod(0o755)
     secret = directory / "secret.txt"
     secret.write_text("hunter2-" + uuid.uuid4().hex)
@@ -167,18 +170,29 @@ def test_workdir_is_fresh_and_removed(isolation):
         assert Path(workdir).name.startswith("aepo_py_") and not Path(workdir).exists()
 
 
-def test_unisolated_code_removing_its_workdir_leaves_tmp_alone(tmp_path):
-    # The work dir's clean-up once chmod-ed the *parent* (the host's /tmp) to 0700 when the
-    # work dir itself could not be removed - e.g. because the code had removed it already.
+@needs_root
+def test_unisolated_clean_up_leaves_the_parent_of_the_workdir_alone(tmp_path, monkeypatch):
+    # The old clean-up removed the uid's files in /tmp (the work dir among them) *before* the
+    # work dir, whose removal then failed and chmod-ed the parent - the host's /tmp - to 0700,
+    # on every run with a sandbox uid. Here the parent is a private world-writable directory
+    # (the real /tmp is shared with other processes), for plain runs and for code that removes
+    # its own work dir.
     from aepo_engine.tools.sandbox import _remove_tree
 
     tmp_path.chmod(0o1777)
     _remove_tree(str(tmp_path / "already_gone"))
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o1777
-    tmp_mode = stat.S_IMODE(os.stat(tempfile.gettempdir()).st_mode)
-    code = "import os, shutil\nshutil.rmtree(os.getcwd())\nprint('removed')"
-    assert _run(code, isolation="none") == "removed\n"
-    assert stat.S_IMODE(os.stat(tempfile.gettempdir()).st_mode) == tmp_mode
+    parent = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        parent.chmod(0o1777)
+        monkeypatch.setattr(tempfile, "tempdir", str(parent))
+        for code in ("print('plain')", "import os, shutil\nshutil.rmtree(os.getcwd())"):
+            outcome = run_python(code, PythonConfig(isolation="none", **FAST))
+            assert outcome.returncode == 0 and outcome.uid is not None, outcome.stderr
+            assert stat.S_IMODE(parent.stat().st_mode) == 0o1777
+        assert sorted(p.name for p in parent.iterdir()) == [f"aepo_sandbox_uids_{os.geteuid()}"]
+    finally:
+        shutil.rmtree(parent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +347,8 @@ def test_interpreter_packages_follow_site_packages():
             "    print('imported', numpy.ones(3).sum(), sympy.sqrt(8))\n"
             "except ImportError as e:\n    print('missing', e.name)\n"
             "import sysconfig, os\nprint(os.listdir(sysconfig.get_paths()['purelib']))")
-    allowed = _run(code, site_packages=True, memory_mb=1024).splitlines()
+    # numpy + sympy imports take seconds on a loaded 2-core machine
+    allowed = _run(code, site_packages=True, memory_mb=1024, timeout_s=30.0, cpu_s=30).splitlines()
     assert allowed[0] == "imported 3.0 2*sqrt(2)" and "numpy" in allowed[1]
     bare = _run(code).splitlines()
     assert bare == ["missing numpy", "[]"]  # not on sys.path, and the directory is hidden
@@ -530,3 +545,19 @@ def test_cgroup_scope_plumbing_on_a_fake_tree(tmp_path):
     # the shell wrote its own pid, then exec'd the interpreter: the same pid
     assert (leaf / "cgroup.procs").read_text().split() == [outcome.stdout.split()[1]]
     assert (leaf / "cgroup.kill").read_text() == "1"
+
+
+def test_dry_run_reports_the_sandbox(tmp_path):
+    from aepo_engine.config_loader import loads_config
+    from aepo_engine.config import TrainConfig
+    from aepo_engine.dry_run import check_run
+
+    missing = loads_config(TrainConfig, f'[tools.python]\nbwrap_path = "{tmp_path / "nope"}"\n')
+    report = check_run(missing)
+    assert any("bubblewrap not found" in p and "isolation='none'" in p for p in report.problems)
+    opted_out = check_run(loads_config(TrainConfig, '[tools.python]\nisolation = "none"\n'))
+    assert any("without a sandbox" in w for w in opted_out.warnings)
+    assert not any("python tool" in p for p in opted_out.problems)
+    if BWRAP_PROBLEM is None:
+        clean = check_run(loads_config(TrainConfig, ""))
+        assert any(n.startswith("python tool: bwrap sandbox") for n in clean.notes)
