@@ -561,3 +561,42 @@ def test_dry_run_reports_the_sandbox(tmp_path):
     if BWRAP_PROBLEM is None:
         clean = check_run(loads_config(TrainConfig, ""))
         assert any(n.startswith("python tool: bwrap sandbox") for n in clean.notes)
+
+
+CGROUP_PARENT = os.environ.get("AEPO_TEST_CGROUP_PARENT", "")
+
+
+def _v2_controllers() -> str:
+    """What this machine's cgroup v2 hierarchy offers, for the skip reason."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if " - cgroup2 " in line:
+            mount = line.split()[4]
+            try:
+                return f"{mount} offers: {Path(mount, 'cgroup.controllers').read_text().strip() or 'none'}"
+            except OSError:
+                return f"{mount} unreadable"
+    return "no cgroup2 mount"
+
+
+@pytest.mark.skipif(not CGROUP_PARENT or cgroup_problem(CGROUP_PARENT) is not None,
+                    reason="set AEPO_TEST_CGROUP_PARENT to an empty cgroup v2 directory delegated "
+                           "with memory+pids to run the kernel's per-sandbox caps for real "
+                           f"({CGROUP_PARENT and cgroup_problem(CGROUP_PARENT) or _v2_controllers()})")
+def test_cgroup_caps_the_whole_sandbox_not_each_process():
+    # 4 processes of 150 MiB each stay under the per-process 256 MiB address-space limit but
+    # not under the sandbox's 256 MiB memory.max: the kernel OOM-kills inside the sandbox.
+    # (Written for a machine with a delegated cgroup v2; it has not run on the dev VM.)
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        blob = bytearray(150 << 20)\n        time.sleep(1)\n"
+            "        os._exit(0)\n    kids.append(pid)\n"
+            "print(sorted(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids))")
+    config = PythonConfig(cgroup_parent=CGROUP_PARENT, memory_mb=256, timeout_s=20, cpu_s=20)
+    outcome = run_python(code, config)
+    assert outcome.returncode == 0, outcome.stderr
+    assert "-9" in outcome.stdout  # at least one child was OOM-killed (SIGKILL)
+    capped = run_python("import os, time\nfor _ in range(64):\n    if os.fork() == 0:\n"
+                        "        time.sleep(2)\n        os._exit(0)",
+                        PythonConfig(cgroup_parent=CGROUP_PARENT, nproc=8, run_as_uid="engine",
+                                     **FAST))
+    assert "BlockingIOError" in capped.stderr or capped.returncode != 0  # pids.max, even as root
+    assert not [p for p in Path(CGROUP_PARENT).iterdir() if p.name.startswith("aepo_sandbox_")]
