@@ -9,8 +9,9 @@ Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the de
   ``scratch_mb`` MiB at ``/tmp`` holding the working directory ``/tmp/work`` (the code is
   ``main.py`` there); ``/dev/shm`` is a link into that tmpfs, so the work dir, ``/tmp`` and
   ``/dev/shm`` share one cap. Nothing else exists: not the engine's code or data, the
-  checkout, ``/home``, ``/root``, ``/etc``, credentials. Writes anywhere but the tmpfs fail
-  (read-only or missing); the tmpfs vanishes with the namespace.
+  checkout, ``/home``, ``/root``, ``/etc``, credentials (an interpreter that lives inside such
+  a tree, e.g. a venv in the checkout, brings only its own directory). Writes anywhere but the
+  tmpfs fail (read-only or missing); the tmpfs vanishes with the namespace.
 - new network (only a loopback of its own: no route to the host or anywhere), PID, IPC, UTS
   and (where possible) cgroup namespaces; bwrap's PID 1 reaps, and when the run ends the
   kernel kills every process left in the namespace, including ones that escaped the process
