@@ -16,6 +16,9 @@ Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the de
   and (where possible) cgroup namespaces; bwrap's PID 1 reaps, and when the run ends the
   kernel kills every process left in the namespace, including ones that escaped the process
   group with setsid;
+- a seccomp filter (built with libseccomp): no new namespaces, mounts, ptrace, keyring, bpf,
+  perf events or userfaultfd - without it the code could make a user namespace and mount a
+  tmpfs of its own, past the scratch cap (see "Syscall filter" below);
 - ``--die-with-parent``, ``--new-session`` (no TIOCSTI into a terminal), ``no_new_privs``.
 
 What every run gets in both modes:
@@ -36,10 +39,11 @@ bootstrap, before any user code: under bwrap, bwrap runs as root (so it can bind
 under a 0700 ``/root``) with every capability dropped but CAP_SETUID/SETGID, which the
 bootstrap's ``setuid`` then clears. Without root, bwrap uses a user namespace and the
 code runs as the engine's uid mapped into it. As root with ``run_as_uid="engine"`` the code is
-uid 0 without any capability: the filesystem and namespaces still hold, but RLIMIT_NPROC does
-not apply and it may ptrace bwrap's (equally capability-less) init.
+uid 0 without any capability: the filesystem, namespaces and syscall filter still hold, but
+RLIMIT_NPROC does not apply.
 
-No silent downgrade: when bwrap is missing or cannot create its namespaces here,
+No silent downgrade: when bwrap is missing or cannot create its namespaces here, or libseccomp
+is missing,
 :func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing; trusted code
 may opt out with ``isolation="none"``: then no namespaces at all, the code sees the host
 filesystem with the sandbox uid's permissions (world-readable files are readable, writes land in
@@ -54,6 +58,9 @@ whole sandbox. Without one the worst case of one run is ``nproc`` x ``memory_mb`
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import fcntl
 import functools
 import json
@@ -177,13 +184,101 @@ def check_isolation(config: PythonConfig) -> str:
     """
     if config.isolation == "none":
         return "none"
-    problem = bwrap_problem(config.bwrap_path)
+    problem = bwrap_problem(config.bwrap_path) or seccomp_problem()
     if problem:
         raise IsolationUnavailable(
             f"the python tool cannot isolate generated code: {problem}. Refusing to run it "
             "unisolated; for trusted code only, opt out with python.isolation='none' "
             "(tools.python.isolation = \"none\" in a config file)")
     return "bwrap"
+
+
+# ---------------------------------------------------------------------------------------------
+# Syscall filter (seccomp, compiled by libseccomp)
+#
+# Inside bwrap an unprivileged process may still create a user namespace, become "root" there
+# and mount a tmpfs of its own - uncapped RAM, past scratch_mb - or reach kernel surfaces no
+# tool call needs. The filter answers EPERM to: new namespaces (unshare, setns, clone with a
+# CLONE_NEW* flag), mounting, ptrace, the kernel keyring, bpf, perf events, userfaultfd; clone3
+# gets ENOSYS (its flags sit in memory a filter cannot read), so libc falls back to clone.
+# Syscalls of other ABIs (x32, i386 on x86_64) kill the process (libseccomp's default).
+
+_SECCOMP_DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "move_mount",
+                   "open_tree", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+                   "ptrace", "process_vm_readv", "process_vm_writev", "keyctl", "add_key",
+                   "request_key", "bpf", "perf_event_open", "userfaultfd", "kexec_load",
+                   "init_module", "finit_module", "delete_module", "acct", "swapon", "swapoff",
+                   "open_by_handle_at", "name_to_handle_at")
+_CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                    0x40000000)  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_CMP_MASKED_EQ = 7
+
+
+def _scmp_errno(code: int) -> int:
+    return 0x00050000 | (code & 0xFFFF)  # SCMP_ACT_ERRNO(code)
+
+
+class _ScmpArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+@functools.lru_cache(maxsize=None)
+def seccomp_filter() -> bytes:
+    """The compiled BPF program (what ``bwrap --seccomp FD`` loads), built once per process.
+
+    Raises:
+        OSError: libseccomp is missing or refuses a rule.
+    """
+    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2", use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                                           ctypes.c_uint, ctypes.POINTER(_ScmpArgCmp)]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+
+    def deny(name: str, action: int, *conditions: _ScmpArgCmp) -> None:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number < 0:  # not a syscall of this architecture
+            return
+        array = (_ScmpArgCmp * max(1, len(conditions)))(*conditions)
+        rc = lib.seccomp_rule_add_array(ctx, action, number, len(conditions), array)
+        if rc < 0:
+            raise OSError(-rc, f"seccomp rule for {name}: {os.strerror(-rc)}")
+
+    try:
+        for name in _SECCOMP_DENIED:
+            deny(name, _scmp_errno(errno.EPERM))
+        for flag in _CLONE_NEW_FLAGS:
+            deny("clone", _scmp_errno(errno.EPERM), _ScmpArgCmp(0, _SCMP_CMP_MASKED_EQ, flag, flag))
+        deny("clone3", _scmp_errno(errno.ENOSYS))
+        out = os.memfd_create("aepo_seccomp", os.MFD_CLOEXEC)
+        try:
+            rc = lib.seccomp_export_bpf(ctx, out)
+            if rc < 0:
+                raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
+            os.lseek(out, 0, os.SEEK_SET)
+            return b"".join(iter(lambda: os.read(out, 65536), b""))
+        finally:
+            os.close(out)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def seccomp_problem() -> str | None:
+    """Why the syscall filter cannot be built here, or None."""
+    try:
+        seccomp_filter()
+    except OSError as exc:
+        return (f"cannot build the syscall filter with libseccomp ({exc}); install it: "
+                "`apt-get install libseccomp2`")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +372,10 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str
     return args
 
 
-def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int) -> list[str]:
-    """The whole bwrap command line of one run; the code is copied from ``code_fd``."""
+def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int,
+                  seccomp_fd: int) -> list[str]:
+    """The whole bwrap command line of one run; the code is copied from ``code_fd``, the
+    syscall filter read from ``seccomp_fd``."""
     layout = interpreter_layout(config.python_executable or sys.executable)
     caps = []
     if os.geteuid() == 0:  # bwrap runs privileged: keep only what the bootstrap's setuid needs
@@ -288,7 +385,7 @@ def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int) -> list[s
     return [shutil.which(config.bwrap_path) or config.bwrap_path, *_NAMESPACES, *caps,
             *filesystem_args(layout, config),
             "--perms", "0644", "--file", str(code_fd), f"{SANDBOX_WORKDIR}/main.py",
-            "--remount-ro", "/", "--",
+            "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--",
             *_python_argv(layout.executable, config, uid)]
 
 
@@ -651,18 +748,26 @@ def _run_bwrap(code: str, config: PythonConfig, uid: int | None,
                scope: CgroupScope | None) -> SandboxOutcome:
     # The code reaches the sandbox through an anonymous memory file that bwrap copies into the
     # scratch tmpfs: nothing of it is written to the host's disk.
-    code_fd = os.memfd_create("aepo_main_py", os.MFD_CLOEXEC)
+    code_fd, seccomp_fd = _memfd("aepo_main_py", code.encode("utf-8")), \
+        _memfd("aepo_seccomp", seccomp_filter())
     try:
-        os.write(code_fd, code.encode("utf-8"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
-        command = bwrap_command(config, uid, code_fd)
+        command = bwrap_command(config, uid, code_fd, seccomp_fd)
         outcome = _execute(command, config, cwd="/", env=_environment(SANDBOX_WORKDIR),
-                           uid=uid, scope=scope, pass_fds=(code_fd,))
+                           uid=uid, scope=scope, pass_fds=(code_fd, seccomp_fd))
     finally:
         os.close(code_fd)
+        os.close(seccomp_fd)
     outcome.returncode = _signal_from_init_status(outcome.returncode)
     outcome.isolation = "bwrap"
     return outcome
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at its start."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _run_unisolated(code: str, config: PythonConfig, uid: int | None,
