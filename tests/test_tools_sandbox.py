@@ -5,7 +5,8 @@ Modes: "full" is the default config (bwrap; a sandbox uid when root); "bare" is 
 opt-out (``isolation="none"``, engine uid: rlimits, scrubbed env, process-group kill only). The
 filesystem tests run each attack under bwrap and, where it shows the test can fail, the same
 code under ``isolation="none"``, where it succeeds. Skips say why: the uid separation needs root,
-bwrap needs the ``bubblewrap`` package (CI installs it; ``.ci/run``).
+bwrap needs the ``bubblewrap`` and ``libseccomp2`` packages (CI installs
+them; ``.ci/run``). A real delegated cgroup v2 is opt-in (``AEPO_TEST_CGROUP_PARENT``).
 """
 import hashlib
 import os
@@ -22,10 +23,11 @@ import pytest
 import aepo_engine
 from aepo_engine.tools import PythonConfig, ToolCall, ToolRunner, ToolsConfig, build_tool, build_tools
 from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, bwrap_problem,
-                                       cgroup_problem, check_isolation, describe_limits, run_python)
+                                       cgroup_problem, check_isolation, describe_limits, run_python,
+                                       seccomp_problem)
 
 IS_ROOT = os.geteuid() == 0
-BWRAP_PROBLEM = bwrap_problem("bwrap")
+BWRAP_PROBLEM = bwrap_problem("bwrap") or seccomp_problem()
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="sandbox uid separation needs root")
 needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"no bwrap sandbox here: "
                                  f"{BWRAP_PROBLEM} (CI installs bubblewrap)")
@@ -506,6 +508,24 @@ def test_missing_bwrap_refuses_to_start_and_says_how_to_opt_out(tmp_path):
     # the explicit opt-out runs without bwrap
     assert check_isolation(PythonConfig(isolation="none", bwrap_path=missing)) == "none"
     assert build_tool("python", isolation="none", bwrap_path=missing, **FAST)("print(1)").text == "1\n"
+
+
+def test_missing_libseccomp_refuses_to_start(monkeypatch):
+    import ctypes.util
+
+    from aepo_engine.tools import sandbox
+
+    before = sandbox.seccomp_problem()
+    sandbox.seccomp_filter.cache_clear()
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "/nonexistent/libseccomp.so.2")
+    try:
+        with pytest.raises(IsolationUnavailable, match="libseccomp.*apt-get install libseccomp2"):
+            check_isolation(PythonConfig())
+        assert check_isolation(PythonConfig(isolation="none")) == "none"
+    finally:
+        monkeypatch.undo()
+        sandbox.seccomp_filter.cache_clear()
+    assert sandbox.seccomp_problem() == before
 
 
 def test_broken_bwrap_refuses_to_start(tmp_path):
