@@ -70,8 +70,8 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         isolation: ``"bwrap"`` runs every call in a bubblewrap sandbox: its own read-only
             filesystem view (interpreter + standard library, site-packages only with
             ``site_packages``), a private capped tmpfs for the work dir, /tmp and /dev/shm, no
-            network, its own PID space; the tool refuses to start when bwrap cannot do that
-            here (never a silent downgrade). ``"none"``, for trusted code only: no namespaces,
+            network, its own PID space, a syscall filter (libseccomp); the tool refuses to
+            start when bwrap or libseccomp cannot do that here (never a silent downgrade). ``"none"``, for trusted code only: no namespaces,
             the code sees the host filesystem and network (uid, rlimits and timeouts still
             apply).
         bwrap_path: the bubblewrap binary (a name looked up on PATH, or a path).

@@ -43,12 +43,11 @@ uid 0 without any capability: the filesystem, namespaces and syscall filter stil
 RLIMIT_NPROC does not apply.
 
 No silent downgrade: when bwrap is missing or cannot create its namespaces here, or libseccomp
-is missing,
-:func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing; trusted code
-may opt out with ``isolation="none"``: then no namespaces at all, the code sees the host
-filesystem with the sandbox uid's permissions (world-readable files are readable, writes land in
-world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and are deleted after the run) and has the
-network.
+is missing, :func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing;
+trusted code may opt out with ``isolation="none"``: then no namespaces and no syscall filter,
+the code sees the host filesystem with the sandbox uid's permissions (world-readable files are
+readable, writes land in world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and are deleted
+after the run) and has the network.
 
 Memory and processes: ``memory_mb`` (RLIMIT_AS) and ``nproc`` (RLIMIT_NPROC) are per process /
 per uid; with a delegated cgroup v2 (``cgroup_parent``, see :class:`CgroupScope`) each run also
