@@ -260,6 +260,7 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/tool_errors": total("tool_errors"),
         "rollout/malformed_calls": total("malformed_calls"),
         "rollout/tokens_generated": total("tokens_generated"),
+        "rollout/discarded_tokens": total("discarded_tokens"),
         "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
     }
