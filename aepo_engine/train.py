@@ -46,6 +46,7 @@ from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
+from aepo_engine.training.rollout_correction import rollout_correction
 
 PROG = "python -m aepo_engine.train"
 
@@ -149,6 +150,8 @@ class Trainer:
         # Backend vs policy on the sampled tokens: ~0 for the HF backend; for vLLM the gap of its
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
+        batch.is_weights, batch.loss_mask, correction = rollout_correction(
+            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.cfg.rollout_correction)
         update = self.policy.update(batch)
         self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
         elapsed = time.perf_counter() - t0
@@ -157,7 +160,7 @@ class Trainer:
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "train/accuracy": float(np.mean(correct)),
             **{f"loss/{k}": v for k, v in update.items()},
-            **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap,
+            **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
         self.logger.dump_samples(step, _samples(trajectories, rewards, self.tokenizer, self.cfg.logging.sample_trajectories))

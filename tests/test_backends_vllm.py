@@ -116,11 +116,11 @@ def run(tmp_path_factory):
 
 
 def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperature: float,
-                  state_dict=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  state_dict=None, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-forward log pi(token) and exact entropy at each generated position."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     if state_dict is not None:
         model.load_state_dict(state_dict)
     ids = torch.tensor([prompt + tokens])
@@ -187,6 +187,35 @@ def test_update_weights_takes_effect(run):
     logp, _ = _hf_recompute(model_dir, prompt, out["token_ids"], 0.8, state_dict=new_weights)
     torch.testing.assert_close(torch.tensor(out["logprobs"]), logp, atol=2e-4, rtol=0)
 
+
+def test_rollout_correction_on_real_vllm_samples(run):
+    """Importance weights of vLLM's samples against a trainer's log-probs: ~1 against an fp32
+    trainer (the same weights, only kernel rounding differs), and a real, recorded gap against a
+    bf16 trainer (the mismatch the correction exists for)."""
+    from aepo_engine.training.rollout_correction import RolloutCorrectionConfig, rollout_correction
+
+    model_dir, rep = run
+    outs = rep["plain"]
+    width = max(len(o["token_ids"]) for o in outs)
+
+    def padded(rows):
+        return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32), (0, width - len(r)))
+                            for r in rows])
+
+    rollout = padded([o["logprobs"] for o in outs])
+    mask = padded([[1.0] * len(o["token_ids"]) for o in outs])
+    config = RolloutCorrectionConfig(mode="token_tis", threshold=2.0)
+    fp32 = padded([_hf_recompute(model_dir, p, o["token_ids"], 0.8)[0] for p, o in zip(rep["prompts"], outs)])
+    weights, _, metrics = rollout_correction(fp32, rollout, mask, config)
+    assert ((weights - 1).abs() * mask).max() < 1e-3
+    assert metrics["rollout_correction/kl_k3"] < 1e-6
+    bf16 = padded([_hf_recompute(model_dir, p, o["token_ids"], 0.8, dtype=torch.bfloat16)[0]
+                   for p, o in zip(rep["prompts"], outs)])
+    weights, _, metrics = rollout_correction(bf16, rollout, mask, config)
+    gap = ((weights - 1).abs() * mask).max()
+    print(f"vLLM fp32 vs bf16 trainer: max |w - 1| {gap:.4f}, k3 {metrics['rollout_correction/kl_k3']:.2e}")
+    assert gap > 1e-3 and metrics["rollout_correction/kl_k3"] > 0
+    assert ((weights <= 2.0) | (mask == 0)).all() and torch.isfinite(weights).all()
 
 if __name__ == "__main__":
     model_dir_arg, out_path = sys.argv[1], sys.argv[2]

@@ -69,6 +69,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
 
 
+def _weighted_advantages(micro: TokenBatch) -> Tensor:
+    """Advantages times the rollout-correction weights (``[B, L]``), or as they are.
+
+    Exact for the weighted policy-gradient term: every clip rule's token loss is positively
+    homogeneous in the advantage (w > 0 keeps its sign, hence the branch taken), and the
+    entropy-aware shaping is a factor of it; the KL and entropy-bonus terms do not see it.
+    """
+    if micro.is_weights is None:
+        return micro.advantages
+    advantages = micro.advantages
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    return advantages * micro.is_weights
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -395,7 +410,7 @@ class PolicyWorker:
         micro = micro.to(self.device)
         logprobs, entropy = self._forward(micro)  # [b, l] each
         loss, stats = policy_loss_from_logprobs(
-            logprobs, entropy, micro.old_logprobs, micro.advantages, micro.loss_mask,
+            logprobs, entropy, micro.old_logprobs, _weighted_advantages(micro), micro.loss_mask,
             config=self.config.loss, global_token_count=count, ref_logprobs=micro.ref_logprobs, **stats_kwargs)
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
