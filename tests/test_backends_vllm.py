@@ -50,9 +50,10 @@ def _run_scenarios(model_dir: str) -> dict:
     report: dict = {}
     t0 = time.perf_counter()
     backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32",
-                          disable_log_stats=False)
+                          disable_log_stats=False, max_num_seqs=24)
     report["engine_start_s"] = time.perf_counter() - t0
     report["prefix_caching"] = backend.prefix_caching_enabled
+    report["max_num_seqs"] = backend.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     report["eos_token_ids"] = list(backend.eos_token_ids)
     report["vocab_size"] = backend.vocab_size
     prompts = _prompts(backend.tokenizer)
@@ -134,6 +135,7 @@ def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperat
 def test_engine_setup(run):
     _, rep = run
     assert rep["prefix_caching"] is True
+    assert rep["max_num_seqs"] == 24  # an engine option from backend.max_num_seqs reaches the scheduler
     # the repeated prompts (and the system prompt they share) are served from the prefix cache
     assert rep["cache_after"]["hits"] > rep["cache_before"]["hits"]
     assert rep["engine_start_s"] > 0 and rep["throughput_tok_s"] > 0

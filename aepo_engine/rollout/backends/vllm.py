@@ -22,6 +22,7 @@ CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to bound the KV cache; vLLM-CPU needs 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any, Mapping, Sequence
@@ -32,6 +33,23 @@ from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
 
 _EXTENSION = "aepo_engine.rollout.backends.vllm_ext.WeightLoaderExtension"
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: str | None):
+    """Set ``CUDA_VISIBLE_DEVICES`` while the engine spawns its processes, then restore it."""
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class VLLMBackend:
@@ -50,6 +68,8 @@ class VLLMBackend:
         dtype: model dtype for vLLM (``"auto"``: the checkpoint's).
         enforce_eager: skip torch.compile/graph capture (default: True on CPU, where it saves
             ~20 s of start-up for tiny models; False on GPU).
+        devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (the engine core and its
+            tensor-parallel workers inherit it when they are spawned); None leaves it as is.
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
     """
 
@@ -58,18 +78,20 @@ class VLLMBackend:
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
                  enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
-                 dtype: str = "auto", enforce_eager: bool | None = None, **llm_kwargs: Any):
+                 dtype: str = "auto", enforce_eager: bool | None = None, devices: str | None = None,
+                 **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
 
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
-        self.llm = LLM(
-            model=str(model_path), seed=seed, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
-            enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
-        )
+        with _visible_devices(devices):
+            self.llm = LLM(
+                model=str(model_path), seed=seed, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+                logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
+                enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
         self.logprobs_topk = logprobs_topk
