@@ -171,10 +171,14 @@ class Trainer:
         return metrics
 
     def _sync_weights(self) -> None:
-        """The updated weights into this rank's engine (collective: every rank takes part)."""
-        state = self.policy.full_state_dict(rank0_only=False)
+        """Stream the updated weights into this rank's engine, a bucket at a time (collective:
+        every rank gathers every bucket, a rank without an engine then drops it)."""
+        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20))
         if self.backend is not None:
-            self.backend.update_weights(state)
+            self.backend.load_weight_buckets(buckets)
+        else:
+            for _ in buckets:
+                pass
 
     def _rollout_and_score(self, examples: list[Example], step: int):
         """This engine's share of prompts -> trajectories + rewards, all-gathered in prompt order."""

@@ -43,7 +43,7 @@ def _dump(outputs) -> list[dict]:
                  lower=o.extra["entropy_lower"], upper=o.extra["entropy_upper"]) for o in outputs]
 
 
-def _run_scenarios(model_dir: str) -> dict:
+def _run_scenarios(model_dir: str, out_path: str) -> dict:
     from aepo_engine.rollout.backends.vllm import VLLMBackend
     from aepo_engine.rollout.protocol import GenRequest
 
@@ -78,11 +78,25 @@ def _run_scenarios(model_dir: str) -> dict:
     elapsed = time.perf_counter() - t0
     report["throughput_tok_s"] = sum(len(o.token_ids) for o in outs) / elapsed
     report["many"] = _dump(outs)
-    # 5. weight push changes the outputs
+    # 5. weight push changes the outputs: streamed in buckets of ~4 tensors, as the trainer does
+    new_weights = perturbed_state_dict(model_dir)
+    names = list(new_weights)
+    buckets = [{n: new_weights[n] for n in names[i:i + 4]} for i in range(0, len(names), 4)]
     t0 = time.perf_counter()
-    backend.update_weights(perturbed_state_dict(model_dir))
+    backend.load_weight_buckets(iter(buckets))
     report["update_s"] = time.perf_counter() - t0
+    report["update_buckets"] = len(buckets)
     report["after_update"] = _dump(backend.generate(reqs))
+    # 6. ... and the engine then samples exactly what a fresh engine loaded from those weights does
+    from transformers import AutoModelForCausalLM
+
+    exported = os.path.join(os.path.dirname(out_path), "exported")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(new_weights)
+    hf.save_pretrained(exported)
+    backend.tokenizer.save_pretrained(exported)
+    fresh = VLLMBackend(exported, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32")
+    report["fresh_engine"] = _dump(fresh.generate(reqs))
     return report
 
 
@@ -183,7 +197,13 @@ def test_top_p_and_eos(run):
 
 def test_update_weights_takes_effect(run):
     model_dir, rep = run
+    assert rep["update_buckets"] > 3  # streamed, not one whole-model push
     assert [o["token_ids"] for o in rep["after_update"]] != [o["token_ids"] for o in rep["plain"]]
+    # the synced engine samples what a fresh engine loaded from the same weights samples
+    assert [o["token_ids"] for o in rep["after_update"]] == [o["token_ids"] for o in rep["fresh_engine"]]
+    for synced, fresh in zip(rep["after_update"], rep["fresh_engine"]):
+        torch.testing.assert_close(torch.tensor(synced["logprobs"]), torch.tensor(fresh["logprobs"]),
+                                   atol=1e-5, rtol=0)
     new_weights = perturbed_state_dict(model_dir)
     prompt, out = rep["prompts"][0], rep["after_update"][0]
     logp, _ = _hf_recompute(model_dir, prompt, out["token_ids"], 0.8, state_dict=new_weights)
@@ -222,4 +242,4 @@ def test_rollout_correction_on_real_vllm_samples(run):
 if __name__ == "__main__":
     model_dir_arg, out_path = sys.argv[1], sys.argv[2]
     with open(out_path, "w") as fh:
-        json.dump(_run_scenarios(model_dir_arg), fh)
+        json.dump(_run_scenarios(model_dir_arg, out_path), fh)

@@ -45,6 +45,9 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             vLLM-CPU sizes its cache from VLLM_CPU_KVCACHE_SPACE instead.
         enable_prefix_caching: reuse the KV blocks of shared prefixes (branches share their
             parent's context, so AEPO gains from it).
+        weight_sync_bucket_mb: after each update the trainer streams its weights into the
+            engine in buckets of about this many MiB (each sharded parameter gathered when its
+            bucket is sent): the extra memory of a sync is one bucket, not the model.
     """
 
     kind: Literal["hf", "vllm"] = "vllm"
@@ -59,6 +62,7 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     max_num_seqs: int | None = None
     kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
+    weight_sync_bucket_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -77,6 +81,8 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
                              "the HF backend runs on one device")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (or none), got {self.max_num_seqs}")
+        if not self.weight_sync_bucket_mb > 0:
+            raise ValueError(f"weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (or none), got {self.kv_cache_gib}")
 
