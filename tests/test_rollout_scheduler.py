@@ -364,6 +364,14 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
     assert stats.tokens_generated - stats.discarded_tokens == sampled
 
 
+def test_no_branch_decisions_without_branching():
+    # GRPO rollout: k global samples; no decision is taken (nor counted as budget-blocked)
+    scheduler, _, _ = make(tool_agent(2), k=4, branching=False)
+    result = scheduler.rollout(PROMPTS, step=0)
+    assert result.stats.branch_decisions == 0 and result.stats.branch_budget_blocked == 0
+    assert all(not t.decisions for t in result.trajectories)
+
+
 def test_speculative_config():
     assert RolloutConfig(k=8).speculative_globals == 3
     assert RolloutConfig(k=1).speculative_globals == 0

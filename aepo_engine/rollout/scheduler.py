@@ -354,7 +354,7 @@ class EntropyBalancedRollout:
             stats.tokens_generated += len(output.token_ids)
         for traj in batch:  # branch decisions first: a child copies the prefix before this call
             state = states[traj.prompt_index]
-            if state.m is not None and self._decision_due(traj):
+            if cfg.branching and state.m is not None and self._decision_due(traj):
                 stats.decisions.append(self._decide(
                     state, traj, len(traj.segments) - 1, traj.segment_entropies[-1], step))
         calls, callers = [], []
