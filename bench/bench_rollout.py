@@ -7,6 +7,8 @@ Modes (same backend, model, prompts, k, seeds and token limits; only the branchi
   tool steps, consecutive-branch penalty.
 - ``aepo_strict``: the same with ``speculative_global_samples=0``: the probe runs alone before
   the other global samples start (the spec's strict order; what ``aepo`` was before the overlap).
+- ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
+  tool result (a faster rule than the spec's, see ``RolloutConfig``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
 
 The workload is the synthetic tool-use task (``aepo_engine.tasks.synthetic``): held-out questions
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 # scan every loaded module at start-up and crash on an llvmlite object ("'_lib_fn_wrapper'
 # object has no attribute 'get'").
 
-MODES = ("plain", "aepo", "aepo_strict", "arpo")
+MODES = ("plain", "aepo", "aepo_strict", "aepo_early", "arpo")
 BACKENDS = ("hf", "vllm")
 RESULTS_NAME = "rollout_throughput"
 WARM_START_INFO = "bench_warm_start.json"  # written next to a warm-started checkpoint
@@ -105,6 +107,8 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
         return RolloutConfig(**limits)  # defaults: pre-monitoring, branching, penalty
     if mode == "aepo_strict":
         return RolloutConfig(speculative_global_samples=0, **limits)
+    if mode == "aepo_early":
+        return RolloutConfig(monitor_tool_steps=1, **limits)
     if mode == "arpo":
         return RolloutConfig(pre_monitoring=False, branch_penalty=False, **limits)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")

@@ -372,6 +372,44 @@ def test_no_branch_decisions_without_branching():
     assert all(not t.decisions for t in result.trajectories)
 
 
+def _stepwise_entropy_agent(entropies: dict[int, float]) -> Policy:
+    """tool_agent(2) whose segment entropy depends on the tool results seen so far."""
+    def policy(context: str, request: GenRequest):
+        done = context.count("<result>")
+        if done < 2:
+            return f"think{done} <search>q{done}</search>", entropies[done], False
+        return "<answer>q</answer>", entropies[done], True
+    return policy
+
+
+def test_monitor_tool_steps_sets_m_from_the_first_reaction():
+    # Probe entropies: first segment 2.0 (H_root), after tool 1: 1.0, after tool 2: 3.0. k = 12.
+    # Spec: H_tool = (1 + 3) / 2 = 2 -> m = floor(12 * 0.5) + 1 = 7.
+    # monitor_tool_steps=1: H_tool = 1 -> floor(12 * sigmoid(0.5)) + 1 = floor(7.47) + 1 = 8, set
+    # after round 2 (the probe's first reaction), while the probe still runs.
+    policy = _stepwise_entropy_agent({0: 2.0, 1: 1.0, 2: 3.0})
+    results = {}
+    for steps in (None, 1):
+        scheduler, _, _ = make(policy, PureRunner(), k=12, branch_alpha_mode="constant",
+                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps)
+        results[steps] = scheduler.rollout([[50]], step=0)
+    spec, early = results[None].stats, results[1].stats
+    assert (spec.h_tool, spec.m) == ([2.0], [7]) and (early.h_tool, early.m) == ([1.0], [8])
+    assert early.rounds < spec.rounds
+    probe = next(t for t in results[1].trajectories if t.kind == "probe")
+    assert probe.finish_reason == "eos" and len(probe.decisions) == 2  # late, then online
+    assert len(results[1].trajectories) == 12
+
+
+def test_monitor_tool_steps_with_a_discarded_probe_stops_it():
+    scheduler, _, _ = make(tool_agent(3), k=4, reuse_probe_as_sample=False, monitor_tool_steps=1)
+    result = scheduler.rollout([[50]], step=0)
+    assert result.stats.discarded_probes == 1 and all(t.kind != "probe" for t in result.trajectories)
+    # the probe sampled its first segment and its first reaction, then stopped: 2 segments of
+    # "thinkN <search>qN</search>" = 26 tokens each
+    assert result.stats.discarded_tokens == 52
+
+
 def test_speculative_config():
     assert RolloutConfig(k=8).speculative_globals == 3
     assert RolloutConfig(k=1).speculative_globals == 0
@@ -380,6 +418,8 @@ def test_speculative_config():
     assert RolloutConfig(k=8, speculative_global_samples=7).speculative_globals == 7
     with pytest.raises(ValueError, match="speculative_global_samples must be in"):
         RolloutConfig(k=8, speculative_global_samples=8)
+    with pytest.raises(ValueError, match="monitor_tool_steps must be >= 1"):
+        RolloutConfig(monitor_tool_steps=0)
 
 
 # ---------------------------------------------------------------------------------------------

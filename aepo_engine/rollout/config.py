@@ -30,6 +30,10 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             (their tokens counted as discarded). None = max(0, k // 2 - 1), one below the global
             samples of a neutral probe; 0 = the spec's strict order (the probe first, alone).
             Ignored without pre-monitoring.
+        monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
+            soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
+            the whole probe has ended); 1 = m from the probe's first reaction to a tool result
+            (a different, faster rule: it does not wait for the probe's later tool calls).
         fixed_global_samples: Global samples per prompt when pre-monitoring is off; None means
             max(1, k // 2), the reference scripts' fixed m = k/2.
         n_entropy_tokens: n_e; a segment's entropy is the mean over its first n_e tokens.
@@ -58,6 +62,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     beta: float = 0.5
     reuse_probe_as_sample: bool = True
     speculative_global_samples: int | None = None
+    monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
     branching: bool = True
@@ -86,6 +91,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(0 <= self.speculative_global_samples <= self.k - 1,
                    f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
                    f"probe is one of the k trajectories, got {self.speculative_global_samples}")
+        if self.monitor_tool_steps is not None:
+            _check(self.monitor_tool_steps >= 1,
+                   f"monitor_tool_steps must be >= 1 (or none for all), got {self.monitor_tool_steps}")
         _check(self.n_entropy_tokens >= 1,
                f"n_entropy_tokens must be >= 1 to measure any entropy, got {self.n_entropy_tokens}")
         _check(self.branch_alpha_mode in ("random", "constant"),

@@ -27,6 +27,11 @@ Per prompt:
    ``RolloutStats.discarded_tokens``. What can differ from the strict order: the order in which
    the decisions of several trajectories claim a scarce branch budget, and trajectory ids
    (hence the seeds of children and refills) once ids were spent on the reserve.
+   Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
+   post-tool segments, and m is set as soon as they exist (or the probe ends), instead of after
+   the whole probe; a reused probe then goes on as an ordinary sample deciding online. This is a
+   different rule from the spec's (H_tool from n tool steps, not all of them), offered because
+   it ends the wait for the probe's last tool calls; the default keeps the spec's.
 2. Rounds (§1b). Every active trajectory of every prompt generates in ONE ``backend.generate``
    call until a tool stop string, EOS or a length cap. The round's tool calls go to
    ``tool_runner.run`` in one batch; each result is appended as ``format_tool_result(text)``,
@@ -290,7 +295,7 @@ class EntropyBalancedRollout:
     def _advance(self, state: _PromptState, step: int, stats: _Stats) -> None:
         """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
         if state.m is None:
-            if not state.probe.done:
+            if not self._evidence_ready(state.probe):
                 return
             self._finish_probe(state, step, stats)
         missing = self.config.k - len(state.members)
@@ -303,10 +308,15 @@ class EntropyBalancedRollout:
             for traj in resumed:  # the budget is spent now: recorded as blocked decisions
                 self._decide_late(state, traj, step, stats)
 
+    def _evidence_ready(self, probe: Trajectory) -> bool:
+        """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
+        wanted = self.config.monitor_tool_steps
+        return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
+
     def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
         state.h_root = probe.segment_entropies[0]
-        after_tool = probe.segment_entropies[1:]
+        after_tool = probe.segment_entropies[1:][: cfg.monitor_tool_steps]
         # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
         state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
         state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
@@ -317,8 +327,8 @@ class EntropyBalancedRollout:
         state.members.extend(kept)
         for _ in range(wanted - len(kept)):
             state.members.append(self._new(state, step, "global"))
+        state.probe = None  # a reused probe goes on as a member; a discarded one stops here
         if reused:
-            state.probe = None
             kept.insert(0, probe)
         else:
             stats.discarded_probes += 1
