@@ -37,6 +37,7 @@ from aepo_engine.tasks import TaskConfig
 from aepo_engine.tools import ToolsConfig, registered_tools
 from aepo_engine.training.optim import OptimConfig
 from aepo_engine.training.policy import PolicyConfig
+from aepo_engine.training.rollout_correction import RolloutCorrectionConfig
 
 __all__ = ["DEFAULT_PRESET", "PRESETS_DIR", "ResolvedArgs", "TrainConfig", "TrainLoopConfig", "config_problems",
            "list_presets", "load_train_config", "preset_path", "split_train_args"]
@@ -106,6 +107,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         tools: search and python tools.
         reward: the reward function.
         policy: the policy update (loss, micro-batching, FSDP2, precision).
+        rollout_correction: importance weights for the gap between the sampler's and the
+            trainer's log-probs (truncated / masked IS).
         optim: optimizer and learning-rate schedule.
         train: the RL loop.
         eval: held-out evaluation.
@@ -123,6 +126,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    rollout_correction: RolloutCorrectionConfig = msgspec.field(default_factory=RolloutCorrectionConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     train: TrainLoopConfig = msgspec.field(default_factory=TrainLoopConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_objects", "barrier", "broadcast_object", "init_distributed", "is_initialized",
-           "is_main", "rank", "world_size"]
+           "is_main", "local_rank", "local_world_size", "rank", "world_size"]
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -40,6 +40,16 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """This rank's index on its node (torchrun's LOCAL_RANK; 0 in a single process)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) if is_initialized() else 0
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 in a single process)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size())) if is_initialized() else 1
 
 
 def is_main() -> bool:

@@ -40,13 +40,14 @@ from aepo_engine.evaluate import evaluate, merge_eval_results
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
-from aepo_engine.rollout.backends import build_backend
+from aepo_engine.rollout.backends import build_backend, engine_layout
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
+from aepo_engine.training.rollout_correction import rollout_correction
 
 PROG = "python -m aepo_engine.train"
 
@@ -74,6 +75,8 @@ class Trainer:
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
         self.rank, self.world, _ = distributed.init_distributed()
+        self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
+                                    distributed.local_rank(), distributed.local_world_size())
         task = prepare_task(cfg, self.run_dir, log=_log)
         self.model_dir, self.tools_config = task.model_dir, task.tools_config
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -83,8 +86,10 @@ class Trainer:
         self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps(),
                                    temperature=cfg.rollout.temperature)
         self.reward_fn = build_reward_fn(cfg.reward)
-        # The backend first: a vLLM engine must start before the search index loads numba.
-        self.backend = build_backend(cfg.backend, self.model_dir, self.tokenizer, seed=cfg.rollout.seed + self.rank)
+        # The backend first: a vLLM engine must start before the search index loads numba. Ranks
+        # that host no engine (tensor-parallel groups) sample nothing; they train.
+        self.backend = (build_backend(cfg.backend, self.model_dir, self.tokenizer, seed=cfg.rollout.seed + self.rank,
+                                      local_rank=distributed.local_rank()) if self.layout.host else None)
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
@@ -152,39 +157,52 @@ class Trainer:
         # Backend vs policy on the sampled tokens: ~0 for the HF backend; for vLLM the gap of its
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
+        batch.is_weights, batch.loss_mask, correction = rollout_correction(
+            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.cfg.rollout_correction)
         update = self.policy.update(batch)
-        self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
+        self._sync_weights()
         elapsed = time.perf_counter() - t0
         tokens = float(sum(len(t.response_ids) for t in trajectories))
         metrics = {
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "train/accuracy": float(np.mean(correct)),
             **{f"loss/{k}": v for k, v in update.items()},
-            **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap,
+            **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
         self.logger.dump_samples(step, _samples(trajectories, rewards, self.tokenizer, self.cfg.logging.sample_trajectories))
         return metrics
 
+    def _sync_weights(self) -> None:
+        """Stream the updated weights into this rank's engine, a bucket at a time (collective:
+        every rank gathers every bucket, a rank without an engine then drops it)."""
+        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20))
+        if self.backend is not None:
+            self.backend.load_weight_buckets(buckets)
+        else:
+            for _ in buckets:
+                pass
+
     def _rollout_and_score(self, examples: list[Example], step: int):
-        """This rank's share of prompts -> trajectories + rewards, all-gathered in prompt order."""
-        mine = list(range(self.rank, len(examples), self.world))
-        local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
+        """This engine's share of prompts -> trajectories + rewards, all-gathered in prompt order."""
+        mine = self.layout.prompts(len(examples))
+        local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step) if mine else None
         scored = []
-        for traj in local.trajectories:
+        for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
             result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
             scored.append((traj, float(result.score), bool(result.correct)))
-        gathered = distributed.all_gather_objects((scored, local.stats))
+        gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
-        stats = [st for _, st in gathered]
+        stats = [st for _, st in gathered if st is not None]
         return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Held-out metrics; under torchrun each rank takes every world-th question."""
         if not self.eval_examples:
             return {}
-        questions = self.eval_examples[: self.cfg.eval.num_questions or None][self.rank :: self.world]
+        chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
+        questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
         t0 = time.perf_counter()
         local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
                          [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
@@ -213,7 +231,7 @@ class Trainer:
         if loaded is None:
             return 0, {}
         self.sampler.load_state_dict(loaded.extra_state["sampler"])
-        self.backend.update_weights(self.policy.full_state_dict(rank0_only=False))
+        self._sync_weights()
         _log(f"[resume] from {loaded.path} (after step {loaded.step})")
         return loaded.step, loaded.extra_state
 
@@ -263,6 +281,7 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/tool_errors": total("tool_errors"),
         "rollout/malformed_calls": total("malformed_calls"),
         "rollout/tokens_generated": total("tokens_generated"),
+        "rollout/discarded_tokens": total("discarded_tokens"),
         "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
     }

@@ -3,7 +3,12 @@
 Modes (same backend, model, prompts, k, seeds and token limits; only the branching rule differs):
 - ``plain``: branching off, k independent global samples per prompt (a GRPO rollout).
 - ``aepo``:  AEPO defaults: entropy pre-monitoring (a probe trajectory per prompt, reused as a
-  sample), entropy branching at tool steps, consecutive-branch penalty.
+  sample, with ``speculative_global_samples`` globals started beside it), entropy branching at
+  tool steps, consecutive-branch penalty.
+- ``aepo_strict``: the same with ``speculative_global_samples=0``: the probe runs alone before
+  the other global samples start (the spec's strict order; what ``aepo`` was before the overlap).
+- ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
+  tool result (a faster rule than the spec's, see ``RolloutConfig``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
 
 The workload is the synthetic tool-use task (``aepo_engine.tasks.synthetic``): held-out questions
@@ -21,6 +26,8 @@ trajectories while every mode sees the same seeds). ``--rounds N`` runs the swee
 times, interleaved, so that a change of machine load hits every mode alike. Per call:
     tokens_per_s      model tokens sampled (``RolloutStats.tokens_generated``, discarded probes
                       included) / wall time of the rollout call (generation + tools + scheduler)
+    kept_tokens_per_s the same without the tokens of discarded trajectories (discarded probes,
+                      speculative samples no refill needed): the useful rate
     gen_tokens_per_s  the same tokens / time inside ``backend.generate``
     tokens_per_cpu_s  the same tokens / CPU time of the case process (robust to machine load;
                       meaningful for the HF backend only, see ``summarize_calls``)
@@ -73,7 +80,7 @@ if TYPE_CHECKING:
 # scan every loaded module at start-up and crash on an llvmlite object ("'_lib_fn_wrapper'
 # object has no attribute 'get'").
 
-MODES = ("plain", "aepo", "arpo")
+MODES = ("plain", "aepo", "aepo_strict", "aepo_early", "arpo")
 BACKENDS = ("hf", "vllm")
 RESULTS_NAME = "rollout_throughput"
 WARM_START_INFO = "bench_warm_start.json"  # written next to a warm-started checkpoint
@@ -98,6 +105,10 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
         return RolloutConfig(branching=False, **limits)
     if mode == "aepo":
         return RolloutConfig(**limits)  # defaults: pre-monitoring, branching, penalty
+    if mode == "aepo_strict":
+        return RolloutConfig(speculative_global_samples=0, **limits)
+    if mode == "aepo_early":
+        return RolloutConfig(monitor_tool_steps=1, **limits)
     if mode == "arpo":
         return RolloutConfig(pre_monitoring=False, branch_penalty=False, **limits)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
@@ -285,12 +296,17 @@ def summarize_calls(calls: Sequence[dict[str, float]]) -> dict[str, float]:
     backend only.
     """
     summary = {key: statistics.median(c[key] for c in calls)
-               for key in ("tokens_generated", "context_tokens", "model_tokens_per_traj",
-                           "response_tokens_per_traj", "tool_calls", "rounds", "branches",
+               for key in ("tokens_generated", "kept_tokens", "context_tokens",
+                           "model_tokens_per_traj", "response_tokens_per_traj", "tool_calls",
+                           "rounds", "branches", "branch_decisions", "mean_branch_probability",
                            "mean_m") if all(key in c for c in calls)}
-    for name, seconds in (("tokens_per_s", "wall_s"), ("gen_tokens_per_s", "gen_s"),
-                          ("tokens_per_cpu_s", "cpu_s")):
-        rates = [c["tokens_generated"] / c[seconds] for c in calls]
+    for name, tokens, seconds in (("tokens_per_s", "tokens_generated", "wall_s"),
+                                  ("kept_tokens_per_s", "kept_tokens", "wall_s"),
+                                  ("gen_tokens_per_s", "tokens_generated", "gen_s"),
+                                  ("tokens_per_cpu_s", "tokens_generated", "cpu_s")):
+        if not all(tokens in c for c in calls):
+            continue
+        rates = [c[tokens] / c[seconds] for c in calls]
         summary[name] = statistics.median(rates)
         summary[name + "_min"], summary[name + "_max"] = min(rates), max(rates)
     return summary
@@ -300,8 +316,12 @@ def _call_stats(stats: "RolloutStats", trajectories: Sequence[Any]) -> dict[str,
     """The per-call figures of a row, from the call's statistics and trajectories."""
     n = len(trajectories)
     ms = [m for m in stats.m if m is not None]
-    return {"tokens_generated": stats.tokens_generated, "rounds": stats.rounds,
+    return {"tokens_generated": stats.tokens_generated,
+            "kept_tokens": stats.tokens_generated - stats.discarded_tokens, "rounds": stats.rounds,
             "tool_calls": stats.tool_calls_executed, "branches": stats.branches,
+            "branch_decisions": stats.branch_decisions,
+            "mean_branch_probability": (float("nan") if stats.mean_branch_probability is None
+                                        else stats.mean_branch_probability),
             "mean_m": statistics.mean(ms) if ms else float("nan"),
             "model_tokens_per_traj": sum(sum(t.loss_mask) for t in trajectories) / n,
             "response_tokens_per_traj": sum(len(t.response_ids) for t in trajectories) / n}
@@ -341,7 +361,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary row per (backend, mode): figures over every timed call of every round, and
     ratios to plain sampling on the same backend: ``vs_plain`` (median tokens_per_s),
     ``best_vs_plain`` (fastest call's tokens_per_s: call r does the same work in every round, so
-    the fastest is the one least slowed by other load) and ``cpu_vs_plain`` (tokens_per_cpu_s).
+    the fastest is the one least slowed by other load), ``cpu_vs_plain`` (tokens_per_cpu_s) and
+    ``kept_vs_plain`` (kept_tokens_per_s: discarded trajectories' tokens left out).
     """
     summary: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
@@ -365,7 +386,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for entry in out:
         plain = summary.get((entry["backend"], "plain"), {})
         for ratio, rate in (("vs_plain", "tokens_per_s"), ("best_vs_plain", "tokens_per_s_max"),
-                            ("cpu_vs_plain", "tokens_per_cpu_s")):
+                            ("cpu_vs_plain", "tokens_per_cpu_s"),
+                            ("kept_vs_plain", "kept_tokens_per_s")):
             if rate in entry and rate in plain:
                 entry[ratio] = entry[rate] / plain[rate]
     return out
@@ -425,9 +447,10 @@ def main() -> None:
     print(f"\nrows appended to {path}; {args.prompts} prompts x k={args.k}, {args.rounds} "
           f"round(s) x {args.repeats} timed rollout calls per mode; model: {model_info['model']}")
     print_table(summary, ["backend", "mode", "calls", "tokens_per_s", "tokens_per_s_min",
-                          "tokens_per_s_max", "vs_plain", "best_vs_plain", "tokens_per_cpu_s",
-                          "cpu_vs_plain", "wall_s", "gen_s", "rounds", "context_tokens",
-                          "tool_calls", "branches", "mean_m", "model_tokens_per_traj",
+                          "tokens_per_s_max", "vs_plain", "best_vs_plain", "kept_vs_plain",
+                          "tokens_per_cpu_s", "cpu_vs_plain", "wall_s", "gen_s", "rounds",
+                          "context_tokens", "tool_calls", "branches", "branch_decisions",
+                          "mean_branch_probability", "mean_m", "model_tokens_per_traj",
                           "peak_bytes", "load_1m", "error", "skipped"])
 
 

@@ -43,16 +43,17 @@ def _dump(outputs) -> list[dict]:
                  lower=o.extra["entropy_lower"], upper=o.extra["entropy_upper"]) for o in outputs]
 
 
-def _run_scenarios(model_dir: str) -> dict:
+def _run_scenarios(model_dir: str, out_path: str) -> dict:
     from aepo_engine.rollout.backends.vllm import VLLMBackend
     from aepo_engine.rollout.protocol import GenRequest
 
     report: dict = {}
     t0 = time.perf_counter()
     backend = VLLMBackend(model_dir, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32",
-                          disable_log_stats=False)
+                          disable_log_stats=False, max_num_seqs=24)
     report["engine_start_s"] = time.perf_counter() - t0
     report["prefix_caching"] = backend.prefix_caching_enabled
+    report["max_num_seqs"] = backend.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     report["eos_token_ids"] = list(backend.eos_token_ids)
     report["vocab_size"] = backend.vocab_size
     prompts = _prompts(backend.tokenizer)
@@ -77,11 +78,25 @@ def _run_scenarios(model_dir: str) -> dict:
     elapsed = time.perf_counter() - t0
     report["throughput_tok_s"] = sum(len(o.token_ids) for o in outs) / elapsed
     report["many"] = _dump(outs)
-    # 5. weight push changes the outputs
+    # 5. weight push changes the outputs: streamed in buckets of ~4 tensors, as the trainer does
+    new_weights = perturbed_state_dict(model_dir)
+    names = list(new_weights)
+    buckets = [{n: new_weights[n] for n in names[i:i + 4]} for i in range(0, len(names), 4)]
     t0 = time.perf_counter()
-    backend.update_weights(perturbed_state_dict(model_dir))
+    backend.load_weight_buckets(iter(buckets))
     report["update_s"] = time.perf_counter() - t0
+    report["update_buckets"] = len(buckets)
     report["after_update"] = _dump(backend.generate(reqs))
+    # 6. ... and the engine then samples exactly what a fresh engine loaded from those weights does
+    from transformers import AutoModelForCausalLM
+
+    exported = os.path.join(os.path.dirname(out_path), "exported")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(new_weights)
+    hf.save_pretrained(exported)
+    backend.tokenizer.save_pretrained(exported)
+    fresh = VLLMBackend(exported, seed=0, max_model_len=1024, logprobs_topk=20, dtype="float32")
+    report["fresh_engine"] = _dump(fresh.generate(reqs))
     return report
 
 
@@ -116,11 +131,11 @@ def run(tmp_path_factory):
 
 
 def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperature: float,
-                  state_dict=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  state_dict=None, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-forward log pi(token) and exact entropy at each generated position."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     if state_dict is not None:
         model.load_state_dict(state_dict)
     ids = torch.tensor([prompt + tokens])
@@ -134,6 +149,7 @@ def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperat
 def test_engine_setup(run):
     _, rep = run
     assert rep["prefix_caching"] is True
+    assert rep["max_num_seqs"] == 24  # an engine option from backend.max_num_seqs reaches the scheduler
     # the repeated prompts (and the system prompt they share) are served from the prefix cache
     assert rep["cache_after"]["hits"] > rep["cache_before"]["hits"]
     assert rep["engine_start_s"] > 0 and rep["throughput_tok_s"] > 0
@@ -181,14 +197,49 @@ def test_top_p_and_eos(run):
 
 def test_update_weights_takes_effect(run):
     model_dir, rep = run
+    assert rep["update_buckets"] > 3  # streamed, not one whole-model push
     assert [o["token_ids"] for o in rep["after_update"]] != [o["token_ids"] for o in rep["plain"]]
+    # the synced engine samples what a fresh engine loaded from the same weights samples
+    assert [o["token_ids"] for o in rep["after_update"]] == [o["token_ids"] for o in rep["fresh_engine"]]
+    for synced, fresh in zip(rep["after_update"], rep["fresh_engine"]):
+        torch.testing.assert_close(torch.tensor(synced["logprobs"]), torch.tensor(fresh["logprobs"]),
+                                   atol=1e-5, rtol=0)
     new_weights = perturbed_state_dict(model_dir)
     prompt, out = rep["prompts"][0], rep["after_update"][0]
     logp, _ = _hf_recompute(model_dir, prompt, out["token_ids"], 0.8, state_dict=new_weights)
     torch.testing.assert_close(torch.tensor(out["logprobs"]), logp, atol=2e-4, rtol=0)
 
 
+def test_rollout_correction_on_real_vllm_samples(run):
+    """Importance weights of vLLM's samples against a trainer's log-probs: ~1 against an fp32
+    trainer (the same weights, only kernel rounding differs), and a real, recorded gap against a
+    bf16 trainer (the mismatch the correction exists for)."""
+    from aepo_engine.training.rollout_correction import RolloutCorrectionConfig, rollout_correction
+
+    model_dir, rep = run
+    outs = rep["plain"]
+    width = max(len(o["token_ids"]) for o in outs)
+
+    def padded(rows):
+        return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32), (0, width - len(r)))
+                            for r in rows])
+
+    rollout = padded([o["logprobs"] for o in outs])
+    mask = padded([[1.0] * len(o["token_ids"]) for o in outs])
+    config = RolloutCorrectionConfig(mode="token_tis", threshold=2.0)
+    fp32 = padded([_hf_recompute(model_dir, p, o["token_ids"], 0.8)[0] for p, o in zip(rep["prompts"], outs)])
+    weights, _, metrics = rollout_correction(fp32, rollout, mask, config)
+    assert ((weights - 1).abs() * mask).max() < 1e-3
+    assert metrics["rollout_correction/kl_k3"] < 1e-6
+    bf16 = padded([_hf_recompute(model_dir, p, o["token_ids"], 0.8, dtype=torch.bfloat16)[0]
+                   for p, o in zip(rep["prompts"], outs)])
+    weights, _, metrics = rollout_correction(bf16, rollout, mask, config)
+    gap = ((weights - 1).abs() * mask).max()
+    print(f"vLLM fp32 vs bf16 trainer: max |w - 1| {gap:.4f}, k3 {metrics['rollout_correction/kl_k3']:.2e}")
+    assert gap > 1e-3 and metrics["rollout_correction/kl_k3"] > 0
+    assert ((weights <= 2.0) | (mask == 0)).all() and torch.isfinite(weights).all()
+
 if __name__ == "__main__":
     model_dir_arg, out_path = sys.argv[1], sys.argv[2]
     with open(out_path, "w") as fh:
-        json.dump(_run_scenarios(model_dir_arg), fh)
+        json.dump(_run_scenarios(model_dir_arg, out_path), fh)

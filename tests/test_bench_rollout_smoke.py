@@ -11,6 +11,7 @@ import math
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -63,11 +64,15 @@ def test_cases_give_complete_rows_and_a_ratio(workload):
 
 def test_modes_differ_only_in_the_branching_rule():
     limits = dict(k=6, max_response_tokens=100, max_tokens_per_segment=50, seed=3)
-    plain, aepo, arpo = (bench_rollout.mode_config(m, **limits) for m in ("plain", "aepo", "arpo"))
+    plain, aepo, strict, early, arpo = (bench_rollout.mode_config(m, **limits)
+                                        for m in ("plain", "aepo", "aepo_strict", "aepo_early", "arpo"))
     assert not plain.branching
     assert aepo.branching and aepo.pre_monitoring and aepo.branch_penalty
+    assert aepo.speculative_globals == 2 and strict.speculative_globals == 0
+    assert msgspec.structs.replace(strict, speculative_global_samples=None) == aepo
+    assert msgspec.structs.replace(early, monitor_tool_steps=None) == aepo
     assert arpo.branching and not arpo.pre_monitoring and not arpo.branch_penalty
-    for config in (plain, aepo, arpo):
+    for config in (plain, aepo, strict, early, arpo):
         assert (config.k, config.max_response_tokens, config.seed) == (6, 100, 3)
     with pytest.raises(ValueError, match="unknown mode"):
         bench_rollout.mode_config("grpo", **limits)

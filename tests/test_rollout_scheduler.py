@@ -274,6 +274,154 @@ def test_reused_probe_takes_its_branch_decisions_after_m_is_known():
     assert all(c.kind == "branch" for c in children)
 
 
+class PureRunner(ScriptedRunner):
+    """Results depend on the call only (not on how calls were batched), so that schedules that
+    batch differently can be compared token by token."""
+
+    def run(self, calls):
+        self.batches.append(list(calls))
+        return [ToolResult(f"{c.tool}({c.payload})", ok=True) for c in calls]
+
+
+def _signature(trajectories):
+    return [(t.prompt_index, t.traj_id, t.kind, t.parent_id, t.branch_tool_step,
+             tuple(t.response_ids), tuple(t.logprobs)) for t in trajectories]
+
+
+def test_speculative_globals_are_the_strict_orders_samples():
+    # Equal entropies -> neutral m = floor(4 * 0.5) + 1 = 3 for k = 4; alpha 0 never branches, so
+    # one slot per prompt is refilled once all have ended. Every trajectory takes 3 rounds
+    # (2 tool calls). Strict (0): probe 3 rounds, globals 1-2 3 rounds, refill (id 3) 3 rounds.
+    # 2 speculative: probe + globals 1-2 together, then the refill = 6 rounds. 3 speculative:
+    # global 3 ran beside them and waits in reserve; the refill resumes it (already ended) = 3.
+    runs = {}
+    for spec in (0, 2, 3):
+        scheduler, backend, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=4,
+                                     branch_alpha_mode="constant", branch_alpha=0.0,
+                                     speculative_global_samples=spec)
+        runs[spec] = (scheduler.rollout(PROMPTS, step=3), backend)
+    strict = runs[0][0]
+    for spec, rounds in ((0, 9), (2, 6), (3, 3)):
+        result, backend = runs[spec]
+        assert result.stats.m == [3, 3, 3] and result.stats.rounds == rounds
+        assert len(backend.batches[0]) == 3 * (1 + spec)
+        assert _signature(result.trajectories) == _signature(strict.trajectories)
+        assert result.stats.discarded_speculative == result.stats.discarded_tokens == 0
+        assert result.stats.tokens_generated == strict.stats.tokens_generated
+
+
+def test_speculative_globals_remove_the_probes_rounds():
+    # k = 8, equal entropies -> m = 5, no branches -> 3 slots refilled. Strict: probe, then
+    # globals 1-4, then the refill: 3 x 3 rounds. 4 speculative: 2 x 3. 7 speculative: 3 (the
+    # reserve 5-7 is the refill).
+    rounds = {}
+    results = {}
+    for spec in (0, 4, 7):
+        scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=8,
+                               branch_alpha_mode="constant", branch_alpha=0.0,
+                               speculative_global_samples=spec)
+        results[spec] = scheduler.rollout([[50]], step=0)
+        rounds[spec] = results[spec].stats.rounds
+    assert rounds == {0: 9, 4: 6, 7: 3}
+    assert all(r.stats.m == [5] for r in results.values())
+    assert _signature(results[4].trajectories) == _signature(results[0].trajectories)
+    assert _signature(results[7].trajectories) == _signature(results[0].trajectories)
+
+
+def test_speculative_globals_take_their_branch_decisions_once_m_is_known():
+    # Always branch (alpha 1, no penalty), k = 6, m = 4 -> 2 branch slots. The probe decides
+    # first (as in the strict order, where the globals start after it), so it takes both slots;
+    # the speculative globals' decisions are then budget-blocked, as the strict globals' are.
+    # Rounds: strict 3 (probe) + 3 (globals 1-3 beside the children) = 6; with the globals
+    # beside the probe only the children (2 and 1 rounds left) follow: 3 + 2 = 5.
+    runs = []
+    for spec in (0, 3):
+        scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=6,
+                               branch_alpha_mode="constant", branch_alpha=1.0,
+                               branch_penalty=False, speculative_global_samples=spec)
+        runs.append(scheduler.rollout([[50]], step=0))
+    strict, overlap = runs
+    assert _signature(overlap.trajectories) == _signature(strict.trajectories)
+    for result in runs:
+        by_id = {t.traj_id: t for t in result.trajectories}
+        assert [d.branched for d in by_id[0].decisions] == [True, True]
+        for gid in (1, 2, 3):
+            assert [d.budget_blocked for d in by_id[gid].decisions] == [True, True]
+    assert (strict.stats.rounds, overlap.stats.rounds) == (6, 5)
+
+
+def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
+    # As above but 5 speculative: globals 4-5 wait in reserve, the probe's two children take the
+    # slots, so no refill needs them: discarded, and their tokens counted apart.
+    scheduler, _, _ = make(tool_agent(2, seed_in_text=True), k=6, branch_alpha_mode="constant",
+                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
+    result = scheduler.rollout([[50]], step=0)
+    stats, trajs = result.stats, result.trajectories
+    assert len(trajs) == 6 and stats.branches == 2 and stats.discarded_speculative == 2
+    assert sorted(t.traj_id for t in trajs) == [0, 1, 2, 3, 6, 7]  # ids 4, 5 were spent
+    sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in trajs)
+    assert stats.discarded_tokens > 0
+    assert stats.tokens_generated - stats.discarded_tokens == sampled
+
+
+def test_no_branch_decisions_without_branching():
+    # GRPO rollout: k global samples; no decision is taken (nor counted as budget-blocked)
+    scheduler, _, _ = make(tool_agent(2), k=4, branching=False)
+    result = scheduler.rollout(PROMPTS, step=0)
+    assert result.stats.branch_decisions == 0 and result.stats.branch_budget_blocked == 0
+    assert all(not t.decisions for t in result.trajectories)
+
+
+def _stepwise_entropy_agent(entropies: dict[int, float]) -> Policy:
+    """tool_agent(2) whose segment entropy depends on the tool results seen so far."""
+    def policy(context: str, request: GenRequest):
+        done = context.count("<result>")
+        if done < 2:
+            return f"think{done} <search>q{done}</search>", entropies[done], False
+        return "<answer>q</answer>", entropies[done], True
+    return policy
+
+
+def test_monitor_tool_steps_sets_m_from_the_first_reaction():
+    # Probe entropies: first segment 2.0 (H_root), after tool 1: 1.0, after tool 2: 3.0. k = 12.
+    # Spec: H_tool = (1 + 3) / 2 = 2 -> m = floor(12 * 0.5) + 1 = 7.
+    # monitor_tool_steps=1: H_tool = 1 -> floor(12 * sigmoid(0.5)) + 1 = floor(7.47) + 1 = 8, set
+    # after round 2 (the probe's first reaction), while the probe still runs.
+    policy = _stepwise_entropy_agent({0: 2.0, 1: 1.0, 2: 3.0})
+    results = {}
+    for steps in (None, 1):
+        scheduler, _, _ = make(policy, PureRunner(), k=12, branch_alpha_mode="constant",
+                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps)
+        results[steps] = scheduler.rollout([[50]], step=0)
+    spec, early = results[None].stats, results[1].stats
+    assert (spec.h_tool, spec.m) == ([2.0], [7]) and (early.h_tool, early.m) == ([1.0], [8])
+    assert early.rounds < spec.rounds
+    probe = next(t for t in results[1].trajectories if t.kind == "probe")
+    assert probe.finish_reason == "eos" and len(probe.decisions) == 2  # late, then online
+    assert len(results[1].trajectories) == 12
+
+
+def test_monitor_tool_steps_with_a_discarded_probe_stops_it():
+    scheduler, _, _ = make(tool_agent(3), k=4, reuse_probe_as_sample=False, monitor_tool_steps=1)
+    result = scheduler.rollout([[50]], step=0)
+    assert result.stats.discarded_probes == 1 and all(t.kind != "probe" for t in result.trajectories)
+    # the probe sampled its first segment and its first reaction, then stopped: 2 segments of
+    # "thinkN <search>qN</search>" = 26 tokens each
+    assert result.stats.discarded_tokens == 52
+
+
+def test_speculative_config():
+    assert RolloutConfig(k=8).speculative_globals == 3
+    assert RolloutConfig(k=1).speculative_globals == 0
+    assert RolloutConfig(k=8, pre_monitoring=False).speculative_globals == 0
+    assert RolloutConfig(k=8, branching=False).speculative_globals == 0
+    assert RolloutConfig(k=8, speculative_global_samples=7).speculative_globals == 7
+    with pytest.raises(ValueError, match="speculative_global_samples must be in"):
+        RolloutConfig(k=8, speculative_global_samples=8)
+    with pytest.raises(ValueError, match="monitor_tool_steps must be >= 1"):
+        RolloutConfig(monitor_tool_steps=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Branching and lineage
 

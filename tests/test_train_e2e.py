@@ -62,6 +62,9 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
         assert all(key in r for r in rows), key
     # the HF backend samples with the very weights the policy holds: same log-probs up to fp32 noise
     assert all(r["rollout/logprob_gap"] < 1e-4 for r in rows)
+    # ... so the mismatch correction's ratios are 1 and its KL estimate 0 (metrics logged every step)
+    assert all(abs(r["rollout_correction/ratio_mean"] - 1) < 1e-4 and r["rollout_correction/kl_k3"] < 1e-6
+               for r in rows)
     assert (uninterrupted / "config.toml").read_text().startswith("#")
     assert sorted(p.name for p in (uninterrupted / "plots").glob("*.png"))
     assert len(list((uninterrupted / "logs" / "samples").glob("step_*.jsonl"))) == 3

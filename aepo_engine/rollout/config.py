@@ -22,6 +22,18 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         beta: Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
         reuse_probe_as_sample: Keep the probe as one of the m global samples (it is a valid
             on-policy sample); False throws it away like the reference code (one extra trajectory).
+        speculative_global_samples: Global samples started beside the pre-monitoring probe, before
+            m is known, so the probe does not run alone. They are the same trajectories (same ids,
+            same seeds) the spec's order would start after the probe; they take their branch
+            decisions once m is known, like a reused probe. Those beyond the m the probe sets wait
+            in reserve and fill unused branch slots first; only those left over are discarded
+            (their tokens counted as discarded). None = max(0, k // 2 - 1), one below the global
+            samples of a neutral probe; 0 = the spec's strict order (the probe first, alone).
+            Ignored without pre-monitoring.
+        monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
+            soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
+            the whole probe has ended); 1 = m from the probe's first reaction to a tool result
+            (a different, faster rule: it does not wait for the probe's later tool calls).
         fixed_global_samples: Global samples per prompt when pre-monitoring is off; None means
             max(1, k // 2), the reference scripts' fixed m = k/2.
         n_entropy_tokens: n_e; a segment's entropy is the mean over its first n_e tokens.
@@ -49,6 +61,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     pre_monitoring: bool = True
     beta: float = 0.5
     reuse_probe_as_sample: bool = True
+    speculative_global_samples: int | None = None
+    monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
     branching: bool = True
@@ -73,6 +87,13 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(1 <= self.fixed_global_samples <= self.k,
                    f"fixed_global_samples must be in [1, k={self.k}] because global samples are "
                    f"part of the k trajectories, got {self.fixed_global_samples}")
+        if self.speculative_global_samples is not None:
+            _check(0 <= self.speculative_global_samples <= self.k - 1,
+                   f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
+                   f"probe is one of the k trajectories, got {self.speculative_global_samples}")
+        if self.monitor_tool_steps is not None:
+            _check(self.monitor_tool_steps >= 1,
+                   f"monitor_tool_steps must be >= 1 (or none for all), got {self.monitor_tool_steps}")
         _check(self.n_entropy_tokens >= 1,
                f"n_entropy_tokens must be >= 1 to measure any entropy, got {self.n_entropy_tokens}")
         _check(self.branch_alpha_mode in ("random", "constant"),
@@ -98,6 +119,15 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
                f"softmax(z / T), got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.seed is None or self.seed >= 0, f"seed must be >= 0 (numpy SeedSequence), got {self.seed}")
+
+    @property
+    def speculative_globals(self) -> int:
+        """Global samples started beside the probe (0 unless pre-monitoring runs)."""
+        if not (self.branching and self.pre_monitoring):
+            return 0
+        if self.speculative_global_samples is not None:
+            return self.speculative_global_samples
+        return max(0, self.k // 2 - 1)
 
     @property
     def global_samples_without_monitoring(self) -> int:

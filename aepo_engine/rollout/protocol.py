@@ -10,7 +10,7 @@ logits) and ``aepo_engine.rollout.backends.vllm`` (vLLM; entropy estimated from 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence
 
 import torch
 
@@ -71,4 +71,9 @@ class GenerationBackend(Protocol):
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load new policy weights (HF parameter names) without restarting the backend."""
+        ...
+
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Load new weights streamed as buckets (each a subset, all of them the model), taking
+        one bucket at a time from the iterator so that the caller never holds them all."""
         ...

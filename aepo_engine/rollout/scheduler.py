@@ -15,6 +15,23 @@ Per prompt:
    reused probe counts as one of them, and its branch decisions are taken once m is known, with
    the same rule and the same seeded draws as online decisions (it could not branch earlier: the
    budget k - m was unknown while it ran).
+   Overlap (``speculative_global_samples``, default k // 2 - 1): that many global samples start
+   beside the probe instead of after it, so the probe's sequential rounds are not spent on one
+   trajectory per prompt. They are the trajectories the strict order would start after the
+   probe (trajectory ids 1, 2, ... and seeds derive from the id), so m and every kept sample
+   are unchanged; like the reused probe they take their branch decisions once m is known. Those
+   beyond the m - 1 (m without a reused probe) the probe then sets are paused in reserve: they
+   are global samples from the bare prompt, which is what step 4 refills unused branch slots
+   with, so a refill resumes them before it starts fresh ones. Only reserve samples no refill
+   needs are discarded (when branches used the whole budget), their tokens counted in
+   ``RolloutStats.discarded_tokens``. What can differ from the strict order: the order in which
+   the decisions of several trajectories claim a scarce branch budget, and trajectory ids
+   (hence the seeds of children and refills) once ids were spent on the reserve.
+   Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
+   post-tool segments, and m is set as soon as they exist (or the probe ends), instead of after
+   the whole probe; a reused probe then goes on as an ordinary sample deciding online. This is a
+   different rule from the spec's (H_tool from n tool steps, not all of them), offered because
+   it ends the wait for the probe's last tool calls; the default keeps the spec's.
 2. Rounds (§1b). Every active trajectory of every prompt generates in ONE ``backend.generate``
    call until a tool stop string, EOS or a length cap. The round's tool calls go to
    ``tool_runner.run`` in one batch; each result is appended as ``format_tool_result(text)``,
@@ -36,7 +53,7 @@ Per prompt:
    across steps.
 4. Budget: at most k trajectories per prompt. A prompt whose trajectories have all ended with
    fewer than k starts the missing number of fresh global samples at once (which can then no
-   longer branch: the budget is spent).
+   longer branch: the budget is spent); reserve samples (above) come first.
 
 Randomness: every sampling seed and branch draw derives from (config.seed, step, prompt index,
 trajectory id, counter) through ``numpy.random.SeedSequence``, so results do not depend on
@@ -108,6 +125,8 @@ class _PromptState:
     prompt_ids: list[int]
     members: list[Trajectory] = field(default_factory=list)  # returned; at most k
     probe: Trajectory | None = None      # while probing, and afterwards if discarded
+    speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
+    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, paused
     m: int | None = None                 # global samples; None while probing
     h_root: float | None = None
     h_tool: float | None = None
@@ -118,7 +137,7 @@ class _PromptState:
         return self.next_id - 1
 
     def running(self) -> list[Trajectory]:
-        pool = list(self.members)
+        pool = list(self.members) + self.speculative
         if self.probe is not None and self.probe not in pool:
             pool.append(self.probe)
         return [t for t in pool if not t.done]
@@ -134,6 +153,8 @@ class _Stats:
     malformed_calls: int = 0
     fresh_global_samples: int = 0
     discarded_probes: int = 0
+    discarded_speculative: int = 0
+    discarded_tokens: int = 0
     decisions: list[BranchDecision] = field(default_factory=list)
 
 
@@ -152,7 +173,11 @@ class RolloutStats:
         tokens_generated: all sampled tokens, discarded probes included; tool_tokens: tool-result
             tokens appended; rounds: backend calls.
         fresh_global_samples: global samples started because a prompt's trajectories all ended;
-            discarded_probes: probes thrown away (``reuse_probe_as_sample=False``).
+            discarded_probes: probes thrown away (``reuse_probe_as_sample=False``);
+            discarded_speculative: speculative samples beyond m that no refill needed, thrown
+            away (branches used the budget);
+            discarded_tokens: model tokens sampled in discarded trajectories (part of
+            tokens_generated; the rest is what the returned trajectories hold).
     """
 
     m: list[int]
@@ -172,6 +197,8 @@ class RolloutStats:
     rounds: int
     fresh_global_samples: int
     discarded_probes: int
+    discarded_speculative: int
+    discarded_tokens: int
 
 
 @dataclass(frozen=True)
@@ -243,6 +270,9 @@ class EntropyBalancedRollout:
             self._round(states, batch, step, stats)
             for state in states:
                 self._advance(state, step, stats)
+        for state in states:  # reserve samples no refill needed: the budget went to branches
+            stats.discarded_speculative += len(state.reserve)
+            stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
         return RolloutResult(out, self._summarize(states, out, stats))
@@ -255,6 +285,8 @@ class EntropyBalancedRollout:
             state.probe = self._new(state, step, "probe")
             if cfg.reuse_probe_as_sample:
                 state.members.append(state.probe)
+            state.speculative = [self._new(state, step, "global")
+                                 for _ in range(cfg.speculative_globals)]
             return
         state.m = cfg.global_samples_without_monitoring if cfg.branching else cfg.k
         for _ in range(state.m):
@@ -263,34 +295,55 @@ class EntropyBalancedRollout:
     def _advance(self, state: _PromptState, step: int, stats: _Stats) -> None:
         """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
         if state.m is None:
-            if not state.probe.done:
+            if not self._evidence_ready(state.probe):
                 return
             self._finish_probe(state, step, stats)
         missing = self.config.k - len(state.members)
         if missing > 0 and not state.running():
-            for _ in range(missing):
+            resumed, state.reserve = state.reserve[:missing], state.reserve[missing:]
+            state.members.extend(resumed)
+            for _ in range(missing - len(resumed)):
                 state.members.append(self._new(state, step, "global"))
             stats.fresh_global_samples += missing
+            for traj in resumed:  # the budget is spent now: recorded as blocked decisions
+                self._decide_late(state, traj, step, stats)
+
+    def _evidence_ready(self, probe: Trajectory) -> bool:
+        """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
+        wanted = self.config.monitor_tool_steps
+        return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
 
     def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
         state.h_root = probe.segment_entropies[0]
-        after_tool = probe.segment_entropies[1:]
+        after_tool = probe.segment_entropies[1:][: cfg.monitor_tool_steps]
         # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
         state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
         state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
         reused = cfg.reuse_probe_as_sample
-        for _ in range(state.m - int(reused)):
+        wanted = state.m - int(reused)
+        kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
+        state.speculative = []
+        state.members.extend(kept)
+        for _ in range(wanted - len(kept)):
             state.members.append(self._new(state, step, "global"))
-        if not reused:
+        state.probe = None  # a reused probe goes on as a member; a discarded one stops here
+        if reused:
+            kept.insert(0, probe)
+        else:
             stats.discarded_probes += 1
-            return
-        state.probe = None
-        model_segments = [j for j, s in enumerate(probe.segments) if s.kind == "model"]
+            stats.discarded_tokens += sum(probe.loss_mask)
+        for traj in kept:  # the decisions they could not take while the budget was unknown
+            self._decide_late(state, traj, step, stats)
+
+    def _decide_late(self, state: _PromptState, traj: Trajectory, step: int, stats: _Stats
+                     ) -> None:
+        """Take the decisions of every model segment of ``traj`` that reacts to a tool result,
+        in order (a trajectory started before m was known has taken none)."""
+        model_segments = [j for j, s in enumerate(traj.segments) if s.kind == "model"]
         for n_model, seg_index in enumerate(model_segments[1:], start=1):
-            decision = self._decide(state, probe, seg_index, probe.segment_entropies[n_model],
-                                    step)
-            stats.decisions.append(decision)
+            stats.decisions.append(self._decide(state, traj, seg_index,
+                                                traj.segment_entropies[n_model], step))
 
     def _new(self, state: _PromptState, step: int, kind: str) -> Trajectory:
         return Trajectory(prompt_ids=state.prompt_ids, prompt_index=state.index,
@@ -311,7 +364,7 @@ class EntropyBalancedRollout:
             stats.tokens_generated += len(output.token_ids)
         for traj in batch:  # branch decisions first: a child copies the prefix before this call
             state = states[traj.prompt_index]
-            if state.m is not None and self._decision_due(traj):
+            if cfg.branching and state.m is not None and self._decision_due(traj):
                 stats.decisions.append(self._decide(
                     state, traj, len(traj.segments) - 1, traj.segment_entropies[-1], step))
         calls, callers = [], []
@@ -431,4 +484,6 @@ class EntropyBalancedRollout:
             rounds=stats.rounds,
             fresh_global_samples=stats.fresh_global_samples,
             discarded_probes=stats.discarded_probes,
+            discarded_speculative=stats.discarded_speculative,
+            discarded_tokens=stats.discarded_tokens,
         )

@@ -51,6 +51,8 @@ class TokenBatch:
         entropy: ``[B, L]`` float or None; per-token entropies of the old policy, filled by
             ``PolicyWorker.compute_logprobs`` and used for global entropy statistics.
         ref_logprobs: ``[B, L]`` float or None; reference-policy log-probs for the k3 KL.
+        is_weights: ``[B, L]`` float or None; detached importance weights of the rollout/trainer
+            mismatch correction (``training.rollout_correction``); None means all 1.
     """
 
     input_ids: Tensor
@@ -62,6 +64,7 @@ class TokenBatch:
     group_ids: Tensor
     entropy: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    is_weights: Tensor | None = None
 
     # --- construction ---------------------------------------------------------------------------
 

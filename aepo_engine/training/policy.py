@@ -43,7 +43,7 @@ import contextlib
 import importlib.util
 import math
 import time
-from typing import Literal
+from typing import Iterator, Literal
 
 import msgspec
 import torch
@@ -67,6 +67,21 @@ __all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per-call statistics of policy_loss_from_logprobs that are token means (re-weighted by tokens).
 TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
+
+
+def _weighted_advantages(micro: TokenBatch) -> Tensor:
+    """Advantages times the rollout-correction weights (``[B, L]``), or as they are.
+
+    Exact for the weighted policy-gradient term: every clip rule's token loss is positively
+    homogeneous in the advantage (w > 0 keeps its sign, hence the branch taken), and the
+    entropy-aware shaping is a factor of it; the KL and entropy-bonus terms do not see it.
+    """
+    if micro.is_weights is None:
+        return micro.advantages
+    advantages = micro.advantages
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    return advantages * micro.is_weights
 
 
 def _require(ok: bool, message: str) -> None:
@@ -395,7 +410,7 @@ class PolicyWorker:
         micro = micro.to(self.device)
         logprobs, entropy = self._forward(micro)  # [b, l] each
         loss, stats = policy_loss_from_logprobs(
-            logprobs, entropy, micro.old_logprobs, micro.advantages, micro.loss_mask,
+            logprobs, entropy, micro.old_logprobs, _weighted_advantages(micro), micro.loss_mask,
             config=self.config.loss, global_token_count=count, ref_logprobs=micro.ref_logprobs, **stats_kwargs)
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
@@ -436,6 +451,37 @@ class PolicyWorker:
         return {"skipped": float(not finite)}
 
     # --- weights --------------------------------------------------------------------------------
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Tensor]]:
+        """Full weights with HF names, one size-bounded bucket at a time (collective: every rank
+        must exhaust the iterator, in step, since each sharded parameter is all-gathered).
+
+        A bucket holds parameters until their bytes reach ``bucket_bytes`` (one larger parameter
+        goes alone); it is gathered when asked for and dropped by the caller before the next, so
+        the extra memory is one bucket, not the model. Tied parameters are gathered once and
+        listed under each name. Tensors stay on the parameters' device and dtype.
+        """
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        names: dict[int, list[str]] = {}
+        params: dict[int, Tensor] = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            names.setdefault(id(value), []).append(name)
+            params[id(value)] = value
+        bucket: dict[str, Tensor] = {}
+        size = 0
+        for key, value in params.items():
+            full = value.detach()
+            if hasattr(full, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather it
+                full = full.full_tensor()
+            for name in names[key]:
+                bucket[name] = full
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+        if bucket:
+            yield bucket
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
         """Full (unsharded) CPU weights with HF names (collective: every rank must call it).

@@ -45,6 +45,15 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     everywhere = worker.full_state_dict(rank0_only=False)  # what a per-rank rollout engine receives
     assert everywhere and (worker.rank != 0 or all(torch.equal(v, state[k]) for k, v in everywhere.items()))
     assert worker.rank == 0 or not state  # rank0_only: the others get {}
+    # what a rollout engine receives: streamed in buckets (~2 KB: many of them), the same tensors
+    streamed, sizes = {}, []
+    for bucket in worker.iter_weight_buckets(2048):
+        sizes.append(sum(t.numel() * t.element_size() for t in {id(t): t for t in bucket.values()}.values()))
+        streamed.update(bucket)
+    assert set(streamed) == set(everywhere) and len(sizes) > 3
+    assert all(torch.equal(streamed[k].cpu(), v) for k, v in everywhere.items())
+    largest = max(t.numel() * t.element_size() for t in everywhere.values())
+    assert all(size < 2048 + largest for size in sizes)  # a bucket closes once it reaches the bound
     CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
         torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,

@@ -4,6 +4,14 @@
 - ``hf.HFBackend``: own sampling loop over a Hugging Face model; exact entropies; CPU or GPU.
 - ``vllm.VLLMBackend``: vLLM offline engine; entropies estimated from top-k log-probs.
 ``build_backend`` imports only the one asked for (``vllm`` is optional and heavy).
+
+Engine layout (``engine_layout``): with ``tensor_parallel_size`` T, the ranks of a node are cut
+into groups of T consecutive local ranks; the first rank of each group hosts one engine spanning
+the group's T GPUs (vLLM's own worker processes, pinned to those GPUs), and the group's prompts
+are sampled there. T = 1 is one engine per rank (data-parallel rollouts, the default); T = the
+ranks per node is one engine per node. The other ranks of a group hold no engine: they train, and
+receive the group's trajectories through the all-gather every rank already does.
+Multi-GPU layouts (T > 1) have not run here (no GPU); only their planning is tested.
 """
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["BackendConfig", "build_backend"]
+__all__ = ["BackendConfig", "EngineLayout", "build_backend", "engine_devices", "engine_layout"]
 
 
 class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -26,6 +34,20 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         max_model_len: vLLM's context length; must hold data.max_prompt_tokens plus
             rollout.max_response_tokens.
         logprobs_topk: top-k logprobs vLLM returns per token for the entropy estimate.
+        tensor_parallel_size: GPUs one vLLM engine spans; must divide the ranks of a node. 1: one
+            engine per rank; the ranks per node: one engine per node (see ``engine_layout``).
+        dtype: vLLM's model dtype ("auto": the checkpoint's).
+        enforce_eager: vLLM without CUDA graphs / torch.compile; none = eager on CPU only (where
+            compilation costs start-up time and buys nothing for tiny models).
+        max_num_seqs: most sequences one vLLM engine schedules at once; none = vLLM's default.
+        kv_cache_gib: KV-cache budget of one engine in GiB (vLLM's kv_cache_memory_bytes, which
+            then replaces gpu_memory_utilization's share); none = from gpu_memory_utilization.
+            vLLM-CPU sizes its cache from VLLM_CPU_KVCACHE_SPACE instead.
+        enable_prefix_caching: reuse the KV blocks of shared prefixes (branches share their
+            parent's context, so AEPO gains from it).
+        weight_sync_bucket_mb: after each update the trainer streams its weights into the
+            engine in buckets of about this many MiB (each sharded parameter gathered when its
+            bucket is sent): the extra memory of a sync is one bucket, not the model.
     """
 
     kind: Literal["hf", "vllm"] = "vllm"
@@ -34,6 +56,13 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     gpu_memory_utilization: float = 0.5
     max_model_len: int = 8192
     logprobs_topk: int = 20
+    tensor_parallel_size: int = 1
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    enforce_eager: bool | None = None
+    max_num_seqs: int | None = None
+    kv_cache_gib: float | None = None
+    enable_prefix_caching: bool = True
+    weight_sync_bucket_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -45,9 +74,71 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         if self.logprobs_topk < 1:
             raise ValueError(f"logprobs_topk must be >= 1 because the entropy estimate needs the top "
                              f"tokens, got {self.logprobs_topk}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kind == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs kind='vllm' because "
+                             "the HF backend runs on one device")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 (or none), got {self.max_num_seqs}")
+        if not self.weight_sync_bucket_mb > 0:
+            raise ValueError(f"weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 (or none), got {self.kv_cache_gib}")
 
 
-def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int) -> Any:
+class EngineLayout(msgspec.Struct, frozen=True):
+    """Which ranks host an engine and which share of the prompts each samples.
+
+    Attributes:
+        hosts: global ranks that host an engine, ascending.
+        host: whether this rank hosts one.
+        share: this rank's engine index among ``hosts`` (prompt ``i`` goes to engine
+            ``i % len(hosts)``); None on a rank without an engine.
+    """
+
+    hosts: tuple[int, ...]
+    host: bool
+    share: int | None
+
+    @property
+    def engines(self) -> int:
+        return len(self.hosts)
+
+    def prompts(self, count: int) -> list[int]:
+        """Indices of the ``count`` prompts this rank's engine samples (none without one)."""
+        return [] if self.share is None else list(range(self.share, count, self.engines))
+
+
+def engine_layout(tensor_parallel_size: int, rank: int, world: int, local_rank: int,
+                  local_world: int) -> EngineLayout:
+    """Engines of a ``world``-rank job with ``local_world`` ranks per node (module docstring).
+
+    Raises:
+        ValueError: when the tensor-parallel size does not divide the ranks of a node.
+    """
+    tp = tensor_parallel_size
+    if local_world % tp:
+        raise ValueError(f"backend.tensor_parallel_size={tp} must divide the {local_world} ranks (GPUs) "
+                         f"of a node because each engine spans {tp} consecutive local ranks' GPUs")
+    if world % local_world:
+        raise ValueError(f"world size {world} is not a multiple of the {local_world} ranks per node")
+    hosts = tuple(r for r in range(world) if (r % local_world) % tp == 0)
+    host = local_rank % tp == 0
+    return EngineLayout(hosts, host, hosts.index(rank) if host else None)
+
+def engine_devices(tensor_parallel_size: int, local_rank: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the engine hosted by ``local_rank``: its group's GPUs (the
+    indices mapped through a ``CUDA_VISIBLE_DEVICES`` the job already has)."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else None
+    own = range(local_rank, local_rank + tensor_parallel_size)
+    return ",".join(names[i] if names else str(i) for i in own)
+
+
+def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0) -> Any:
     """The backend ``cfg`` names, loaded from ``model_dir``.
 
     Args:
@@ -55,14 +146,26 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int)
         model_dir: a local HF model directory.
         tokenizer: its tokenizer (the HF backend decodes with it).
         seed: engine seed (vLLM); per-request seeds come from the rollout.
+        local_rank: this rank's index on its node; a vLLM engine on CUDA runs on the GPUs of its
+            rank group (``engine_devices``), not on GPU 0 of every rank.
     """
     import torch
 
     if cfg.kind == "vllm":
         from aepo_engine.rollout.backends.vllm import VLLMBackend
 
+        extra: dict[str, Any] = {}
+        if cfg.max_num_seqs is not None:
+            extra["max_num_seqs"] = cfg.max_num_seqs
+        if cfg.kv_cache_gib is not None:
+            extra["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+        if torch.cuda.is_available():
+            extra["devices"] = engine_devices(cfg.tensor_parallel_size, local_rank)
         return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
-                           gpu_memory_utilization=cfg.gpu_memory_utilization, logprobs_topk=cfg.logprobs_topk)
+                           gpu_memory_utilization=cfg.gpu_memory_utilization, logprobs_topk=cfg.logprobs_topk,
+                           enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
+                           enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
+                           **extra)
     from aepo_engine.rollout.backends.hf import HFBackend
 
     device = cfg.device

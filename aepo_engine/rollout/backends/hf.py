@@ -23,7 +23,7 @@ with the token that completes a stop string (the string's tokens are part of ``t
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -244,6 +244,11 @@ class HFBackend:
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Copy weights in, a bucket at a time (see ``update_weights``)."""
+        for bucket in buckets:
+            self.update_weights(bucket)
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy new weights (HF parameter names, any subset) into the model in place."""
         params = dict(self.model.state_dict())

@@ -10,28 +10,47 @@ the exact leftover mass, always inside a proven lower/upper bound; the bounds th
 ``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``entropy_is_exact`` is
 False.
 
-Weight pushes (``update_weights``): the HF-named state dict is written to a safetensors file in
-a temporary folder (``/dev/shm`` when present) and every worker loads it with the model's own
-``load_weights`` (a worker extension, ``vllm_ext.WeightLoaderExtension``, called through
-``LLM.collective_rpc``); then the prefix cache is reset, since cached KV blocks were computed
-with the old weights. This costs a file write but works for any executor (in-process or worker
-processes); a multi-GPU trainer would broadcast over NCCL instead — not done here.
+Weight pushes (``load_weight_buckets``, ``update_weights``): HF-named tensors stream in
+size-bounded buckets, in memory, through ``LLM.collective_rpc`` to every worker, which loads them
+with vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``); then the prefix
+cache is reset, since cached KV blocks were computed with the old weights. No file, no whole-model
+copy: the trainer gathers one bucket, the engine takes it, the next follows. The transport is
+vLLM's engine-core channel (a copy through host memory); on multi-GPU a CUDA-IPC or NCCL
+broadcast would avoid the host copy -- not done here.
 
 vLLM spawns processes: scripts that build this backend need ``if __name__ == "__main__":``. On
 CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to bound the KV cache; vLLM-CPU needs head_dim 32/64.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from aepo_engine.rollout.backends.vllm_ext import encode_bucket
 from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_entropy_estimate
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
 
 _EXTENSION = "aepo_engine.rollout.backends.vllm_ext.WeightLoaderExtension"
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: str | None):
+    """Set ``CUDA_VISIBLE_DEVICES`` while the engine spawns its processes, then restore it."""
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class VLLMBackend:
@@ -50,6 +69,8 @@ class VLLMBackend:
         dtype: model dtype for vLLM (``"auto"``: the checkpoint's).
         enforce_eager: skip torch.compile/graph capture (default: True on CPU, where it saves
             ~20 s of start-up for tiny models; False on GPU).
+        devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (the engine core and its
+            tensor-parallel workers inherit it when they are spawned); None leaves it as is.
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
     """
 
@@ -58,18 +79,20 @@ class VLLMBackend:
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
                  enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
-                 dtype: str = "auto", enforce_eager: bool | None = None, **llm_kwargs: Any):
+                 dtype: str = "auto", enforce_eager: bool | None = None, devices: str | None = None,
+                 **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
 
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
-        self.llm = LLM(
-            model=str(model_path), seed=seed, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
-            enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
-        )
+        with _visible_devices(devices):
+            self.llm = LLM(
+                model=str(model_path), seed=seed, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+                logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
+                enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
         self.logprobs_topk = logprobs_topk
@@ -156,19 +179,20 @@ class VLLMBackend:
     # -----------------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Push HF-named weights (any subset) into the running engine, then drop cached KV."""
-        from safetensors.torch import save_file
+        self.load_weight_buckets([state_dict])
 
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.TemporaryDirectory(dir=folder, prefix="aepo_weights_") as tmp:
-            path = os.path.join(tmp, "weights.safetensors")
-            tensors, seen = {}, set()
-            dtype = self.llm.llm_engine.model_config.dtype  # cast here: a smaller file to write
-            for name, value in state_dict.items():
-                value = value.detach().to(device="cpu", dtype=dtype).contiguous()
-                if value.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
-                    value = value.clone()
-                seen.add(value.data_ptr())
-                tensors[name] = value
-            save_file(tensors, path)
-            self.llm.collective_rpc("aepo_load_weights_from_file", args=(path,))
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Stream weights into the engine a bucket at a time (peak extra memory: one bucket).
+
+        Each bucket is cast to the engine's dtype, sent in memory to every worker and loaded
+        there (``vllm_ext``); a bucket is released before the next one is taken from the
+        iterator, so a caller that gathers weights lazily never holds the whole model.
+        """
+        dtype = self.llm.llm_engine.model_config.dtype
+        self.llm.collective_rpc("aepo_begin_weight_update")
+        for bucket in buckets:
+            items = encode_bucket({name: value.detach().to(dtype=dtype) for name, value in bucket.items()})
+            self.llm.collective_rpc("aepo_load_weight_bucket", args=(items,))
+            del items
+        self.llm.collective_rpc("aepo_finish_weight_update")
         self.llm.reset_prefix_cache()

