@@ -85,8 +85,8 @@ PLOT_GROUPS = {
 class ProgressBar:
     """A single status line: rewritten in place on a terminal, one line per update elsewhere."""
 
-    def __init__(self, total: int, start: int = 0, stream=None):
-        self.total, self.start, self.stream = total, start, stream or sys.stderr
+    def __init__(self, total: int, start: int = 0, stream=None, unit: str = "step"):
+        self.total, self.start, self.stream, self.unit = total, start, stream or sys.stderr, unit
         self.t0 = time.perf_counter()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
@@ -96,7 +96,7 @@ class ProgressBar:
         eta = elapsed / max(done, 1) * (self.total - step - 1)
         width = 20
         filled = int(width * (step + 1) / max(self.total, 1))
-        parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step + 1}/{self.total}"]
+        parts = [f"[{'#' * filled}{'.' * (width - filled)}] {self.unit} {step + 1}/{self.total}"]
         parts += [f"{k} {v:.3g}" for k, v in fields.items() if isinstance(v, (int, float)) and math.isfinite(v)]
         parts.append(f"eta {eta:.0f}s")
         line = " | ".join(parts)

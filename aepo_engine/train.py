@@ -36,7 +36,7 @@ from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
-from aepo_engine.evaluate import evaluate, merge_eval_results
+from aepo_engine.eval.core import evaluate, merge_eval_results
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
