@@ -170,7 +170,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG plots of reward, entropy, clip fractions and branching over steps; returns the files."""
+    """PNG plots of reward, entropy, clip fractions, branching and evaluation over steps; returns the files."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +180,9 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, keys in PLOT_GROUPS.items():
+    # Held-out accuracy and every evaluated benchmark's pass@1 (eval.files), one curve each.
+    eval_keys = ("eval/accuracy", *sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/pass@1")}))
+    for name, keys in {**PLOT_GROUPS, "eval": eval_keys}.items():
         series = {k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))] for k in keys}
         series = {k: v for k, v in series.items() if v}
         if not series:

@@ -161,6 +161,8 @@ def load_eval_source(spec: str, data_root: str | Path, max_examples: int = 0) ->
         if max_examples and len(examples) >= max_examples:
             continue
         examples.append(example)
+    if not examples:
+        raise ValueError(f"{path}: no usable rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
     name = bench.name if bench else (examples[0].data_source if examples else path.stem)
     examples = [msgspec.structs.replace(
         e, index=i, data_source=name,

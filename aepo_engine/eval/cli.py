@@ -192,7 +192,8 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
     if source.train_config is not None:
         run = source.train_config
         base |= {name: msgspec.to_builtins(getattr(run, name)) for name in ("backend", "rollout", "tools", "eval")}
-        base["eval"].pop("every_n_steps", None)
+        # The run's held-out set is what its folder is evaluated on unless --data names others.
+        base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("every_n_steps", "files")}
     cfg = load_config(EvalCommandConfig, data=_merge(base, raw), overrides=overrides)
     return cfg, source
 
