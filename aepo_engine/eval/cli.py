@@ -135,7 +135,8 @@ def resolve_model(spec: str) -> ModelSource:
     from aepo_engine.checkpoint import find_latest
 
     path = Path(spec)
-    if (path / "config.toml").is_file() and not (path / "config.json").is_file():
+    if (path / "config.toml").is_file() and not (path / "config.json").is_file() \
+            and not (path / "hf_model").is_dir():  # a checkpoint folder holds a config.toml too
         cfg = _run_config(path)
         latest = find_latest(path / cfg.checkpoint.dir)
         if latest is None or not (latest / "hf_model" / "config.json").is_file():
@@ -221,7 +222,10 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
     """Load the benchmarks (``eval.files``), or the run's own held-out set when none are given."""
     ev = cfg.eval
     if ev.files:
-        sets = [load_eval_source(spec, ev.data_root, ev.num_questions) for spec in ev.files]
+        try:
+            sets = [load_eval_source(spec, ev.data_root, ev.num_questions) for spec in ev.files]
+        except (ValueError, FileNotFoundError) as err:  # unknown name, missing file, no usable row
+            raise ConfigError(str(err)) from None
         return Plan(sets, cfg.tools)
     if source.train_config is None:
         raise ConfigError(f"nothing to evaluate: give --data NAME|FILE (benchmarks: {', '.join(BENCHMARKS)})")
@@ -382,7 +386,7 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
             print(f"[dry-run] {s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows skipped, "
                   f"answers checked as {s.check}")
         _print_skipped(plan.sets)
-    except (ValueError, FileNotFoundError) as err:
+    except ConfigError as err:
         problems.append(str(err))
     if cfg.eval.judge.url:
         from aepo_engine.eval.judge import JudgeUnreachable, LLMJudge
