@@ -190,7 +190,8 @@ def test_real_vllm_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port),
                              "--max-model-len", "1024", "--dtype", "float32",
-                             "--enforce-eager"]  # no torch.compile: it costs minutes of CPU start-up, env=env, stdout=log, stderr=log)
+                             "--enforce-eager"],  # no torch.compile: it costs minutes of CPU start-up
+                            env=env, stdout=log, stderr=log)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
