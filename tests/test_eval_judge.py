@@ -220,3 +220,15 @@ def test_real_vllm_server(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_judge_records_skips_answerless_samples(stub, tmp_path):
+    from aepo_engine.eval.core import judge_records
+
+    records = [{"question": "Capital of France?", "references": ["Paris"], "answer": "Paris"},
+               {"question": "Capital of France?", "references": ["Paris"], "answer": None},
+               {"question": "Capital of France?", "references": ["Paris"], "answer": "Lyon"}]
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), tmp_path / "c.jsonl")
+    judge_records(records, judge)
+    assert [r["judge"]["correct"] for r in records] == [True, False, False]
+    assert records[1]["judge"]["skipped"] == "no answer" and len(stub.requests) == 2

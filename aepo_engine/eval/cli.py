@@ -39,6 +39,7 @@ from aepo_engine.eval.core import judge_records, sample_records
 from aepo_engine.eval.report import format_table, summarize, write_reports
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.seeding import section_seed
 from aepo_engine.tools.config import ToolsConfig
 
 __all__ = ["ALIASES", "EvalCommandConfig", "expand_aliases", "load_eval_command", "main", "resolve_model"]
@@ -48,7 +49,7 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """``python -m aepo_engine.eval``.
+    """The eval command: which model, where outputs go, and the sections it runs with.
 
     Attributes:
         model: a Hugging Face model folder, a checkpoint folder (with hf_model/) or a run folder
@@ -341,7 +342,7 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
           flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
     # The backend first: a vLLM engine must start before the search index loads numba.
-    backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=cfg.eval.seed or 0)
+    backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
     judge, judge_error = _start_judge(cfg, out)
     bar = ProgressBar(total, start=len(done), unit="questions")
     t0, generated = time.perf_counter(), 0
