@@ -45,6 +45,21 @@ def test_aliases():
         "--eval.files=gaia,hle", "--eval.k=1,5", "--backend.kind=hf", "--eval.seed", "3"]
 
 
+def test_options_from_a_config_file(tiny, tmp_path):
+    from aepo_engine.eval.cli import load_eval_command
+
+    path = tmp_path / "eval.toml"
+    path.write_text(f'model = "{tiny / "model"}"\n[eval]\nfiles = ["bamboogle", "hle"]\nk = [1, 4]\n'
+                    '[eval.judge]\nurl = "http://127.0.0.1:9/v1"\n[backend]\nkind = "hf"\n')
+    cfg, source = load_eval_command(["--config", str(path), "--k", "1", "2"])  # the command line wins
+    assert cfg.eval.files == ["bamboogle", "hle"] and cfg.eval.k == [1, 2] and cfg.eval.n_samples == 2
+    assert cfg.eval.pass_ks == [1, 2] and cfg.eval.judge.url == "http://127.0.0.1:9/v1"
+    assert cfg.backend.kind == "hf" and source.model_dir == tiny / "model" and source.run_dir is None
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(path), "--samples", "3", "--k", "4"])
+    assert exc.value.code == 2  # pass@4 needs 4 samples
+
+
 def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     out = tmp_path / "out"
     result = main(_args(tiny, shared_data, out, "--data", "bamboogle", "aime25", "--k", "1", "2",
