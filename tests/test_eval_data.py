@@ -89,3 +89,16 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="benchmark 'aime24'.*data_root"):
         resolve_source("AIME24", tmp_path)  # known name (any case), but no file under this root
     assert set(BENCHMARKS) == set(EXPECTED)
+
+
+def test_engine_jsonl_with_golden_answers_and_chat_prompts(tmp_path):
+    rows = [{"question": "Who wrote Hamlet?", "golden_answers": ["Shakespeare", "William Shakespeare"],
+             "data_source": "mine"},
+            {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "2+2?"}], "answer": 4,
+             "ability": "math"}]
+    path = tmp_path / "engine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = load_eval_source(str(path), tmp_path)
+    assert s.name == "mine" and [e.ground_truth for e in s.examples] == [["Shakespeare", "William Shakespeare"], ["4"]]
+    assert s.examples[1].question == "2+2?" and eval_messages(s.examples[1], "reference")[0]["content"] == "S"
+    assert s.check == "mixed"  # one maths row among QA rows: either check counts
