@@ -26,7 +26,7 @@ import msgspec
 from aepo_engine.checkpoint import CheckpointConfig
 from aepo_engine.config_loader import ConfigError, load_config, pop_option
 from aepo_engine.data import DataConfig
-from aepo_engine.evaluate import EvalConfig
+from aepo_engine.eval.config import EvalConfig
 from aepo_engine.metrics import LoggingConfig
 from aepo_engine.models import ModelConfig
 from aepo_engine.rewards import RewardConfig
@@ -174,9 +174,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if not cfg.data.train_files:
             problems.append("data.train_files is required with task.source='files' because there is nothing "
                             "else to train on")
-        if cfg.eval.every_n_steps and not cfg.data.eval_files:
-            problems.append(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.eval_files is empty: "
-                            "there is no held-out set to evaluate")
+        if cfg.eval.every_n_steps and not cfg.data.eval_files and not cfg.eval.files:
+            problems.append(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.eval_files and eval.files are "
+                            "empty: there is no held-out set to evaluate")
     context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.backend.kind == "vllm" and cfg.backend.max_model_len < context:
         problems.append(f"backend.max_model_len={cfg.backend.max_model_len} is shorter than "

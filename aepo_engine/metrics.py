@@ -85,8 +85,8 @@ PLOT_GROUPS = {
 class ProgressBar:
     """A single status line: rewritten in place on a terminal, one line per update elsewhere."""
 
-    def __init__(self, total: int, start: int = 0, stream=None):
-        self.total, self.start, self.stream = total, start, stream or sys.stderr
+    def __init__(self, total: int, start: int = 0, stream=None, unit: str = "step"):
+        self.total, self.start, self.stream, self.unit = total, start, stream or sys.stderr, unit
         self.t0 = time.perf_counter()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
@@ -96,7 +96,7 @@ class ProgressBar:
         eta = elapsed / max(done, 1) * (self.total - step - 1)
         width = 20
         filled = int(width * (step + 1) / max(self.total, 1))
-        parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step + 1}/{self.total}"]
+        parts = [f"[{'#' * filled}{'.' * (width - filled)}] {self.unit} {step + 1}/{self.total}"]
         parts += [f"{k} {v:.3g}" for k, v in fields.items() if isinstance(v, (int, float)) and math.isfinite(v)]
         parts.append(f"eta {eta:.0f}s")
         line = " | ".join(parts)
@@ -170,7 +170,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG plots of reward, entropy, clip fractions and branching over steps; returns the files."""
+    """PNG plots of reward, entropy, clip fractions, branching and evaluation over steps; returns the files."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +180,9 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, keys in PLOT_GROUPS.items():
+    # Held-out accuracy and every evaluated benchmark's pass@1 (eval.files), one curve each.
+    eval_keys = ("eval/accuracy", *sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/pass@1")}))
+    for name, keys in {**PLOT_GROUPS, "eval": eval_keys}.items():
         series = {k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))] for k in keys}
         series = {k: v for k, v in series.items() if v}
         if not series:

@@ -36,7 +36,9 @@ from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
-from aepo_engine.evaluate import evaluate, merge_eval_results
+from aepo_engine.eval.benchmarks import EvalSet, eval_messages, load_eval_source
+from aepo_engine.eval.core import evaluate, judge_records, merge_eval_results, sample_records
+from aepo_engine.eval.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
@@ -82,6 +84,10 @@ class Trainer:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.train_examples = fit_prompts(task.train_examples, self.prompt_length, cfg.data, "train")
         self.eval_examples = fit_prompts(task.eval_examples, self.prompt_length, cfg.data, "eval")
+        self.eval_sets = [load_eval_source(spec, cfg.eval.data_root, cfg.eval.num_questions) for spec in cfg.eval.files]
+        for eval_set in self.eval_sets:
+            _log(f"[data] eval {eval_set.name}: {len(eval_set.examples)} questions from {eval_set.source}"
+                 + (f" ({len(eval_set.skipped)} rows skipped, first: {eval_set.skipped[0]})" if eval_set.skipped else ""))
         self.total_steps = cfg.train.resolved_steps(len(self.train_examples))
         self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps(),
                                    temperature=cfg.rollout.temperature)
@@ -102,6 +108,7 @@ class Trainer:
                                 tensorboard=cfg.logging.tensorboard_enabled(),
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
+        self.judge = self._start_judge() if self.rank == 0 and cfg.eval.judge.url and self.eval_sets else None
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -198,20 +205,56 @@ class Trainer:
         return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
 
     def evaluate(self, label: str) -> dict[str, float]:
-        """Held-out metrics; under torchrun each rank takes every world-th question."""
-        if not self.eval_examples:
+        """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
+        the questions are shared out over the engines (``engine_layout``) like rollout prompts."""
+        if not self.eval_examples and not self.eval_sets:
             return {}
-        chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
-        questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
         t0 = time.perf_counter()
-        local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                         [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
-                         self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0),
-                         categories=[e.data_source for e in questions])
-        result = merge_eval_results(distributed.all_gather_objects(local))
+        result = {}
+        if self.eval_examples:
+            chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
+            questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
+            local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
+                             [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
+                             self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0),
+                             categories=[e.data_source for e in questions])
+            result = merge_eval_results(distributed.all_gather_objects(local))
+        for eval_set in self.eval_sets:
+            result.update(self._evaluate_set(eval_set, label))
         _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
              + f" ({time.perf_counter() - t0:.0f}s)")
         return result
+
+    def _evaluate_set(self, eval_set: EvalSet, label: str) -> dict[str, float]:
+        """One benchmark of eval.files through the eval command's code: samples, scores, judge,
+        summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
+        mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
+        prompts = [encode_chat_prompt(self.tokenizer, eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
+        local = sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout, self.cfg.eval, prompts,
+                               mine, eval_set.check)
+        records = [r for part in distributed.all_gather_objects(local) for r in part]
+        if self.rank != 0:
+            return {}
+        if self.judge is not None:
+            judge_records(records, self.judge)
+        folder = self.run_dir / self.cfg.logging.dir / "eval_samples" / label.replace(" ", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{eval_set.name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
+        return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
+
+    def _start_judge(self) -> Any:
+        """The LLM judge of eval.files, or None (with the reason logged) when its endpoint is down."""
+        from aepo_engine.eval.judge import JudgeUnreachable, LLMJudge
+
+        judge_cfg = self.cfg.eval.judge
+        judge = LLMJudge(judge_cfg, judge_cfg.cache_path or self.run_dir / self.cfg.logging.dir / "judge_cache.jsonl")
+        try:
+            judge.check()
+        except JudgeUnreachable as err:
+            _log(f"[eval] error: {err}; evaluating without the judge")
+            return None
+        return judge
 
     # --- checkpoints ------------------------------------------------------------------------
 

@@ -114,3 +114,13 @@ def test_paper_run_on_the_reference_data(model_dir):
     assert "gaia_test.parquet: 103 rows" in proc.stderr
     assert "note: train: 84 RL steps of 64 prompts x 12 trajectories" in proc.stderr
     assert "search_cache.json with 1000 queries" in proc.stderr
+
+
+def test_eval_files_are_resolved_and_read():
+    if not SHARED.is_dir():
+        pytest.skip(f"public benchmark data not found at {SHARED}")
+    proc = dry_run("--eval.files=bamboogle,gaiaa", f"--eval.data_root={SHARED / 'eval'}")
+    assert proc.returncode == 2
+    assert "eval: bamboogle: 125 questions" in proc.stderr + proc.stdout
+    (problem,) = problems(proc)
+    assert "eval.files: unknown benchmark or missing file 'gaiaa'; known benchmarks: gaia" in problem

@@ -74,7 +74,7 @@ import numpy as np
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
 from aepo_engine.seeding import section_seed
-from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
+from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
 from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, find_tool_call,
                                format_tool_result)
 
@@ -415,7 +415,8 @@ class EntropyBalancedRollout:
         if len(results) != len(calls):
             raise RuntimeError(f"tool runner returned {len(results)} results for "
                                f"{len(calls)} calls")
-        for traj, result in zip(callers, results):
+        for call, traj, result in zip(calls, callers, results):
+            traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
             remaining = self.config.max_response_tokens - len(traj.response_ids)
             ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
             traj.append_tool_result(list(ids)[:remaining])

@@ -31,6 +31,23 @@ class Segment(NamedTuple):
 
 
 @dataclass(frozen=True)
+class ToolCallRecord:
+    """One executed tool call of a trajectory, for logs and evaluation reports.
+
+    Args:
+        tool: the tool name (tag); payload: the text between its tags.
+        result: the result text shown to the model (before token truncation).
+        ok: False when the call failed; elapsed_s: the call's wall-clock seconds.
+    """
+
+    tool: str
+    payload: str
+    result: str
+    ok: bool
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
 class BranchDecision:
     """One branching decision, taken after the segment that reacts to a tool result (spec §1c).
 
@@ -70,6 +87,7 @@ class Trajectory:
     sampling entropy; 0.0 on tool tokens). ``segment_entropies[j]`` is the mean entropy of the
     first n_e tokens of the j-th *model* segment; ``segment_entropies[0]`` is H_init.
     ``tool_calls`` counts executed calls (= tool-result segments, inherited prefix included);
+    ``tool_log`` records each executed call (tool, payload, result, latency), inherited prefix included;
     ``decisions`` lists the branch decisions this trajectory took itself.
     """
 
@@ -90,6 +108,7 @@ class Trajectory:
     segments: list[Segment] = field(default_factory=list)
     segment_entropies: list[float] = field(default_factory=list)
     tool_calls: int = 0
+    tool_log: list[ToolCallRecord] = field(default_factory=list)  # one record per executed call
     malformed_calls: int = 0
     finish_reason: TrajectoryFinish | None = None
     decisions: list[BranchDecision] = field(default_factory=list)
@@ -158,7 +177,7 @@ class Trajectory:
             response_ids=self.response_ids[:cut], loss_mask=self.loss_mask[:cut],
             logprobs=self.logprobs[:cut], entropies=self.entropies[:cut],
             segments=list(prefix), segment_entropies=self.segment_entropies[:n_model],
-            tool_calls=n_tool,
+            tool_calls=n_tool, tool_log=self.tool_log[:n_tool],
         )
 
 

@@ -1,0 +1,175 @@
+"""Sampling and scoring evaluation questions: the one path the trainer and the eval command share.
+
+Evaluation reuses the rollout scheduler with branching and pre-monitoring off, so every question
+gets ``n`` independent trajectories through exactly the machinery training uses (same prompts,
+stop strings, tools, token accounting). :func:`sample_records` returns one record per sample
+(prompt, response, each tool call with its result and latency, scores, judge verdict);
+``aepo_engine.eval.report`` turns records into per-dataset summaries.
+
+:func:`evaluate` is the trainer's held-out measurement on top of the same records: accuracy (the
+mean of the reward's ``correct`` over samples, i.e. pass@1), unbiased pass@k, mean reward, tool
+use, and accuracy per category label.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from aepo_engine.eval.config import EvalConfig
+from aepo_engine.eval.scoring import pass_at_k, score_response
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+from aepo_engine.rollout.trajectory import Trajectory
+from aepo_engine.seeding import section_seed
+
+__all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "sample_records",
+           "trajectory_record"]
+
+
+def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> RolloutConfig:
+    """The training rollout's settings with n independent samples: no branching, no probe."""
+    n = cfg.n_samples
+    return msgspec.structs.replace(
+        rollout_config, k=n, branching=False, pre_monitoring=False, fixed_global_samples=n,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=section_seed(cfg.seed, "eval.seed"))
+
+
+def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str, Any]:
+    """The generation side of a sample record: prompt, response, tool calls, token counts."""
+    return {
+        "sample": sample,
+        "prompt": tokenizer.decode(traj.prompt_ids),
+        "response": tokenizer.decode(traj.response_ids),
+        "tool_calls": [{"tool": r.tool, "payload": r.payload, "result": r.result, "ok": r.ok,
+                        "latency_s": round(r.elapsed_s, 6)} for r in traj.tool_log],
+        "response_tokens": sum(traj.loss_mask),
+        "total_tokens": len(traj.response_ids),
+        "finish_reason": traj.finish_reason,
+        "malformed_calls": traj.malformed_calls,
+    }
+
+
+def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
+                   cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
+                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0) -> list[dict[str, Any]]:
+    """Sample ``cfg.n_samples`` trajectories per prompt and score each.
+
+    Args:
+        prompts: tokenized chat prompts, one per example.
+        examples: the ``aepo_engine.data.Example`` of each prompt (question, ground truth, labels).
+        check: answer check of :func:`~aepo_engine.eval.scoring.score_response` ("qa", "math", "mixed").
+        reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
+            right answer) and its score is kept as ``reward``.
+        step: part of every sampling seed (the same step and questions give the same samples).
+
+    Returns:
+        One record per sample, grouped by question: dataset, question index, question, references,
+        generation fields (:func:`trajectory_record`) and scores.
+    """
+    if len(prompts) != len(examples):
+        raise ValueError(f"{len(prompts)} prompts for {len(examples)} examples")
+    if not prompts:
+        return []
+    rollout = EntropyBalancedRollout(backend, tool_runner, eval_rollout_config(rollout_config, cfg),
+                                     tokenizer=tokenizer)
+    records = []
+    for traj in rollout.rollout(list(prompts), step=step).trajectories:
+        example = examples[traj.prompt_index]
+        record = {"dataset": example.data_source, "question_index": example.index,
+                  "question": example.question, "references": list(example.ground_truth),
+                  "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id)}
+        record.update(score_response(record["response"], example.ground_truth, check))
+        if reward_fn is not None:
+            result = reward_fn(record["response"], example.ground_truth)
+            record["reward"], record["correct"] = float(result.score), bool(result.correct)
+        records.append(record)
+    return records
+
+
+def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
+    """Add ``judge`` = {correct, error, cached} to each record; answerless samples are judged
+    wrong without a request."""
+    asked = [r for r in records if r.get("answer")]
+    for record in records:
+        if not record.get("answer"):
+            record["judge"] = {"correct": False, "error": None, "cached": False, "skipped": "no answer"}
+    verdicts = judge.judge_many([(r["question"], r["references"], r["answer"]) for r in asked])
+    for record, verdict in zip(asked, verdicts):
+        record["judge"] = {"correct": verdict.correct, "error": verdict.error, "cached": verdict.cached,
+                           "raw": verdict.raw}
+
+
+def evaluate(
+    backend: Any,
+    tool_runner: Any,
+    tokenizer: Any,
+    rollout_config: RolloutConfig,
+    prompts: Sequence[list[int]],
+    ground_truths: Sequence[Any],
+    reward_fn: Callable[..., Any],
+    config: EvalConfig,
+    categories: Sequence[str] | None = None,
+) -> dict[str, float]:
+    """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend`` (the trainer's
+    held-out measurement).
+
+    Args:
+        prompts: tokenized chat prompts; ground_truths: references per prompt.
+        reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
+        rollout_config: the training rollout's config; branching settings are overridden.
+        categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
+    """
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"categories has {len(categories)} labels for {len(prompts)} prompts")
+    if config.num_questions:
+        prompts, ground_truths = prompts[: config.num_questions], ground_truths[: config.num_questions]
+        categories = categories[: config.num_questions] if categories is not None else None
+    n = config.n_samples
+    if not prompts:
+        return {"accuracy": 0.0, **{f"pass@{k}": 0.0 for k in config.pass_ks}, "reward": 0.0,
+                "tool_calls": 0.0, "no_tool_share": 0.0, "questions": 0.0}
+    from aepo_engine.data import Example
+
+    labels = list(categories) if categories is not None else [""] * len(prompts)
+    examples = [Example(index=i, question="", prompt_messages=None, ground_truth=list(g) if isinstance(g, (list, tuple))
+                        else [str(g)], data_source=label) for i, (g, label) in enumerate(zip(ground_truths, labels))]
+    records = sample_records(backend, tool_runner, tokenizer, rollout_config, config, prompts, examples, "qa",
+                             reward_fn=reward_fn)
+    correct = [0] * len(prompts)
+    for r in records:
+        correct[r["question_index"]] += r["correct"]
+    result = {
+        "accuracy": sum(correct) / len(records),
+        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(prompts) for k in config.pass_ks},
+        "reward": sum(r["reward"] for r in records) / len(records),
+        "tool_calls": sum(len(r["tool_calls"]) for r in records) / len(records),
+        "no_tool_share": sum(not r["tool_calls"] for r in records) / len(records),
+        "questions": float(len(prompts)),
+    }
+    for label in sorted(set(categories or ())):
+        members = [i for i, c in enumerate(labels) if c == label]
+        result[f"accuracy/{label}"] = sum(correct[i] for i in members) / (len(members) * n)
+        result[f"questions/{label}"] = float(len(members))
+    return result
+
+
+def merge_eval_results(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Combine :func:`evaluate` results over disjoint question shards (one per rank).
+
+    Each metric is weighted by the questions it was measured on: ``questions`` for the overall
+    ones, ``questions/<label>`` for ``accuracy/<label>`` (a shard may lack some labels).
+    """
+    def weight(part: dict[str, float], key: str) -> float:
+        return part.get("questions/" + key.split("/", 1)[1], 0.0) if key.startswith("accuracy/") else part["questions"]
+
+    keys = sorted({k for p in parts for k in p if not k.startswith("questions")},
+                  key=lambda k: (k.startswith("accuracy/"), k))
+    result = {}
+    for key in keys:
+        total = sum(weight(p, key) for p in parts if key in p)
+        result[key] = sum(p[key] * weight(p, key) for p in parts if key in p) / max(total, 1.0)
+    result["questions"] = float(sum(p["questions"] for p in parts))
+    for key in sorted({k for p in parts for k in p if k.startswith("questions/")}):
+        result[key] = float(sum(p.get(key, 0.0) for p in parts))
+    return result

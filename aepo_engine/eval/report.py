@@ -1,0 +1,111 @@
+"""Per-dataset summaries of sample records, as a printed table, Markdown, CSV and JSON.
+
+Columns (one row per dataset, over its questions and their n samples each):
+``questions``, ``samples`` (n), ``pass@k`` for every reported k (unbiased estimator; pass@1 is the
+mean accuracy over samples), ``em`` / ``f1`` (mean over samples), ``math`` (maths-equivalence
+share, maths sets), ``judge`` (share judged correct among samples with a verdict) and
+``judge_errors`` (samples without one), ``calls/<tool>`` (mean calls per sample) and
+``latency_s/<tool>`` (mean seconds per call), ``response_tokens`` (mean model tokens per sample),
+``format_errors`` and ``no_answer`` (shares of samples).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from aepo_engine.eval.scoring import pass_at_k
+
+__all__ = ["format_table", "summarize", "write_reports"]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize_dataset(records: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, Any]:
+    """The summary row of one dataset's records (every question must have the same n samples)."""
+    by_question: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_question[r["question_index"]].append(r)
+    counts = {len(v) for v in by_question.values()}
+    if len(counts) != 1:
+        raise ValueError(f"questions have different sample counts {sorted(counts)}: pass@k needs the same n")
+    n = counts.pop()
+    row: dict[str, Any] = {"questions": len(by_question), "samples": n}
+    for k in ks:
+        if k <= n:
+            row[f"pass@{k}"] = _mean([pass_at_k(n, sum(s["correct"] for s in group), k)
+                                       for group in by_question.values()])
+    row["em"] = _mean([r["em"] for r in records])
+    row["f1"] = _mean([r["f1"] for r in records])
+    row["math"] = _mean([r["math"] for r in records])
+    judged = [r["judge"]["correct"] for r in records if r.get("judge") and r["judge"]["correct"] is not None]
+    if any(r.get("judge") for r in records):
+        row["judge"] = _mean([float(v) for v in judged])
+        row["judge_errors"] = sum(1 for r in records if r.get("judge") and r["judge"]["correct"] is None)
+    tools = sorted({c["tool"] for r in records for c in r["tool_calls"]})
+    for tool in tools:
+        calls = [c for r in records for c in r["tool_calls"] if c["tool"] == tool]
+        row[f"calls/{tool}"] = len(calls) / len(records)
+        row[f"latency_s/{tool}"] = _mean([c["latency_s"] for c in calls])
+    row["response_tokens"] = _mean([r["response_tokens"] for r in records])
+    row["format_errors"] = _mean([float(not r["format_ok"]) for r in records])
+    row["no_answer"] = _mean([float(not r["answer"]) for r in records])
+    return row
+
+
+def summarize(records: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """``{dataset: summary row}`` in the order datasets first appear in ``records``."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(r["dataset"], []).append(r)
+    return {name: summarize_dataset(group, ks) for name, group in groups.items()}
+
+
+def _columns(summary: dict[str, dict[str, Any]]) -> list[str]:
+    columns: list[str] = []
+    for row in summary.values():
+        columns += [c for c in row if c not in columns]
+    return columns
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def format_table(summary: dict[str, dict[str, Any]], markdown: bool = False) -> str:
+    """The summary as an aligned text table, or a Markdown table."""
+    columns = _columns(summary)
+    rows = [["dataset", *columns]] + [[name, *(_cell(row.get(c, "")) for c in columns)]
+                                      for name, row in summary.items()]
+    if markdown:
+        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]) + "\n"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+                     for r in rows) + "\n"
+
+
+def write_reports(summary: dict[str, dict[str, Any]], out_dir: str | Path, extra: dict[str, Any] | None = None
+                  ) -> list[Path]:
+    """Write summary.md, summary.csv and summary.json into ``out_dir``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    columns = _columns(summary)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["dataset", *columns])
+    for name, row in summary.items():
+        writer.writerow([name, *(row.get(c, "") for c in columns)])
+    paths = [out / "summary.md", out / "summary.csv", out / "summary.json"]
+    paths[0].write_text(format_table(summary, markdown=True), encoding="utf-8")
+    paths[1].write_text(buffer.getvalue(), encoding="utf-8")
+    paths[2].write_text(json.dumps({"datasets": summary, **(extra or {})}, indent=2, ensure_ascii=False),
+                        encoding="utf-8")
+    return paths

