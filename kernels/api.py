@@ -28,8 +28,8 @@ def _row_inputs(labels, old_logprobs, advantages, loss_mask, config, entropy_sta
     """Per-token inputs shaped like ``labels`` (``[N]`` or ``[B, T]``), before flattening to 3-D."""
     if config.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
-    if advantages.dim() == labels.dim() - 1:
-        advantages = advantages.unsqueeze(-1).expand(labels.shape)
+    if advantages.dim() == labels.dim() - 1 and advantages.shape == labels.shape[:-1]:
+        advantages = advantages.unsqueeze(-1).expand(labels.shape)  # per sequence -> per token
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask),
                     ("ref_logprobs", ref_logprobs)):
         if t is not None and t.shape != labels.shape:
