@@ -166,6 +166,13 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
+        # The matmul dtype is chosen here (_mm_dtype), not by an enclosing autocast region.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return FusedLinearAEPOLossFunction._forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t,
+                                                        ignore_index, backend, token_chunk)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
         from .one_pass import one_pass_rows
 
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
