@@ -19,7 +19,7 @@ from torch import nn
 from .config import LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
 from .logits_ops import _as_3d, _resolve_backend, logprob_entropy
-from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights
+from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights, one_pass_loss_traceable
 from .policy_loss import _loss_stats, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
 
 
@@ -112,15 +112,35 @@ def aepo_policy_loss(
             logprobs, entropy, old_logprobs, advantages, loss_mask, config=config, entropy_mean=entropy_mean,
             entropy_std=entropy_std, global_token_count=global_token_count, global_num_seqs=global_num_seqs,
             ref_logprobs=ref_logprobs)
-    stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std,
-                           lambda: logprob_entropy(logits.detach(), labels, temperature, backend=backend, ignore_index=ignore_index)[1])
+    if torch.compiler.is_compiling():
+        # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
+        entropy_pass = lambda: _traceable(logits.detach(), labels, old_logprobs, advantages, loss_mask,  # noqa: E731
+                                          LossConfig(entropy_adv_alpha=0.0), temperature, ignore_index, backend)[1][1]
+    else:
+        entropy_pass = lambda: logprob_entropy(logits.detach(), labels, temperature, backend=backend,  # noqa: E731
+                                               ignore_index=ignore_index)[1]
+    stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, entropy_pass)
     inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, stats, global_token_count,
                          global_num_seqs, ref_logprobs)
     logits3, labels3 = _as_3d(logits, labels)
     inputs = _as_3d_inputs(inputs, labels3.shape)
-    in_place = inplace_backward and logits3.requires_grad and torch.is_grad_enabled()
-    loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend, in_place)
+    if torch.compiler.is_compiling():
+        loss, rows = one_pass_loss_traceable(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend)
+    else:
+        in_place = inplace_backward and logits3.requires_grad and torch.is_grad_enabled()
+        loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend, in_place)
     return loss, _stats(rows, loss_mask, config, ref_logprobs is not None)
+
+
+def _traceable(logits, labels, old_logprobs, advantages, loss_mask, config, temperature, ignore_index, backend):
+    """``(loss, rows)`` through the custom op, statistics unused (alpha_H = 0): the entropy pass
+    of the two-phase path under torch.compile."""
+    zero = torch.zeros((), device=logits.device)
+    inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, (zero, zero + 1), None, None, None)
+    logits3, labels3 = _as_3d(logits, labels)
+    rows = one_pass_loss_traceable(logits3, labels3, _as_3d_inputs(inputs, labels3.shape), config, 1.0 / temperature,
+                                   ignore_index, backend)[1]
+    return None, rows.reshape(6, *labels.shape)
 
 
 def fused_linear_aepo_policy_loss(

@@ -275,3 +275,57 @@ class OnePassLossFunction(torch.autograd.Function):
         (dlogits,) = ctx.saved_tensors
         return scale_gradient(dlogits, grad_loss), None, None, None, None, None, None, None
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The same op as a torch.library custom op, so that a caller's torch.compile(fullgraph=True)
+# traces through the loss: the op is opaque to the compiler (a fake implementation gives its
+# output shapes), and its autograd formula is "scale the stored dlogits". The eager path above
+# stays the default because it also offers the in-place variant (custom ops with autograd may
+# not mutate their inputs).
+
+
+@torch.library.custom_op("aepo_kernels::one_pass_loss", mutates_args=())
+def one_pass_loss_op(
+    logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+    weight: torch.Tensor, ref_logprobs: torch.Tensor, entropy_mean: torch.Tensor, entropy_std: torch.Tensor,
+    params: list[float], clip: str, has_ref: bool, inv_t: float, ignore_index: int, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], rows [6, B, T], dlogits [B, T, V])`` of ``logits [B, T, V]``; ``params`` are
+    :data:`HYPER_PARAMS` in order (the config travels as plain values)."""
+    config = LossConfig(clip=clip, **dict(zip(HYPER_PARAMS, params)))
+    inputs = RowInputs(old_logprobs, advantages, weight, entropy_mean, entropy_std, ref_logprobs if has_ref else None)
+    dlogits = torch.empty_like(logits)
+    rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, dlogits, backend)
+    return (rows[2] * weight.to(rows.dtype)).sum(), rows, dlogits
+
+
+@one_pass_loss_op.register_fake
+def _(logits, labels, old_logprobs, advantages, weight, ref_logprobs, entropy_mean, entropy_std, params, clip,
+      has_ref, inv_t, ignore_index, backend):
+    acc = accumulate_dtype(logits.dtype)
+    rows = logits.new_empty((6, *logits.shape[:2]), dtype=acc)
+    return logits.new_empty((), dtype=acc), rows, torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+
+
+def _backward(ctx, grad_loss, _grad_rows, _grad_dlogits):
+    (dlogits,) = ctx.saved_tensors
+    return (dlogits * grad_loss.to(dlogits.dtype),) + (None,) * 13
+
+
+one_pass_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def one_pass_loss_traceable(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int,
+                            backend: str):
+    """``(loss, rows)`` through :func:`one_pass_loss_op` (what runs under ``torch.compile``)."""
+    ref = inputs.ref_or_old
+    loss, rows, _ = one_pass_loss_op(
+        logits, labels, inputs.old_logprobs, inputs.advantages, inputs.weight, ref, inputs.entropy_mean,
+        inputs.entropy_std, [float(getattr(config, name)) for name in HYPER_PARAMS], config.clip,
+        inputs.ref_logprobs is not None, inv_t, ignore_index, backend)
+    return loss, rows.detach()
