@@ -10,11 +10,13 @@ logits-level backward, and accumulates
 The loops run vocabulary-outer so each weight block is read once per pass and the full-size fp32
 weight gradient never exists (only the final gradient in the weight's dtype).
 
-Cost: the logits matmul is done twice (forward and backward recompute) plus the two gradient
-matmuls: 4 N V D multiply-adds against 3 for a materialised path; that is the price of never
-holding ``[N, V]``. Gradients of the loss w.r.t. logp and H are only known after the whole batch
-(the entropy z-score is a batch statistic), which is why backward recomputes instead of
-computing gradients during forward.
+Cost of :func:`fused_linear_logprob_entropy`: the logits matmul is done twice (forward and
+backward recompute) plus the two gradient matmuls, 4 N V D multiply-adds: it returns log-probs
+and entropies whose upstream gradients are unknown during forward. The AEPO loss does not have
+that problem once the entropy statistics and normalisers are supplied:
+:class:`FusedLinearAEPOLossFunction` (below; public as
+:func:`aepo_kernels.fused_linear_aepo_policy_loss`) knows every per-token gradient inside the
+forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
 
 Matmuls run in the input dtype on CUDA (tensor cores, fp32 accumulation) and in fp32 on CPU.
 """

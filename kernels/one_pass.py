@@ -31,7 +31,6 @@ are treated as constants (as everywhere in this package). Not supported: rows wh
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +38,7 @@ from torch.autograd.graph import increment_version
 
 from .compile import compiled
 from .config import CLIP_RULES, LossConfig
-from .logits_ops import accumulate_dtype, chunk_grad, chunk_stats, finish_stats
-
-# Elements per CPU row chunk of the one-pass path: 4 MiB of fp32, so a chunk read by the stats
-# sweep is still in cache (L2/L3) when the gradient sweep reads it again.
-_ONE_PASS_CHUNK_ELEMS = int(os.environ.get("AEPO_ONE_PASS_CHUNK_ELEMS", 1 << 20))
+from .logits_ops import _row_chunks, accumulate_dtype, fast_chunk_grad_inplace, fast_chunk_grad_into, fast_chunk_stats, finish_stats
 
 # The order of the hyper-parameter vector (torch path) and of the Triton kernel's scalar arguments.
 HYPER_PARAMS = ("eps_low", "eps_high", "dual_clip", "log_ratio_clamp", "entropy_adv_alpha", "kl_coef", "entropy_coef")
@@ -145,17 +140,19 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast CPU path: one compiled function per row chunk does stats, head and gradient.
+# The fast CPU path: per row chunk, the stats sweep, the head and the gradient sweep, each a
+# compiled function (the first and last are logits_ops' own chunk kernels, so the CPU sweeps are
+# the measured ones of logprob_entropy). One compiled function for all three was also tried:
+# inductor generates it as one kernel, and it was not faster here.
 
 
-def _chunk_one_pass(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t):
-    """``z: [R, V]`` -> ``(dlogits [R, V] in the math dtype, rows [6, R])`` for one row chunk.
-
-    ``local_labels: [R]`` is the target column or -1 (no target: logp is the constant 0).
-    ``rows`` stacks ``(logp, H, L_t, ratio, A_t, kl)``.
-    """
-    acc = accumulate_dtype(z.dtype)
-    lse, eu = finish_stats(*chunk_stats(z, inv_t))
+def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t):
+    """The per-row middle of the pass for a chunk ``z: [R, V]`` with merged stats ``(m, s, t)``:
+    returns ``(lse, eu, g_lp, g_h, rows [6, R])``. ``local_labels`` is the target column or -1
+    (no target: logp is the constant 0 and gets no gradient). ``rows`` stacks
+    ``(logp, H, L_t, ratio, A_t, kl)``."""
+    acc = m.dtype
+    lse, eu = finish_stats(m, s, t)
     valid = local_labels >= 0
     z_y = z.gather(-1, local_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).to(acc) * inv_t
     logp = torch.where(valid, z_y - lse, torch.zeros_like(lse))
@@ -164,26 +161,10 @@ def _chunk_one_pass(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t
         logp, entropy, old.to(acc), adv.to(acc), ref.to(acc), mean.to(acc), std.to(acc), hp)
     weight = weight.to(acc)
     g_lp = torch.where(valid, d_logp * weight, torch.zeros_like(d_logp))
-    grad = chunk_grad(z, local_labels, lse, eu, g_lp, d_h * weight, inv_t)
-    return grad, torch.stack([logp, entropy, loss, ratio, shaped, kl])
+    return lse, eu, g_lp, d_h * weight, torch.stack([logp, entropy, loss, ratio, shaped, kl])
 
 
-def chunk_one_pass_into(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t, out):
-    """:func:`_chunk_one_pass` writing dlogits into ``out`` (not overlapping ``z``); returns rows."""
-    grad, rows = _chunk_one_pass(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t)
-    out.copy_(grad)
-    return rows
-
-
-def chunk_one_pass_inplace(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t):
-    """:func:`_chunk_one_pass` writing dlogits over ``z`` itself; returns rows."""
-    grad, rows = _chunk_one_pass(z, local_labels, old, adv, weight, ref, mean, std, hp, inv_t)
-    z.copy_(grad)
-    return rows
-
-
-fast_chunk_one_pass_into = compiled(chunk_one_pass_into)
-fast_chunk_one_pass_inplace = compiled(chunk_one_pass_inplace)
+fast_row_head = compiled(row_head)
 
 
 def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out):
@@ -195,17 +176,19 @@ def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t:
     local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
     local = torch.where(local < vocab, local, torch.full_like(local, -1))
     rows_out = torch.empty(6, batch, seq, dtype=acc, device=logits.device)
-    step = max(1, _ONE_PASS_CHUNK_ELEMS // max(vocab, 1))
-    for b in range(batch):
-        for t0 in range(0, seq, step):
-            rows = slice(t0, t0 + step)
-            part = inputs.rows(b, rows)
-            args = (logits[b, rows], local[b, rows], part.old_logprobs, part.advantages, part.weight,
-                    part.ref_or_old, part.entropy_mean, part.entropy_std, hp, inv_t)
-            if out is logits:
-                rows_out[:, b, rows] = fast_chunk_one_pass_inplace(*args)
-            else:
-                rows_out[:, b, rows] = fast_chunk_one_pass_into(*args, out[b, rows])
+    # The row chunks of logprob_entropy's CPU path: a smaller chunk (to find it in cache for the
+    # second sweep) measured 3-4x slower per element at V=151,936 (6-row chunks: the compiled
+    # loops' per-call and per-thread overheads dominate).
+    for b, rows in _row_chunks(logits):
+        part, z, labels_part = inputs.rows(b, rows), logits[b, rows], local[b, rows]
+        stats = fast_chunk_stats(z, inv_t)
+        lse, eu, g_lp, g_h, rows_out[:, b, rows] = fast_row_head(
+            z, labels_part, *stats, part.old_logprobs, part.advantages, part.weight, part.ref_or_old,
+            part.entropy_mean, part.entropy_std, hp, inv_t)
+        if out is logits:
+            fast_chunk_grad_inplace(z, labels_part, lse, eu, g_lp, g_h, inv_t)
+        else:
+            fast_chunk_grad_into(z, labels_part, lse, eu, g_lp, g_h, inv_t, out[b, rows])
     return rows_out
 
 

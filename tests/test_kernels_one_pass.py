@@ -295,7 +295,7 @@ def test_cpu_path_runs_compiled_and_hyper_parameters_do_not_recompile():
 
     logits, labels, old, adv, mask, ref = _batch(seed=4)
     aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch")[0].backward()
-    assert one_pass.fast_chunk_one_pass_into.mode == "compiled"
+    assert one_pass.fast_row_head.mode == "compiled"
     graphs = counters["stats"]["unique_graphs"]
     for cfg in (LossConfig(clip="ppo", eps_high=0.3), LossConfig(clip="cispo", entropy_adv_alpha=0.7, kl_coef=0.2),
                 LossConfig(clip="gppo", dual_clip=0.0, entropy_coef=0.1)):
