@@ -155,7 +155,9 @@ def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> di
         return {"fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}
 
     row = measure(setup, body, warmup=warmup, repeats=repeats)
-    row.update(level=level, impl=impl, shape=shape, n=n, d=d, vocab=vocab)
+    from aepo_kernels import DEFAULT_CHUNK_BYTES
+
+    row.update(level=level, impl=impl, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES)
     if level == "linear":
         matmuls = 4 if impl == "two_stage_fused_linear" else 3
         row["gflops"] = matmuls * 2 * n * d * vocab / row["total_s"] / 1e9
