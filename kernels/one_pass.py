@@ -22,6 +22,13 @@ no host sync. The maths of the head is exactly :func:`aepo_kernels.policy_loss.c
 (values and autograd gradients), written with explicit derivatives; the oracle for both is
 :mod:`aepo_kernels.reference`.
 
+Backends: the Triton kernel does all three steps in one program per row. The CPU path works per
+chunk of rows (~4M elements): the stats sweep, the head and the gradient sweep are three
+compiled functions run back to back on the same chunk (:func:`torch_one_pass`). A caller's
+``torch.compile(fullgraph=True)`` sees the op as the custom op ``aepo_kernels::one_pass_loss``
+(:func:`one_pass_loss_op`, never in place). With ``in_place`` the logits are overwritten during
+the forward call (their version counter is bumped, so a node that saved them earlier raises).
+
 Hyper-parameters, the clip rule included, are runtime values (a small tensor here, scalar kernel
 arguments in Triton): changing any of them never recompiles.
 
