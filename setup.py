@@ -34,6 +34,9 @@ setup(
         # interpreter-mode kernel tests (triton 3.7.1 pairs with torch 2.13).
         "cpu": ["torch==2.13.0", "triton==3.7.1"],
         "dev": ["pytest", "pytest-benchmark"],
+        # Peers of bench/bench_aepo_loss.py (install beside the pinned torch:
+        # pip install -e ".[bench]" -c <(echo torch==2.13.0)).
+        "bench": ["liger-kernel", "pytest-benchmark"],
         # GPU machines: install a CUDA torch first, then `pip install -e ".[gpu]"`.
         "gpu": ["triton", "flash-attn", "vllm"],
     },

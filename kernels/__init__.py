@@ -6,12 +6,14 @@ Depends on torch (and triton for the GPU path) only. Three lines in any trainer:
     loss, stats = aepo_policy_loss(logits, labels, old_logprobs, advantages, loss_mask,
                                    config=LossConfig(clip="aepo", entropy_adv_alpha=0.2))
 
-See ``logprob_entropy`` (the one-pass logits kernel), ``fused_linear_logprob_entropy`` (from
-hidden states, no ``[N, V]`` tensor) and ``policy_loss`` (clip rules, advantages, aggregation).
+The losses run in one pass per row (``one_pass``: log-prob, entropy, shaped advantage, clip,
+loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropies from logits),
+``fused_linear_logprob_entropy`` (from hidden states, no ``[N, V]`` tensor) and ``policy_loss``
+(clip rules, advantages, aggregation on given log-probs).
 """
 from .api import AEPOLoss, aepo_policy_loss, fused_linear_aepo_policy_loss
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
-from .fused_linear import fused_linear_logprob_entropy
+from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
 from .logits_ops import BACKENDS, logprob_entropy
 from .policy_loss import (
     aggregate,
@@ -23,7 +25,7 @@ from .policy_loss import (
 )
 
 __all__ = [
-    "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "LossConfig", "aepo_policy_loss",
+    "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "aepo_policy_loss",
     "aggregate", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
     "logprob_entropy", "policy_loss_from_logprobs",

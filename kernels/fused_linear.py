@@ -10,11 +10,13 @@ logits-level backward, and accumulates
 The loops run vocabulary-outer so each weight block is read once per pass and the full-size fp32
 weight gradient never exists (only the final gradient in the weight's dtype).
 
-Cost: the logits matmul is done twice (forward and backward recompute) plus the two gradient
-matmuls: 4 N V D multiply-adds against 3 for a materialised path; that is the price of never
-holding ``[N, V]``. Gradients of the loss w.r.t. logp and H are only known after the whole batch
-(the entropy z-score is a batch statistic), which is why backward recomputes instead of
-computing gradients during forward.
+Cost of :func:`fused_linear_logprob_entropy`: the logits matmul is done twice (forward and
+backward recompute) plus the two gradient matmuls, 4 N V D multiply-adds: it returns log-probs
+and entropies whose upstream gradients are unknown during forward. The AEPO loss does not have
+that problem once the entropy statistics and normalisers are supplied:
+:class:`FusedLinearAEPOLossFunction` (below; public as
+:func:`aepo_kernels.fused_linear_aepo_policy_loss`) knows every per-token gradient inside the
+forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
 
 Matmuls run in the input dtype on CUDA (tensor cores, fp32 accumulation) and in fp32 on CPU.
 """
@@ -23,6 +25,18 @@ from __future__ import annotations
 import torch
 
 from .logits_ops import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, merge_stats
+
+# The one memory budget of the fused-linear paths: bytes of the logits block(s) one step may hold.
+# At V = 151,936 fp32 it gives 441-row blocks for the one-pass loss (bench/bench_fused_linear.py).
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def chunks_for_budget(vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` of :func:`fused_linear_logprob_entropy`: a vocab block of at
+    most 16K columns and as many rows as keep ~3 fp32 ``[rows, vocab_chunk]`` temporaries within
+    ``chunk_bytes``."""
+    vocab_chunk = min(vocab, 1 << 14)
+    return max(1, chunk_bytes // (3 * 4 * vocab_chunk)), vocab_chunk
 
 
 def _mm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -105,8 +119,9 @@ def fused_linear_logprob_entropy(
     *,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    token_chunk: int = 1024,
-    vocab_chunk: int = 8192,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``labels`` and entropies of ``softmax((hidden @ weight.T + bias) / T)``.
 
@@ -114,7 +129,8 @@ def fused_linear_logprob_entropy(
         hidden: ``[N, D]`` or ``[B, T, D]`` final hidden states (after the last norm).
         weight: ``[V, D]`` lm_head weight; bias: optional ``[V]``.
         labels: ``[N]`` / ``[B, T]``; ``ignore_index`` gives log-prob 0 and no gradient.
-        token_chunk, vocab_chunk: block sizes; peak extra memory is a few fp32
+        token_chunk, vocab_chunk: block sizes, by default derived from ``chunk_bytes``
+            (:func:`chunks_for_budget`); peak extra memory is a few fp32
             ``[token_chunk, vocab_chunk]`` blocks plus an fp32 ``[N, D]`` and ``[vocab_chunk, D]``.
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
@@ -123,8 +139,82 @@ def fused_linear_logprob_entropy(
         raise ValueError(f"temperature={temperature}: must be > 0")
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
+    auto_tokens, auto_vocab = chunks_for_budget(weight.shape[0], chunk_bytes)
+    token_chunk, vocab_chunk = token_chunk or auto_tokens, vocab_chunk or auto_vocab
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     logp, entropy = FusedLinearLogprobEntropyFunction.apply(
         flat_hidden, weight, bias, labels.reshape(-1).long(), float(temperature), ignore_index, token_chunk, vocab_chunk
     )
     return logp.reshape(labels.shape), entropy.reshape(labels.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-pass AEPO loss from hidden states: the gradient is computed in the forward loop.
+
+def token_chunk_for_budget(vocab: int, chunk_bytes: int, element_size: int = 4) -> int:
+    """Rows of the ``[rows, V]`` logits buffer of :class:`FusedLinearAEPOLossFunction` that fit in
+    ``chunk_bytes`` (at least 1)."""
+    return max(1, chunk_bytes // max(1, vocab * element_size))
+
+
+class FusedLinearAEPOLossFunction(torch.autograd.Function):
+    """``(hidden [N, D], weight [V, D], bias [V] | None) -> (loss, rows [6, N])``.
+
+    Per token chunk of ``token_chunk`` rows: ``z = h @ W.T (+ b)`` into one reused ``[rows, V]``
+    buffer (matmul 1); the one-pass row op (:func:`aepo_kernels.one_pass.one_pass_rows`) turns z
+    into dlogits in place; ``d_hidden[rows] = dz @ W`` (matmul 2) and ``d_W += dz.T @ h``
+    (matmul 3, fp32 accumulator). Backward only scales the three stored gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
+        # The matmul dtype is chosen here (_mm_dtype), not by an enclosing autocast region.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return FusedLinearAEPOLossFunction._forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t,
+                                                        ignore_index, backend, token_chunk)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
+        from .one_pass import one_pass_rows
+
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        dtype, acc = _mm_dtype(hidden), accumulate_dtype(hidden.dtype)
+        w_mm = weight.to(dtype)  # no copy when the dtypes agree (fp32 on CPU, or CUDA)
+        b_mm = None if bias is None else bias.to(dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_b and bias is not None else None
+        rows_out = torch.empty(6, n_tokens, dtype=acc, device=hidden.device)
+        buffer = torch.empty(min(token_chunk, n_tokens), vocab, dtype=dtype, device=hidden.device)
+        for i0 in range(0, n_tokens, token_chunk):
+            rows = slice(i0, i0 + token_chunk)
+            h = hidden[rows].to(dtype)  # [tc, D]
+            z = buffer[: h.shape[0]]  # [tc, V]
+            if b_mm is None:
+                torch.mm(h, w_mm.T, out=z)
+            else:
+                torch.addmm(b_mm, h, w_mm.T, out=z)
+            part = inputs.rows(slice(0, 1), rows)  # [1, tc] fields
+            z3 = z[None]  # one object as logits and out: the row op writes dlogits in place
+            rows_out[:, rows] = one_pass_rows(z3, labels[:, rows], part, config, inv_t, ignore_index, z3, backend)[:, 0]
+            if d_hidden is not None:
+                torch.mm(z, w_mm, out=d_hidden[rows])
+            if d_weight is not None:
+                d_weight.addmm_(z.T.to(acc), h.to(acc))
+            if d_bias is not None:
+                d_bias += z.sum(0).to(acc)
+        ctx.mark_non_differentiable(rows_out)
+        ctx.save_for_backward(
+            None if d_hidden is None else d_hidden.to(hidden.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None if d_bias is None else d_bias.to(bias.dtype))
+        loss = (rows_out[2] * inputs.weight[0].to(acc)).sum()
+        return loss, rows_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_rows):
+        from .one_pass import scale_gradient
+
+        d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None

@@ -23,12 +23,12 @@ are all ``-inf`` (their lse is undefined).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Callable
 
 import torch
 from torch.autograd.graph import increment_version
 
+from .compile import compiled
 from .reference import logprob_entropy_reference
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -105,34 +105,10 @@ def chunk_grad_inplace(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> Non
     z.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t))
 
 
-class _CompiledOrEager:
-    """``torch.compile(fn, dynamic=True)`` on first use; eager if compiling is off or fails.
-
-    ``AEPO_TORCH_COMPILE=0`` turns compiling off (e.g. where no C++ compiler is installed).
-    """
-
-    def __init__(self, fn: Callable):
-        self.fn, self.impl = fn, None
-
-    def __call__(self, *args):
-        if self.impl is None:
-            self.impl = self.fn
-            if os.environ.get("AEPO_TORCH_COMPILE", "1") != "0":
-                compiled = torch.compile(self.fn, dynamic=True)
-                try:
-                    result = compiled(*args)
-                except Exception as exc:  # noqa: BLE001 -- any compiler failure means: run eager
-                    warnings.warn(f"aepo_kernels: torch.compile failed ({exc!r:.200}); using eager torch")
-                    return self.fn(*args)
-                self.impl = compiled
-                return result
-        return self.impl(*args)
-
-
-fast_chunk_stats = _CompiledOrEager(chunk_stats)
-fast_chunk_grad = _CompiledOrEager(chunk_grad)
-fast_chunk_grad_into = _CompiledOrEager(chunk_grad_into)
-fast_chunk_grad_inplace = _CompiledOrEager(chunk_grad_inplace)
+fast_chunk_stats = compiled(chunk_stats)
+fast_chunk_grad = compiled(chunk_grad)
+fast_chunk_grad_into = compiled(chunk_grad_into)
+fast_chunk_grad_inplace = compiled(chunk_grad_inplace)
 
 
 def _row_chunks(logits: torch.Tensor):

@@ -15,6 +15,11 @@ Pieces, each an independent choice of :class:`LossConfig`:
    token-mean, seq-mean-token-sum-norm.
 Statistics come back as detached tensors: no ``.item()`` / host sync anywhere here.
 
+:func:`aepo_kernels.aepo_policy_loss` and :func:`aepo_kernels.fused_linear_aepo_policy_loss`
+compute the same loss in one pass over the logits (:mod:`aepo_kernels.one_pass`, whose
+``token_head`` is this module's maths with explicit derivatives); this module is the loss for
+callers that already hold per-token log-probs and entropies.
+
 Gradient of the ``aepo`` rule w.r.t. logp (the change from PPO is the first line):
     A > 0, r > 1 + eps_high : -A (1 + eps_high)      (PPO: 0)
     A < 0, r < 1 - eps_low  : 0

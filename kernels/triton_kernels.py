@@ -23,17 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import CLIP_RULES
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit(do_not_specialize=["seq_len"])
-def _logprob_entropy_fwd_kernel(
-    logits_ptr, stride_b, stride_t, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, eu_ptr,
-    seq_len, vocab, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr,
-):
-    i_row = tl.program_id(0).to(tl.int64)  # flat token index over [B, T]
-    p_row = logits_ptr + (i_row // seq_len) * stride_b + (i_row % seq_len) * stride_t
+@triton.jit
+def _row_stats(p_row, vocab, inv_temperature, BLOCK_V: tl.constexpr):
+    """Online softmax over one row: returns ``(m, log s, t / s)`` (lse = m + log s, Eu = m + t / s)."""
     b_m = tl.full((), float("-inf"), tl.float32)
     b_s = tl.zeros((), tl.float32)
     b_t = tl.zeros((), tl.float32)
@@ -50,8 +47,32 @@ def _logprob_entropy_fwd_kernel(
         b_t = b_scale * (b_t + b_s * b_shift) + tl.sum(b_e * b_d, axis=0)
         b_s = b_s * b_scale + tl.sum(b_e, axis=0)
         b_m = b_m_new
-    b_log_s = tl.log(b_s)
-    b_eu_rel = b_t / b_s
+    return b_m, tl.log(b_s), b_t / b_s
+
+
+@triton.jit
+def _row_grad(p_row, p_drow, vocab, inv_temperature, b_lse, b_eu, b_glp, b_gh, y, BLOCK_V: tl.constexpr):
+    """Writes ``(g_lp (onehot(y) - p) + g_H p (Eu - u)) / T`` over one row (y = -1: no target)."""
+    for v0 in range(0, vocab, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < vocab
+        b_u = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32) * inv_temperature
+        b_p = tl.exp(b_u - b_lse)
+        b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
+        b_d = tl.where(o_v == y, b_d + b_glp, b_d) * inv_temperature
+        # Same lanes as the load above: in-place mode (p_drow == p_row) is safe.
+        tl.store(p_drow + o_v, b_d.to(p_drow.dtype.element_ty), mask=m_v)
+
+
+@triton.jit(do_not_specialize=["seq_len"])
+def _logprob_entropy_fwd_kernel(
+    logits_ptr, stride_b, stride_t, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, eu_ptr,
+    seq_len, vocab, inv_temperature, ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    i_row = tl.program_id(0).to(tl.int64)  # flat token index over [B, T]
+    p_row = logits_ptr + (i_row // seq_len) * stride_b + (i_row % seq_len) * stride_t
+    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, BLOCK_V)
     b_lse = b_m + b_log_s
     y = tl.load(labels_ptr + i_row)
     valid = (y != ignore_index) & (y >= 0) & (y < vocab)
@@ -71,23 +92,90 @@ def _logprob_entropy_bwd_kernel(
 ):
     i_row = tl.program_id(0).to(tl.int64)
     i_b, i_t = i_row // seq_len, i_row % seq_len
-    p_row = logits_ptr + i_b * stride_b + i_t * stride_t
-    p_drow = dlogits_ptr + i_b * dstride_b + i_t * dstride_t
-    b_lse = tl.load(lse_ptr + i_row)
-    b_eu = tl.load(eu_ptr + i_row)
-    b_glp = tl.load(g_lp_ptr + i_row)
-    b_gh = tl.load(g_h_ptr + i_row)
     y = tl.load(labels_ptr + i_row)
     y = tl.where(y == ignore_index, -1, y)
-    for v0 in range(0, vocab, BLOCK_V):
-        o_v = v0 + tl.arange(0, BLOCK_V)
-        m_v = o_v < vocab
-        b_u = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32) * inv_temperature
-        b_p = tl.exp(b_u - b_lse)
-        b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
-        b_d = tl.where(o_v == y, b_d + b_glp, b_d) * inv_temperature
-        # Same lanes as the load above: in-place mode (dlogits_ptr == logits_ptr) is safe.
-        tl.store(p_drow + o_v, b_d.to(dlogits_ptr.dtype.element_ty), mask=m_v)
+    _row_grad(logits_ptr + i_b * stride_b + i_t * stride_t, dlogits_ptr + i_b * dstride_b + i_t * dstride_t,
+              vocab, inv_temperature, tl.load(lse_ptr + i_row), tl.load(eu_ptr + i_row),
+              tl.load(g_lp_ptr + i_row), tl.load(g_h_ptr + i_row), y, BLOCK_V)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-pass AEPO loss (aepo_kernels.one_pass): the same head as one_pass.token_head.
+
+
+@triton.jit
+def _token_head(logp, entropy, old, adv, ref, mean, std,
+                eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref):
+    """Scalar version of ``one_pass.token_head``: ``(L_t, dL/dlogp, ratio, A_t, kl)``."""
+    std = tl.where(std > 0, std, 1.0)
+    shaped = adv * (1 + alpha * (entropy - mean) / std)
+    diff = logp - old
+    in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)
+    ratio = tl.exp(tl.minimum(tl.maximum(diff, -clamp_c), clamp_c))
+    low, high = 1 - eps_low, 1 + eps_high
+    is_high, is_low = ratio > high, ratio < low
+    pg_plain = -shaped * ratio
+    pg_clipped = -shaped * tl.where(is_high, high, tl.where(is_low, low, ratio))
+    d_plain = tl.where(in_clamp, pg_plain, 0.0)
+    high_grad = tl.where((rule == 1) | (rule == 2), -shaped * high, 0.0)
+    low_grad = tl.where(rule == 2, -shaped * low, 0.0)
+    d_clipped = tl.where(is_high, tl.where(in_clamp, high_grad, 0.0),
+                         tl.where(is_low, tl.where(in_clamp, low_grad, 0.0), d_plain))
+    take_clipped = pg_clipped > pg_plain
+    loss = tl.where(take_clipped, pg_clipped, pg_plain)
+    d_logp = tl.where(take_clipped, d_clipped, d_plain)
+    dual_value = -shaped * dual_clip
+    dual_hit = (dual_clip != 0) & (shaped < 0) & (loss > dual_value)
+    loss = tl.where(dual_hit, dual_value, loss)
+    d_logp = tl.where(dual_hit, 0.0, d_logp)
+    cispo_weight = tl.minimum(tl.maximum(ratio, low), high)
+    loss = tl.where(rule == 3, -shaped * cispo_weight * logp, loss)
+    d_logp = tl.where(rule == 3, -shaped * cispo_weight, d_logp)
+    delta = ref - logp
+    e_delta = tl.exp(delta)
+    kl = tl.where(has_ref != 0, e_delta - delta - 1, 0.0)
+    kl_on = (has_ref != 0) & (kl_coef != 0)
+    loss = tl.where(kl_on, loss + kl_coef * kl, loss)
+    d_logp = tl.where(kl_on, d_logp + kl_coef * (1 - e_delta), d_logp)
+    return loss - entropy_coef * entropy, d_logp, ratio, shaped, kl
+
+
+@triton.jit(do_not_specialize=["n_rows", "seq_len", "rule", "has_ref"])
+def _aepo_one_pass_kernel(
+    logits_ptr, stride_b, stride_t, out_ptr, ostride_b, ostride_t,
+    labels_ptr, old_ptr, adv_ptr, weight_ptr, ref_ptr, mean_ptr, std_ptr, rows_ptr,
+    n_rows, seq_len, vocab, inv_temperature, ignore_index,
+    eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per token row: stats sweep, loss head, gradient sweep (out may alias logits).
+
+    Per-token inputs are flat ``[N]`` fp32; ``rows_ptr`` is ``[6, N]``: logp, H, L_t, ratio, A_t, kl.
+    """
+    i_row = tl.program_id(0).to(tl.int64)
+    i_b, i_t = i_row // seq_len, i_row % seq_len
+    p_row = logits_ptr + i_b * stride_b + i_t * stride_t
+    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, BLOCK_V)
+    b_lse, b_eu = b_m + b_log_s, b_m + b_eu_rel
+    b_entropy = b_log_s - b_eu_rel
+    y = tl.load(labels_ptr + i_row)
+    valid = (y != ignore_index) & (y >= 0) & (y < vocab)
+    b_zy = tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32) * inv_temperature
+    b_logp = tl.where(valid, b_zy - b_lse, 0.0)
+    b_w = tl.load(weight_ptr + i_row)
+    b_loss, b_dlogp, b_ratio, b_shaped, b_kl = _token_head(
+        b_logp, b_entropy, tl.load(old_ptr + i_row), tl.load(adv_ptr + i_row), tl.load(ref_ptr + i_row),
+        tl.load(mean_ptr), tl.load(std_ptr),
+        eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref)
+    tl.store(rows_ptr + i_row, b_logp)
+    tl.store(rows_ptr + n_rows + i_row, b_entropy)
+    tl.store(rows_ptr + 2 * n_rows + i_row, b_loss)
+    tl.store(rows_ptr + 3 * n_rows + i_row, b_ratio)
+    tl.store(rows_ptr + 4 * n_rows + i_row, b_shaped)
+    tl.store(rows_ptr + 5 * n_rows + i_row, b_kl)
+    b_glp = tl.where(valid, b_dlogp * b_w, 0.0)
+    _row_grad(p_row, out_ptr + i_b * ostride_b + i_t * ostride_t, vocab, inv_temperature,
+              b_lse, b_eu, b_glp, -entropy_coef * b_w, tl.where(valid, y, -1), BLOCK_V)
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
@@ -131,3 +219,26 @@ def triton_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out
             seq, vocab, inv_t, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
         )
     return out
+
+
+def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: int, out):
+    """The one-pass loss over ``logits [B, T, V]`` (contract of ``one_pass.torch_one_pass``):
+    returns rows ``[6, B, T]`` fp32 and writes dlogits into ``out`` (may be ``logits``)."""
+    _check(logits)
+    batch, seq, vocab = logits.shape
+    n_rows = batch * seq
+    flat = lambda t: t.reshape(n_rows).float().contiguous()  # noqa: E731
+    rows = torch.empty(6, batch, seq, dtype=torch.float32, device=logits.device)
+    block_v, num_warps = _launch_config(vocab)
+    if n_rows > 0:
+        _aepo_one_pass_kernel[(n_rows,)](
+            logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
+            labels.contiguous(), flat(inputs.old_logprobs), flat(inputs.advantages), flat(inputs.weight),
+            flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()), rows,
+            n_rows, seq, vocab, inv_t, ignore_index,
+            float(config.eps_low), float(config.eps_high), float(config.dual_clip), float(config.log_ratio_clamp),
+            float(config.entropy_adv_alpha), float(config.kl_coef), float(config.entropy_coef),
+            CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None),
+            BLOCK_V=block_v, num_warps=num_warps,
+        )
+    return rows

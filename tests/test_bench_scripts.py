@@ -20,6 +20,12 @@ def test_gpu_check_smoke(tmp_path):
     check = next(r for r in rows if r.get("check") == "logprob_entropy")
     assert check["max_abs_logp"] < 1e-4 and check["max_rel_dlogits"] < 2e-2
     assert {r.get("impl") for r in rows} >= {"triton", "triton_inplace", "naive_eager", "naive_compiled"}
+    one_pass = [r for r in rows if r.get("check") == "one_pass"]
+    assert len(one_pass) == 4 and all(r["max_rel_dlogits"] < 2e-2 and r["abs_loss"] < 1e-4 for r in one_pass)
+    fused = next(r for r in rows if r.get("check") == "fused_linear_one_pass")
+    assert fused["max_rel_dweight"] < 2e-2 and fused["abs_loss"] < 1e-3
+    assert {r["impl"] for r in rows if r.get("bench") == "one_pass_loss" and "fwd_bwd_s" in r} >= {
+        "one_pass_inplace", "one_pass", "two_stage_inplace", "reference_eager"}
 
 
 def test_default_run_bench_summary_hand_worked():

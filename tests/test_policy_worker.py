@@ -337,3 +337,43 @@ def test_kl_to_reference_is_reported_and_zero_at_the_reference(tiny_model):
     assert worker.update(current)["kl"] > 1e-4  # one step away from it
     with pytest.raises(ValueError, match="ref_logprobs"):  # kl_coef != 0 without a reference
         worker.update(with_old_policy(worker, batch))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, fused, monkeypatch):
+    """The worker's in-forward one-pass loss and gradient == policy_loss_from_logprobs on the
+    model's log-probs/entropies (the former two-stage path), with the global statistics; and no
+    extra no-grad pass runs inside the loss (the statistics are supplied)."""
+    from aepo_engine.training.policy import LossInputs
+    from aepo_kernels import entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
+    import aepo_kernels.api as api
+
+    worker = make_worker(tiny_model, use_fused_linear=fused, temperature=0.8)
+    batch = with_old_policy(worker, random_batch(vocab_of(tiny_model)))
+    batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs + 0.3 * torch.randn(batch.old_logprobs.shape))
+    mean, std = entropy_stats_from_moments(entropy_moments(batch.entropy, batch.loss_mask))
+    count = batch.loss_mask.sum()
+    cfg = LossConfig(entropy_coef=0.01)
+    worker.policy.loss_config = cfg
+    adv = batch.advantages[:, None].expand_as(batch.old_logprobs)
+
+    def grads(loss):
+        worker.model.zero_grad()
+        loss.backward()
+        return {k: p.grad.clone() for k, p in worker.model.named_parameters() if p.grad is not None}
+
+    logp, entropy = worker.policy(batch.input_ids, batch.attention_mask, batch.labels)
+    two_stage, stats_two = policy_loss_from_logprobs(logp, entropy, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                                                     config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=count)
+    expected = grads(two_stage)
+    monkeypatch.setattr(api, "_entropy_stats", lambda config, mask, m, s, entropy_pass: (m, s))  # no second pass
+    inputs = LossInputs(batch.old_logprobs, adv, batch.loss_mask, None, count, mean, std)
+    one_pass, stats_one = worker.policy(batch.input_ids, batch.attention_mask, batch.labels, inputs)
+    got = grads(one_pass)
+    assert stats_one["clipfrac_high"] + stats_one["clipfrac_low"] > 0
+    torch.testing.assert_close(one_pass, two_stage, rtol=1e-5, atol=1e-7)
+    for key in ("entropy", "ratio", "clipfrac_high", "clipfrac_low"):
+        torch.testing.assert_close(stats_one[key], stats_two[key], rtol=1e-5, atol=1e-6)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6)

@@ -121,3 +121,38 @@ def test_no_weights_leaves_advantages_untouched():
     adv = torch.tensor([1.0, -2.0])
     batch = TokenBatch(*(torch.zeros(2, 3),) * 4, adv, torch.zeros(2, 3), torch.arange(2))
     assert _weighted_advantages(batch) is adv
+
+
+@pytest.mark.parametrize("clip", ["ppo", "aepo", "cispo"])
+def test_weighted_advantages_through_the_one_pass_loss(clip):
+    """The trainer's path: the one-pass kernel (CPU fast path) given the weighted advantages equals
+    the hand-weighted policy-gradient term on the reference log-probs, value and logits gradient."""
+    from aepo_kernels import aepo_policy_loss, entropy_moments, entropy_stats_from_moments, logprob_entropy
+
+    gen = torch.Generator().manual_seed(11)
+    B, T, V = 2, 7, 53
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64).float()
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    mask = (torch.rand(B, T, generator=gen) > 0.25).float()
+    with torch.no_grad():
+        logp0, h0 = logprob_entropy(logits, labels, backend="reference")
+    old = logp0 + 0.3 * torch.randn(B, T, generator=gen)
+    adv = torch.tensor([0.9, -1.4])
+    w = torch.rand(B, T, generator=gen) * 1.5 + 0.1
+    mean, std = entropy_stats_from_moments(entropy_moments(h0, mask))
+    config = LossConfig(clip=clip, dual_clip=3.0 if clip != "cispo" else 0.0, entropy_adv_alpha=0.3)
+    count = mask.sum()
+    batch = TokenBatch(torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long), labels, mask, adv,
+                       old, torch.arange(B), is_weights=w)
+    fast_logits = logits.clone().requires_grad_()
+    loss, _ = aepo_policy_loss(fast_logits, labels, old, _weighted_advantages(batch), mask, config=config,
+                               backend="torch", entropy_mean=mean, entropy_std=std, global_token_count=count)
+    ref_logits = logits.clone().requires_grad_()
+    logp, entropy = logprob_entropy(ref_logits, labels, backend="reference")
+    shaped = entropy_aware_advantages(adv[:, None].expand(B, T), entropy, mask, 0.3, mean, std)
+    pg, _ = clipped_token_loss(logp, old, shaped, config)
+    expected = aggregate(w * pg, mask, config, global_token_count=count)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(fast_logits.grad, ref_logits.grad, atol=1e-5, rtol=1e-4)

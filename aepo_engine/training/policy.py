@@ -25,9 +25,13 @@ The z-score divides by the entropy std: where entropies are nearly constant (a r
 sits within ~1e-3 nats of log V) fp32 noise in H_t (~1e-6) is amplified by 1/std, so two
 mathematically equal runs differ by ~1e-3 relative; with real models (std ~1 nat) they agree to ~1e-6.
 
-Log-probs and entropies come from the final hidden states and the lm_head weight through
-:func:`aepo_kernels.fused_linear_logprob_entropy` (no ``[N, V]`` logits) or, with
-``use_fused_linear=False``, from materialised logits through :func:`aepo_kernels.logprob_entropy`.
+The loss is computed inside the FSDP root's forward (where the lm_head weight is gathered) in one
+pass: :func:`aepo_kernels.fused_linear_aepo_policy_loss` from the final hidden states and the
+lm_head weight (no ``[N, V]`` logits; the gradient is computed in the forward loop), or, with
+``use_fused_linear=False``, :func:`aepo_kernels.aepo_policy_loss` on materialised logits with the
+gradient written over them. Both get the global token count and the global entropy statistics,
+so they never need a second pass. Log-probs alone (``compute_logprobs``, the no-grad entropy
+pass) come from :func:`aepo_kernels.fused_linear_logprob_entropy` / :func:`aepo_kernels.logprob_entropy`.
 
 With ``pack_sequences`` a micro-batch's rows are concatenated without padding and given per-row
 position ids (HF's padding-free format: flash-attn varlen kernels, or a block-diagonal causal mask
@@ -40,6 +44,7 @@ scale), and weight decay exclusions (all parameters decay, as in verl).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import time
@@ -54,18 +59,20 @@ from aepo_engine.distributed import init_distributed
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TokenBatch
 from aepo_kernels import (
+    DEFAULT_CHUNK_BYTES,
     LossConfig,
+    aepo_policy_loss,
     entropy_moments,
     entropy_stats_from_moments,
+    fused_linear_aepo_policy_loss,
     fused_linear_logprob_entropy,
     logprob_entropy,
-    policy_loss_from_logprobs,
 )
 
-__all__ = ["PolicyConfig", "PolicyModel", "PolicyWorker"]
+__all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Per-call statistics of policy_loss_from_logprobs that are token means (re-weighted by tokens).
+# Per-call statistics of the loss that are token means (re-weighted by tokens).
 TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
 
 
@@ -103,10 +110,10 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         mini_batch_unit: "prompts" counts prompt groups (all k trajectories of a prompt stay in one
             mini-batch, as in verl); "rows" counts trajectories.
         ppo_epochs: Passes over the batch per update() call.
-        use_fused_linear: Compute log-probs/entropies from hidden states and the lm_head weight in
-            blocks (aepo_kernels.fused_linear_logprob_entropy) instead of materialising [B, L, V] logits.
-        fused_token_chunk: Token block of the fused-linear kernel.
-        fused_vocab_chunk: Vocabulary block of the fused-linear kernel.
+        use_fused_linear: Compute the loss from hidden states and the lm_head weight in blocks
+            (aepo_kernels.fused_linear_aepo_policy_loss) instead of materialising [B, L, V] logits.
+        fused_chunk_bytes: Memory budget of the fused-linear kernels' logits block (its row
+            count is derived from it and the vocabulary size).
         entropy_stats_scope: "global": entropy mean/std of the entropy-aware advantage are
             all-reduced over all micro-batches and ranks of the mini-batch, so the loss does not
             depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
@@ -133,8 +140,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mini_batch_unit: Literal["prompts", "rows"] = "prompts"
     ppo_epochs: int = 1
     use_fused_linear: bool = True
-    fused_token_chunk: int = 1024
-    fused_vocab_chunk: int = 8192
+    fused_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -156,7 +162,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                  f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
         _require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         _require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        _require(self.fused_token_chunk >= 1 and self.fused_vocab_chunk >= 1, "fused chunks must be >= 1")
+        _require(self.fused_chunk_bytes >= 1, f"fused_chunk_bytes must be >= 1, got {self.fused_chunk_bytes}")
         _require(self.loss.aggregation == "token-mean",
                  f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
                  "count, which only token-mean supports; sequence-level modes are left out")
@@ -169,29 +175,52 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # --- the module FSDP wraps ------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class LossInputs:
+    """What the one-pass loss needs besides the model's hidden states: per-token ``[B, L]`` tensors
+    and the global normalisers / statistics of the mini-batch (0-d tensors or None)."""
+
+    old_logprobs: Tensor
+    advantages: Tensor  # [B, L] (per-sequence advantages expanded)
+    loss_mask: Tensor
+    ref_logprobs: Tensor | None
+    global_token_count: Tensor
+    entropy_mean: Tensor | None = None
+    entropy_std: Tensor | None = None
+
+    def packed(self, real: Tensor) -> "LossInputs":
+        """The per-token fields at the real (non-padding) positions, as one ``[1, T]`` row."""
+        pick = lambda t: None if t is None else t[real][None]  # noqa: E731
+        return dataclasses.replace(self, old_logprobs=pick(self.old_logprobs), advantages=pick(self.advantages),
+                                   loss_mask=pick(self.loss_mask), ref_logprobs=pick(self.ref_logprobs))
+
+
 class PolicyModel(nn.Module):
-    """An HF causal LM returning per-token ``(logprobs, entropy)`` of ``labels`` (the FSDP root).
+    """An HF causal LM returning per-token ``(logprobs, entropy)`` of ``labels``, or, given
+    :class:`LossInputs`, the AEPO loss and its statistics (the FSDP root).
 
     Wrapping keeps the lm_head inside the root's forward, so FSDP2 gathers its weight for the fused
-    kernel (which reads ``weight`` directly instead of calling the head).
+    kernels (which read ``weight`` directly instead of calling the head).
     """
 
-    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, token_chunk: int, vocab_chunk: int,
-                 pack: bool = False):
+    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int,
+                 loss_config: LossConfig | None = None, pack: bool = False):
         super().__init__()
         self.hf = hf_model
         self.temperature, self.fused, self.pack = temperature, fused, pack
-        self.token_chunk, self.vocab_chunk = token_chunk, vocab_chunk
+        self.chunk_bytes, self.loss_config = chunk_bytes, loss_config or LossConfig()
 
     @property
     def decoder(self) -> nn.Module:
         return getattr(self.hf, self.hf.base_model_prefix)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, loss_inputs: LossInputs | None = None):
         """Args: ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]``
-        (0 logp at -100 and on padding)."""
+        (0 logp at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``."""
         if not self.pack:
             hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            if loss_inputs is not None:
+                return self._loss(hidden, labels, loss_inputs)
             return self._head(hidden, labels)  # hidden: [B, L, D]
         # Padding-free: the T real tokens as one row; position ids restart at 0 for every
         # original row, which is how HF detects the packed rows (varlen / block-diagonal mask).
@@ -199,6 +228,8 @@ class PolicyModel(nn.Module):
         positions = (attention_mask.cumsum(-1) - 1)[real]  # [T]
         hidden = self.decoder(input_ids=input_ids[real][None], position_ids=positions[None],
                               attention_mask=None, use_cache=False).last_hidden_state  # [1, T, D]
+        if loss_inputs is not None:
+            return self._loss(hidden, labels[real][None], loss_inputs.packed(real))
         logprobs, entropy = self._head(hidden, labels[real][None])  # [1, T] each
         return (logprobs.new_zeros(real.shape).masked_scatter(real, logprobs[0]),
                 entropy.new_zeros(real.shape).masked_scatter(real, entropy[0]))
@@ -207,13 +238,25 @@ class PolicyModel(nn.Module):
         head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
         if self.fused:
             logprobs, entropy = fused_linear_logprob_entropy(
-                hidden, head.weight, labels, self.temperature, bias=head.bias,
-                token_chunk=self.token_chunk, vocab_chunk=self.vocab_chunk)
+                hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes)
         else:
             logprobs, entropy = logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
         # The kernels return reshaped views; FSDP2 hooks a root's outputs for backward and an in-place
         # op on a view would bypass that hook, so hand out fresh [B, L] tensors (cheap: no V).
         return logprobs.clone(), entropy.clone()
+
+    def _loss(self, hidden: Tensor, labels: Tensor, inputs: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        """The one-pass AEPO loss of ``hidden [B, L, D]`` (gradient computed during this call)."""
+        head = self.hf.get_output_embeddings()
+        kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
+                      global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
+                      entropy_std=inputs.entropy_std)
+        args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
+        if self.fused:
+            return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
+                                                 chunk_bytes=self.chunk_bytes, **kwargs)
+        # The head's output is used by nothing else: its buffer can take the gradient.
+        return aepo_policy_loss(head(hidden), *args, inplace_backward=True, **kwargs)  # logits: [B, L, V]
 
 
 def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
@@ -259,8 +302,8 @@ class PolicyWorker:
         self.model = load_hf_model(model_path, config.attn_implementation)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.policy = PolicyModel(self.model, temperature, config.use_fused_linear,
-                                  config.fused_token_chunk, config.fused_vocab_chunk, pack=config.packs)
+        self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
+                                  loss_config=config.loss, pack=config.packs)
         self._shard_or_place()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)
@@ -408,10 +451,12 @@ class PolicyWorker:
     def _micro_step(self, micro: TokenBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
         """Forward + backward of one micro-batch; returns its ``[2 + K]`` metric sums (detached)."""
         micro = micro.to(self.device)
-        logprobs, entropy = self._forward(micro)  # [b, l] each
-        loss, stats = policy_loss_from_logprobs(
-            logprobs, entropy, micro.old_logprobs, _weighted_advantages(micro), micro.loss_mask,
-            config=self.config.loss, global_token_count=count, ref_logprobs=micro.ref_logprobs, **stats_kwargs)
+        advantages = _weighted_advantages(micro)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(micro.old_logprobs)
+        inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count, **stats_kwargs)
+        with self._autocast():
+            loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
         weighted = [stats[k].double() * tokens if k in stats else tokens.new_zeros(()) for k in TOKEN_MEAN_STATS]

@@ -1,0 +1,200 @@
+"""CPU benchmark of the whole AEPO loss, forward + backward: the one-pass path against today's
+two-stage path and against peers, each case in its own subprocess (harness.py), side by side.
+
+Subjects (``--level``):
+- ``linear``: from hidden ``[N, D]`` and lm_head ``[V, D]`` (gradients for both), fp32:
+  ``one_pass_fused_linear`` (:func:`aepo_kernels.fused_linear_aepo_policy_loss`: gradient in the
+  forward loop, 3 matmuls of 2 N D V flops), ``two_stage_fused_linear`` (the previous path:
+  ``fused_linear_logprob_entropy`` with its recomputing backward, 4 matmuls, then
+  ``policy_loss_from_logprobs``), ``one_pass_materialised`` (``logits = h @ W.T`` then the one-pass
+  loss in place), ``two_stage_materialised`` (logits, then ``logprob_entropy`` with the in-place
+  backward, then the loss), and the peer ``liger_grpo`` (Liger-Kernel's
+  ``LigerFusedLinearGRPOLoss``, its torch-chunked path; it computes no entropy).
+- ``logits``: from logits ``[N, V]`` fp32: ``one_pass_inplace``, ``one_pass`` (dlogits in a new
+  buffer), ``two_stage_inplace`` (the previous path), and the memory-bound floors ``read``
+  (``logits.sum()``: reads N V 4 bytes) and ``copy`` (``logits.clone()``: reads and writes N V 4
+  bytes). The one-pass loss reads the logits twice and writes dlogits once (3 N V 4 bytes).
+Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
+statistics, token-mean over a supplied token count) -- the trainer's call.
+
+    python bench/bench_aepo_loss.py --level linear --shape big      # N=8192 D=2048 V=151936
+    python bench/bench_aepo_loss.py --level linear --shape mid      # N=2048 (B=2 x T=1024) D=1024 V=32000
+    python bench/bench_aepo_loss.py --level logits --shape big      # [4096, 151936]
+
+The shapes live in SHAPES (also used by the pytest-benchmark cases in test_kernel_benchmarks.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import measure, print_table, run_case_subprocess, write_rows  # noqa: E402
+
+# One source of truth for the benchmark shapes: name -> (N tokens, D hidden, V vocab).
+SHAPES = {
+    "linear": {"big": (8192, 2048, 151936), "mid": (2048, 1024, 32000), "small": (256, 128, 4099)},
+    "logits": {"big": (4096, 0, 151936), "mid": (1024, 0, 151936), "small": (64, 0, 32003)},
+}
+IMPLS = {
+    "linear": ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
+               "liger_grpo"],
+    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "read", "copy"],
+}
+SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
+
+
+def loss_inputs(n: int, vocab: int, seed: int = 0) -> dict:
+    """Per-token inputs of a batch of n tokens: labels, old log-probs, advantages, mask [B, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = min(n, SEQ_LEN)
+    batch = n // seq
+    return dict(
+        labels=torch.randint(0, vocab, (batch, seq), generator=gen),
+        old_logprobs=-torch.rand(batch, seq, generator=gen) * 4 - 8,  # near log(1/V) of random logits
+        advantages=torch.randn(batch, generator=gen),
+        loss_mask=(torch.rand(batch, seq, generator=gen) > 0.1).float(),
+    )
+
+
+def make_loss_fn(impl: str, inputs: dict):
+    """A callable of the level's tensors returning the scalar loss (its backward is timed too)."""
+    from aepo_kernels import (LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss, fused_linear_logprob_entropy,
+                              logprob_entropy, policy_loss_from_logprobs)
+
+    cfg = LossConfig()
+    labels, old, adv, mask = inputs["labels"], inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"]
+    stats = dict(entropy_mean=torch.tensor(9.0), entropy_std=torch.tensor(0.5), global_token_count=mask.sum())
+    shape = labels.shape
+
+    def two_stage(logp, entropy):
+        return policy_loss_from_logprobs(logp.reshape(shape), entropy.reshape(shape), old, adv, mask, config=cfg, **stats)[0]
+
+    if impl == "one_pass_fused_linear":
+        return lambda h, w: fused_linear_aepo_policy_loss(h.reshape(*shape, -1), w, labels, old, adv, mask, config=cfg, **stats)[0]
+    if impl == "two_stage_fused_linear":  # the previous defaults: 1024 x 8192 blocks, recomputing backward
+        return lambda h, w: two_stage(*fused_linear_logprob_entropy(h, w, labels.reshape(-1), token_chunk=1024, vocab_chunk=8192))
+    if impl == "one_pass_materialised":
+        return lambda h, w: aepo_policy_loss((h @ w.T).reshape(*shape, -1), labels, old, adv, mask, config=cfg,
+                                             backend="torch", inplace_backward=True, **stats)[0]
+    if impl == "two_stage_materialised":
+        return lambda h, w: two_stage(*logprob_entropy(h @ w.T, labels.reshape(-1), backend="torch", inplace_backward=True))
+    if impl == "liger_grpo":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo")
+        return lambda h, w: liger(h.reshape(*shape, -1), w, labels, mask, adv, old_per_token_logps=old)[0]
+    if impl == "one_pass_inplace":
+        return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch",
+                                          inplace_backward=True, **stats)[0]
+    if impl == "one_pass":
+        return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch", **stats)[0]
+    if impl == "two_stage_inplace":
+        return lambda z: two_stage(*logprob_entropy(z, labels.reshape(-1), backend="torch", inplace_backward=True))
+    if impl == "read":
+        return lambda z: z.sum()
+    if impl == "copy":
+        return lambda z: z.clone()
+    raise ValueError(f"impl {impl!r}")
+
+
+def make_tensors(level: str, n: int, d: int, vocab: int, requires_grad: bool = True):
+    gen = torch.Generator().manual_seed(1)
+    if level == "linear":
+        hidden = torch.randn(n, d, generator=gen)
+        weight = torch.randn(vocab, d, generator=gen) / d**0.5
+        return [hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad)]
+    return [torch.randn(n, vocab, generator=gen) * 2]
+
+
+def warm_up(level: str, impl: str) -> None:
+    """Compile the CPU kernels on a small problem, outside the timing."""
+    n, d, vocab = SHAPES[level]["small"]
+    tensors = make_tensors(level, n, d, vocab)
+    if level == "logits":
+        tensors[0].requires_grad_(impl not in ("read", "copy"))
+        tensors = [tensors[0] * 1.0]
+    out = make_loss_fn(impl, loss_inputs(n, vocab))(*tensors)
+    if out.dim() == 0 and out.requires_grad:
+        out.backward()
+
+
+def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> dict:
+    n, d, vocab = SHAPES[level][shape]
+    fn = make_loss_fn(impl, loss_inputs(n, vocab))
+    base = make_tensors(level, n, d, vocab)
+    needs_grad = impl not in ("read", "copy")
+    if impl == "liger_grpo":
+        # Liger's compiled chunk function fails to recompile for a second shape here (a dynamo
+        # symbolic-shape assertion), so it is warmed up (compiled) at the timed shape instead.
+        fn(*base).backward()
+    else:
+        warm_up(level, impl)
+
+    def setup():
+        if level == "linear":
+            for t in base:
+                t.grad = None
+            return base
+        # logits: a fresh non-leaf each repeat (the in-place variants overwrite it); made before
+        # the memory window opens, like a model's output would be.
+        leaf = base[0].clone().requires_grad_(needs_grad)
+        return [leaf * 1.0 if needs_grad else leaf]
+
+    def body(tensors):
+        t0 = time.perf_counter()
+        out = fn(*tensors)
+        t1 = time.perf_counter()
+        if needs_grad:
+            out.backward()
+        return {"fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}
+
+    row = measure(setup, body, warmup=warmup, repeats=repeats)
+    from aepo_kernels import DEFAULT_CHUNK_BYTES
+
+    row.update(level=level, impl=impl, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    if level == "linear":
+        matmuls = 4 if impl == "two_stage_fused_linear" else 3
+        row["gflops"] = matmuls * 2 * n * d * vocab / row["total_s"] / 1e9
+    else:
+        # bytes: read + write for copy / in-place ... see module docstring
+        passes = {"read": 1, "copy": 2}.get(impl, 3)
+        row["gb_per_s"] = passes * n * vocab * 4 / row["total_s"] / 1e9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--level", choices=list(SHAPES), default="linear")
+    parser.add_argument("--shape", default="mid")
+    parser.add_argument("--impl", nargs="+")
+    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(args.level, args.case, args.shape, args.warmup, args.repeats)))
+        return
+    rows = []
+    for impl in args.impl or IMPLS[args.level]:
+        case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
+                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+        row = run_case_subprocess(Path(__file__), case_args)
+        row.setdefault("impl", impl)
+        row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    path = write_rows(f"aepo_loss_{args.level}_cpu", rows)
+    print(f"\nrows appended to {path}; {args.level} {args.shape} {SHAPES[args.level][args.shape]}, fp32, "
+          f"median of {args.repeats}")
+    rate = "gflops" if args.level == "linear" else "gb_per_s"
+    print_table(rows, ["impl", "fwd_s", "bwd_s", "total_s", "peak_bytes", rate, "loadavg_1m", "error"])
+
+
+if __name__ == "__main__":
+    main()
