@@ -23,6 +23,15 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+def vllm_missing() -> str | None:
+    """Why ``import vllm`` fails here (None when it works): the skip reason of the vLLM tests."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
+        return f"import vllm failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

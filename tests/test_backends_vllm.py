@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from conftest import vllm_missing
 
 PROMPT_TEXTS = ["hello", "what is the population of France?", "compute 3 * 7 in python", "hi"]
 NOISE_SEED = 1234
@@ -102,15 +103,7 @@ def _run_scenarios(model_dir: str, out_path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # The pytest side.
-def _have_vllm() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
-        return f"import vllm failed: {type(exc).__name__}: {exc}"
-    return None
-
-
-SKIP_REASON = _have_vllm()
+SKIP_REASON = vllm_missing()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 

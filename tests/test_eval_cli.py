@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import vllm_missing
 from aepo_engine.eval.cli import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,15 +227,7 @@ def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch
     assert heldout["pass@1"] == pytest.approx(after)
 
 
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
-        return f"import vllm failed: {type(exc).__name__}: {exc}"
-    return None
-
-
-@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+@pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_vllm_backend(tiny, shared_data, tmp_path):
     """The same command on vLLM-CPU (a subprocess: the engine spawns workers)."""
     out = tmp_path / "vllm"

