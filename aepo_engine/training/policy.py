@@ -534,7 +534,8 @@ class PolicyWorker:
         Args:
             rank0_only: gather on rank 0 only (other ranks get ``{}``), else on every rank.
         Returns:
-            ``{hf_name: tensor}`` for ``load_state_dict`` / ``save_pretrained`` / a rollout backend.
+            ``{hf_name: tensor}`` for ``load_state_dict`` / ``save_pretrained``. A rollout engine
+            takes :meth:`iter_weight_buckets` instead (one bucket at a time, not the whole model).
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -42,10 +42,10 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
     state = worker.full_state_dict()
-    everywhere = worker.full_state_dict(rank0_only=False)  # what a per-rank rollout engine receives
+    everywhere = worker.full_state_dict(rank0_only=False)  # the whole model on every rank
     assert everywhere and (worker.rank != 0 or all(torch.equal(v, state[k]) for k, v in everywhere.items()))
     assert worker.rank == 0 or not state  # rank0_only: the others get {}
-    # what a rollout engine receives: streamed in buckets (~2 KB: many of them), the same tensors
+    # what a rollout engine receives: the same tensors streamed in buckets (~2 KB: many of them)
     streamed, sizes = {}, []
     for bucket in worker.iter_weight_buckets(2048):
         sizes.append(sum(t.numel() * t.element_size() for t in {id(t): t for t in bucket.values()}.values()))

@@ -15,6 +15,7 @@ Multi-GPU layouts (T > 1) have not run here (no GPU); only their planning is tes
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -130,8 +131,6 @@ def engine_layout(tensor_parallel_size: int, rank: int, world: int, local_rank: 
 def engine_devices(tensor_parallel_size: int, local_rank: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for the engine hosted by ``local_rank``: its group's GPUs (the
     indices mapped through a ``CUDA_VISIBLE_DEVICES`` the job already has)."""
-    import os
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = visible.split(",") if visible else None
     own = range(local_rank, local_rank + tensor_parallel_size)
