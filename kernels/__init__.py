@@ -17,6 +17,7 @@ from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
 from .logits_ops import BACKENDS, logprob_entropy
 from .policy_loss import (
     aggregate,
+    apply_token_weights,
     clipped_token_loss,
     entropy_aware_advantages,
     entropy_moments,
@@ -26,7 +27,7 @@ from .policy_loss import (
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "aepo_policy_loss",
-    "aggregate", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
+    "aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
     "logprob_entropy", "policy_loss_from_logprobs",
 ]

@@ -20,14 +20,15 @@ from .config import LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
 from .logits_ops import _as_3d, _resolve_backend, logprob_entropy
 from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights, one_pass_loss_traceable
-from .policy_loss import _loss_stats, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
+from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
 
 
 def _row_inputs(labels, old_logprobs, advantages, loss_mask, config, entropy_stats, global_token_count,
-                global_num_seqs, ref_logprobs) -> RowInputs:
+                global_num_seqs, ref_logprobs, token_weights=None) -> RowInputs:
     """Per-token inputs shaped like ``labels`` (``[N]`` or ``[B, T]``), before flattening to 3-D."""
     if config.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
+    advantages = apply_token_weights(advantages, token_weights, labels.shape)
     if advantages.dim() == labels.dim() - 1 and advantages.shape == labels.shape[:-1]:
         advantages = advantages.unsqueeze(-1).expand(labels.shape)  # per sequence -> per token
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask),
@@ -82,6 +83,7 @@ def aepo_policy_loss(
     global_num_seqs: torch.Tensor | float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     ignore_index: int = -100,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from logits in one pass (spec §0, §2b-2d).
 
@@ -99,6 +101,8 @@ def aepo_policy_loss(
             logits earlier raises instead of reading gradients. Do not read them afterwards.
         entropy_mean, entropy_std: global z-score statistics (see module docstring).
         global_token_count, global_num_seqs: normalisers of the aggregation.
+        token_weights: detached per-token weights of the policy-gradient term, shaped like
+            ``labels`` (importance-sampling weights; :func:`aepo_kernels.apply_token_weights`).
     Returns:
         ``(loss, stats)`` with stats a dict of detached scalar tensors (entropy, ratio,
         clipfrac_high/low(/dual), num_tokens, kl with ``ref_logprobs``).
@@ -111,7 +115,7 @@ def aepo_policy_loss(
         return policy_loss_from_logprobs(
             logprobs, entropy, old_logprobs, advantages, loss_mask, config=config, entropy_mean=entropy_mean,
             entropy_std=entropy_std, global_token_count=global_token_count, global_num_seqs=global_num_seqs,
-            ref_logprobs=ref_logprobs)
+            ref_logprobs=ref_logprobs, token_weights=token_weights)
     if torch.compiler.is_compiling():
         # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
         entropy_pass = lambda: _traceable(logits.detach(), labels, old_logprobs, advantages, loss_mask,  # noqa: E731
@@ -121,7 +125,7 @@ def aepo_policy_loss(
                                                ignore_index=ignore_index)[1]
     stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, entropy_pass)
     inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, stats, global_token_count,
-                         global_num_seqs, ref_logprobs)
+                         global_num_seqs, ref_logprobs, token_weights)
     logits3, labels3 = _as_3d(logits, labels)
     inputs = _as_3d_inputs(inputs, labels3.shape)
     if torch.compiler.is_compiling():
@@ -164,6 +168,7 @@ def fused_linear_aepo_policy_loss(
     global_num_seqs: torch.Tensor | float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     ignore_index: int = -100,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from hidden states ``[N, D]``/``[B, T, D]`` and lm_head ``weight [V, D]``
     (optional ``bias [V]``), never materialising ``[N, V]``, gradient computed in the forward loop.
@@ -190,7 +195,7 @@ def fused_linear_aepo_policy_loss(
         hidden.detach(), weight.detach(), labels, temperature, bias=None if bias is None else bias.detach(),
         ignore_index=ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes)[1])
     inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, stats, global_token_count,
-                         global_num_seqs, ref_logprobs)
+                         global_num_seqs, ref_logprobs, token_weights)
     n_tokens = labels.numel()
     inputs = _as_3d_inputs(inputs, (1, n_tokens))
     token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes)

@@ -33,6 +33,26 @@ import torch
 from .config import LossConfig
 
 
+def apply_token_weights(advantages: torch.Tensor, token_weights: torch.Tensor | None,
+                        shape: torch.Size) -> torch.Tensor:
+    """Advantages (per token ``shape``, or ``[B]`` per sequence of ``[B, T]``) times detached
+    per-token weights ``token_weights`` (``shape``, >= 0; e.g. importance-sampling weights of the
+    rollout/trainer mismatch), or unchanged when ``token_weights`` is None.
+
+    Multiplying the advantage is exactly weighting the policy-gradient term of the token loss:
+    every clip rule is positively homogeneous in A (a weight > 0 keeps its sign, hence the branch
+    taken; 0 zeroes the term) and the entropy-aware shaping is a factor of A. The KL and entropy
+    bonus terms are not weighted (as in TRL's and verl's IS corrections).
+    """
+    if token_weights is None:
+        return advantages
+    if token_weights.shape != shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} must be shaped like the tokens {tuple(shape)}")
+    if len(shape) >= 1 and advantages.dim() == len(shape) - 1:
+        advantages = advantages.unsqueeze(-1)
+    return advantages * token_weights.detach().to(advantages.dtype if advantages.is_floating_point() else torch.float32)
+
+
 def entropy_moments(entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``[3]`` float64 ``(sum H, sum H^2, count)`` over valid tokens, detached.
 
@@ -157,6 +177,7 @@ def policy_loss_from_logprobs(
     global_token_count: torch.Tensor | float | None = None,
     global_num_seqs: torch.Tensor | float | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AEPO loss given per-token ``logprobs`` and ``entropy`` (both ``[N]`` or ``[B, T]``).
 
@@ -168,9 +189,12 @@ def policy_loss_from_logprobs(
             computed over this call's valid tokens when omitted.
         global_token_count, global_num_seqs: normalizers of the aggregation (see :func:`aggregate`).
         ref_logprobs: reference-policy log-probs for the k3 KL (needed when ``kl_coef != 0``).
+        token_weights: detached per-token weights of the policy-gradient term, shaped like
+            ``logprobs`` (importance-sampling weights; see :func:`apply_token_weights`).
     Returns:
         ``(loss, stats)``: a scalar and a dict of detached scalar tensors.
     """
+    advantages = apply_token_weights(advantages, token_weights, logprobs.shape)
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     if config.kl_coef != 0.0 and ref_logprobs is None:

@@ -62,6 +62,7 @@ from aepo_kernels import (
     DEFAULT_CHUNK_BYTES,
     LossConfig,
     aepo_policy_loss,
+    apply_token_weights,
     entropy_moments,
     entropy_stats_from_moments,
     fused_linear_aepo_policy_loss,
@@ -77,18 +78,9 @@ TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfr
 
 
 def _weighted_advantages(micro: TokenBatch) -> Tensor:
-    """Advantages times the rollout-correction weights (``[B, L]``), or as they are.
-
-    Exact for the weighted policy-gradient term: every clip rule's token loss is positively
-    homogeneous in the advantage (w > 0 keeps its sign, hence the branch taken), and the
-    entropy-aware shaping is a factor of it; the KL and entropy-bonus terms do not see it.
-    """
-    if micro.is_weights is None:
-        return micro.advantages
-    advantages = micro.advantages
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    return advantages * micro.is_weights
+    """Advantages times the rollout-correction weights (``[B, L]``), or as they are
+    (:func:`aepo_kernels.apply_token_weights`: exact for the weighted policy-gradient term)."""
+    return apply_token_weights(micro.advantages, micro.is_weights, micro.old_logprobs.shape)
 
 
 def _require(ok: bool, message: str) -> None:
