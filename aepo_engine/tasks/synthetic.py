@@ -46,7 +46,8 @@ The first search lists every namesake (the distractors; ``tools.search.topk`` >=
 in an order that does not tell which one is asked for. The hard token is the surname of the second
 query: the model must find the page whose city (or colour) is the question's and copy the surname
 before it - everything else is copying the question or the top page, as in the other kinds, so a
-~1M-parameter model can still learn each step. The warm-start teacher never guesses here but picks
+~1M-parameter model can still learn each copy; the match itself (the question's city against the
+listed ones) is the one step that is not a plain copy. The warm-start teacher never guesses here but picks
 a wrong namesake in ``demo_wrong_pick_rate`` of its demonstrations and follows it through (searches
 that person, copies its value): a grounded, well-formed response that is wrong because of one
 post-tool decision. The warm-started policy is therefore uncertain exactly at the token after the
@@ -58,7 +59,10 @@ first result, and RL's headroom is there:
 - the entropy-aware advantage and the stop-gradient clip keep gradient on those high-entropy
   tokens, which are the ones that decide the reward here.
 Whether that makes AEPO better than GRPO at an equal budget is the question the comparison
-harness measures; the task does not assume it. Left out of the family: skipping the
+harness measures; the task does not assume it. Measured (README, "The namesake task"): the
+uncertainty does sit after the first result, but the 800-step warm start of the preset leaves the
+pick near chance (it copies well-formed queries and answers but does not learn the match), and 30
+AEPO steps did not change that on seed 0. Left out of the family: skipping the
 disambiguating call (answering from the listing alone), chains of more than one disambiguation,
 namesakes in the other question kinds, more than one template, and questions whose description
 matches no one or several people.
