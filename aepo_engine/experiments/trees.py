@@ -24,12 +24,12 @@ import argparse
 import html
 import re
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from aepo_engine.config_loader import ConfigError, read_config_file
 from aepo_engine.rollout.samples import SampleDumpError, read_sample_rows, sample_path
 
 PROG = "python -m aepo_engine.experiments.trees"
@@ -369,11 +369,12 @@ def samples_dir(run_dir: Path) -> Path:
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's resolved config.toml as a raw dict; {} without one (a bare samples folder)."""
     path = run_dir / "config.toml"
     try:
-        return tomllib.loads(path.read_text()) if path.is_file() else {}
-    except tomllib.TOMLDecodeError:
-        return {}
+        return read_config_file(path) if path.is_file() else {}
+    except ConfigError:
+        return {}  # only the display of tau and logging.dir depend on it
 
 
 def dumped_steps(folder: Path) -> list[int]:
