@@ -28,7 +28,7 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
     """Metrics logging, sample trajectories and plots.
 
     Attributes:
-        dir: Directory for metrics.jsonl, samples.jsonl, TensorBoard events and plots.
+        dir: Directory for metrics.jsonl, samples/ (per-step sample dumps), TensorBoard events.
         jsonl: Append every step's metrics as one JSON line to dir/metrics.jsonl.
         tensorboard: "auto" logs to TensorBoard if the tensorboard package is installed, "on" requires
             it, "off" never.

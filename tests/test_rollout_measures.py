@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_split_loss_stats_by_hand():
         _loss_stats(torch.zeros(4), ratio, adv, mask, LossConfig(), None, {"branch": branch[:3]})
 
 
-@pytest.mark.parametrize("path", ["logits", "fused_linear"])
+@pytest.mark.parametrize("path", ["logits", "reference", "fused_linear"])
 def test_split_stats_equal_stats_of_the_masked_loss(path):
     """A stats mask gives the statistics of the same call with the loss mask narrowed to it."""
     gen = torch.Generator().manual_seed(3)
@@ -152,9 +153,9 @@ def test_split_stats_equal_stats_of_the_masked_loss(path):
     common = dict(config=LossConfig(), entropy_mean=torch.tensor(1.0), entropy_std=torch.tensor(0.5))
 
     def run(loss_mask, masks=None):
-        if path == "logits":
-            return aepo_policy_loss(hidden @ weight.T, labels, old, adv, loss_mask, backend="torch",
-                                    stats_masks=masks, **common)[1]
+        if path != "fused_linear":
+            return aepo_policy_loss(hidden @ weight.T, labels, old, adv, loss_mask, stats_masks=masks,
+                                    backend="torch" if path == "logits" else "reference", **common)[1]
         return fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, loss_mask, backend="torch",
                                              stats_masks=masks, **common)[1]
 
@@ -183,8 +184,9 @@ def test_worker_reports_branch_and_global_clip_fractions(tmp_path):
     policy = PolicyConfig(param_dtype="float32", ppo_mini_batch_size=3, micro_batch_size=2,
                           loss=LossConfig(entropy_adv_alpha=0.0))
 
-    def update(b):
-        worker = PolicyWorker(str(model), policy, OptimConfig(lr=1e-3), total_steps=10)
+    def update(b, **overrides):
+        config = msgspec.structs.replace(policy, **overrides)
+        worker = PolicyWorker(str(model), config, OptimConfig(lr=1e-3), total_steps=10)
         logprobs, entropy = worker.compute_logprobs(b)
         return worker.update(dataclasses.replace(b, old_logprobs=logprobs + 0.5 * noise, entropy=entropy))
 
@@ -199,6 +201,10 @@ def test_worker_reports_branch_and_global_clip_fractions(tmp_path):
     inherited = float((batch.loss_mask * (origin == ORIGIN_INHERITED)).sum())
     assert full["tokens/branch"] + full["tokens/global"] + inherited == full["tokens"]
     assert full["clipfrac_high/branch"] + full["clipfrac_low/branch"] > 0
+    # micro-batching does not change them (token-weighted sums, not means of means)
+    split_once = update(batch, micro_batch_size=9)
+    for key in ("tokens/branch", "clipfrac_high/branch", "clipfrac_low/global", "entropy/branch"):
+        assert split_once[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7)
     # no branch tokens at all: the branch statistics are left out, the count is 0
     plain = update(dataclasses.replace(batch, loss_mask=batch.loss_mask * (origin == ORIGIN_GLOBAL)))
     assert plain["tokens/branch"] == 0 and "clipfrac_high/branch" not in plain
