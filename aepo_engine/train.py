@@ -181,9 +181,9 @@ class Trainer:
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
-        logging = self.cfg.logging
+        log_cfg = self.cfg.logging
         self.logger.dump_samples(step, sample_rows(trajectories, rewards, correct, answers, self.tokenizer,
-                                                  logging.sample_trajectories, logging.sample_trees))
+                                                  log_cfg.sample_trajectories, log_cfg.sample_trees))
         return metrics
 
     def _sync_weights(self) -> None:
