@@ -22,6 +22,7 @@ from aepo_kernels import LossConfig, aepo_policy_loss, entropy_moments, entropy_
 from aepo_kernels.integrations.trl import AEPOGRPOTrainer  # noqa: E402
 from trl.trainer.utils import split_tensor_dict  # noqa: E402
 
+GRPOConfig = trl.GRPOConfig  # bound once: the README test patches trl.GRPOConfig
 PROMPTS = ["Paris is the capital of", "def f(x):", "<think>Compute the sum.", "The answer is",
            "Who wrote Hamlet?", "1 2 3 4", "<search>population", "naïve café"]
 TEMPERATURE = 0.9
@@ -47,7 +48,7 @@ def make_args(tmp_path, batch=8, accumulation=1, **overrides):
                 gradient_accumulation_steps=accumulation, num_generations=4, max_completion_length=12,
                 temperature=TEMPERATURE, learning_rate=5e-3, max_steps=1, logging_steps=1, report_to="none",
                 save_strategy="no", seed=0, bf16=False, dataloader_num_workers=0)
-    return trl.GRPOConfig(**{**base, **overrides})
+    return GRPOConfig(**{**base, **overrides})
 
 
 def make_trainer(cls, model_dir, dataset, args, **kwargs):
@@ -209,3 +210,31 @@ def test_dr_grpo_aggregation_uses_max_completion_length(model_dir, dataset, tmp_
                            loss_config=LossConfig(aggregation="seq-mean-token-sum-norm"))
     assert trainer.loss_config == dataclasses.replace(LossConfig(aggregation="seq-mean-token-sum-norm"),
                                                       seq_norm_length=12)
+
+
+def readme_block(language: str, contains: str) -> str:
+    """The README's ```language block of section "Use the fused loss in your trainer" containing ``contains``."""
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Use the fused loss in your trainer", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(rf"```{language}\n(.*?)```", section, re.S) if contains in b]
+    assert len(blocks) == 1, f"README: expected one {language} block with {contains!r}"
+    return blocks[0]
+
+
+def test_readme_snippet_runs(model_dir, dataset, tmp_path, monkeypatch):
+    """The README's TRL snippet, as written, trains one step (GRPOConfig gets CPU test sizes)."""
+    real_config = GRPOConfig
+
+    def small_config(**kwargs):
+        return make_args(tmp_path, **{**kwargs, "output_dir": str(tmp_path), "max_steps": 1, "per_device_train_batch_size": 4})
+
+    monkeypatch.setattr(trl, "GRPOConfig", small_config)
+    code = readme_block("python", "AEPOGRPOTrainer")
+    namespace = {"model": model_dir, "reward_funcs": length_reward, "train_dataset": dataset}
+    exec(compile(code, "README.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, AEPOGRPOTrainer) and isinstance(trainer.args, real_config)
+    assert trainer.state.global_step == 1 and trainer.loss_config.entropy_adv_alpha == 0.2

@@ -255,3 +255,42 @@ def test_entry_point_registers_the_loss_in_a_fresh_process():
                            "POLICY_LOSS_REGISTRY as R\nprint('aepo' in R)"], capture_output=True, text=True,
                           env={**env, "VERL_USE_EXTERNAL_PLUGINS": "none"}, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stderr[-2000:]
+
+
+@verl_only
+def test_readme_config_lines_configure_the_loss():
+    """The README's verl command: its overrides, composed with verl's own Hydra config, give an
+    actor whose loss is aepo with the stated options; the entry module it runs exists."""
+    import importlib.util
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Use the fused loss in your trainer", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "verl.trainer.main_ppo" in b)
+    overrides = re.findall(r"(\+?actor_rollout_ref\.\S+=\S+)", block)
+    assert any(o.endswith("loss_mode=aepo") for o in overrides) and len(overrides) == 4
+    assert importlib.util.find_spec("verl.trainer.main_ppo") is not None
+    user = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]  # stands for "$@", the user's own options
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=user + overrides)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.calculate_entropy and actor.policy_loss.loss_mode == "aepo"
+    assert config_loss(actor).entropy_adv_alpha == 0.2
+    # The first two lines alone (AEPO's defaults) configure it too.
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=user + overrides[:2])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    from aepo_kernels import LossConfig
+    assert config_loss(actor) == LossConfig(kl_coef=0.0, entropy_coef=0.0)
+
+
+def test_aepo_kernels_imports_no_trainer():
+    """``import aepo_kernels`` (and its integrations package) pulls in neither TRL nor verl nor transformers."""
+    code = ("import sys, aepo_kernels, aepo_kernels.integrations\n"
+            "print(sorted(m for m in ('trl', 'verl', 'transformers', 'aepo_engine') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

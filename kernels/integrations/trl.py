@@ -51,8 +51,12 @@ backbone's hidden states instead and computes the gradient in its forward loop (
 head instead of TRL's 4). bench/bench_trl_routes.py measures both on CPU; see
 :data:`DEFAULT_ROUTE` for the choice and the figures. The fused-linear route cannot serve the
 top-entropy mask or the off-policy mask (both need the current policy's per-token values before
-the loss), TRL's bias-corrected KL, the entropy bonus, MoE auxiliary losses, models with logit soft-capping or a logit scale, or PEFT models (TRL's head is
-patched on the base model); with any of these the trainer uses ``"trl_logprobs"``.
+the loss), TRL's bias-corrected KL, the entropy bonus, MoE auxiliary losses, models with logit
+soft-capping or a logit scale, PEFT models (TRL's head is patched on the base model) or
+multimodal inputs; with any of these the trainer uses ``"trl_logprobs"``. It needs the old
+log-probs before its pass: when TRL does not compute them (on-policy steps) they come from the
+no-grad pass over the generation batch that also gives the entropy statistics (a pass added for
+this alone when ``entropy_adv_alpha == 0``).
 
 Not supported (raises): ``importance_sampling_level="sequence"`` (AEPO's ratio is per token).
 """
@@ -138,13 +142,13 @@ class AEPOGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, loss_config: LossConfig | None = None, route: str = DEFAULT_ROUTE,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kwargs):
+        self._captured_entropies = None  # a list while _generate_and_score_completions runs
         super().__init__(*args, **kwargs)
         self.loss_config = _check_args(self.args, loss_config or LossConfig(), route)
         self.chunk_bytes = chunk_bytes
         self.route = "fused_linear" if route == "fused_linear" and self._fused_linear_possible() else "trl_logprobs"
         if self.route == "fused_linear":
             _add_hidden_states_forward(self.model)
-        self._captured_entropies = None
 
     def _fused_linear_possible(self) -> bool:
         text_config = self.model.config.get_text_config()
@@ -240,7 +244,7 @@ class AEPOGRPOTrainer(GRPOTrainer):
                       entropy_std=inputs.get(_ENTROPY_STD), **self._normalisers(inputs, completion_ids.size(0)))
         if self.loss_config.entropy_adv_alpha != 0.0 and kwargs["entropy_mean"] is None:
             raise RuntimeError("entropy statistics missing from the inputs: _generate_and_score_completions was bypassed")
-        if self.route == "fused_linear":
+        if self.route == "fused_linear" and not any(k in inputs for k in _FORWARD_KEYS):  # text-only batch
             loss, stats = self._fused_linear_loss(model, inputs, input_ids, attention_mask, mask, completion, kwargs)
         else:
             logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
@@ -280,7 +284,8 @@ class AEPOGRPOTrainer(GRPOTrainer):
         return kl_loss, (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
 
     def _fused_linear_loss(self, model, inputs, input_ids, attention_mask, mask, completion, kwargs):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, aepo_hidden_states=True)
+        with self.accelerator.autocast():
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask, aepo_hidden_states=True)
         hidden = hidden[:, -completion - 1:-1]  # [B, C, D]: position t predicts completion token t
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         weights = self._token_weights(inputs, None, None, inputs["advantages"], mask)
