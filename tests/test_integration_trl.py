@@ -238,3 +238,16 @@ def test_readme_snippet_runs(model_dir, dataset, tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert isinstance(trainer, AEPOGRPOTrainer) and isinstance(trainer.args, real_config)
     assert trainer.state.global_step == 1 and trainer.loss_config.entropy_adv_alpha == 0.2
+
+
+@pytest.mark.parametrize("route", ["trl_logprobs", "fused_linear"])
+def test_route_bench_smoke(route):
+    """bench/bench_trl_routes.py's case runs on tiny shapes (it checks its loss against the reference itself)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_trl_routes import run_case
+
+    row = run_case(route, vocab=300, hidden=64, layers=1, batch=2, prompt=4, completion=9, warmup=0, repeats=1)
+    assert row["loss_matches_reference"] and row["total_s"] > 0 and row["route"] == route
