@@ -33,6 +33,14 @@ def length_reward(completions, **kwargs):
     return [float(len(c) % 7) + 0.1 * c.count(" ") for c in completions]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _reset_compiled_state():
+    """Leave no torch.compile state behind: after this module's trainers, a later caller's
+    fullgraph trace of the loss (tests/test_kernels_one_pass.py) failed in the same process."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(build_tiny_qwen3(tmp_path_factory.mktemp("trl") / "model", seed=0, initializer_range=0.2))
