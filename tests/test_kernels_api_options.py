@@ -392,3 +392,44 @@ def test_fused_linear_logprob_entropy_with_scale_and_softcap(scale, cap):
     torch.testing.assert_close(ent, ref_ent.detach(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_callers_torch_compile_traces_the_options():
+    """torch.compile(fullgraph=True) of a step using softcap, logit_scale, shift_labels and
+    return_token_loss (the custom op path) equals eager."""
+    logits, labels, old, adv, mask, _ = _batch(41, vocab=101)
+
+    def step(z):
+        return aepo_policy_loss(z * 1.0, labels, old, adv, mask, config=LossConfig(clip="gppo"), backend="torch",
+                                softcap=4.0, logit_scale=0.8, shift_labels=True, return_token_loss=True)
+
+    eager_leaf, compiled_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want, want_stats = step(eager_leaf)
+    want.backward()
+    got, stats = torch.compile(step, fullgraph=True)(compiled_leaf)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled_leaf.grad, eager_leaf.grad)
+    torch.testing.assert_close(stats["token_loss"], want_stats["token_loss"])
+
+
+def test_more_kernel_variants_than_dynamos_default_limit_compile():
+    """dtype x soft cap on/off x size-1 shapes gives a kernel more than dynamo's default 8
+    compiled variants; they compile (the module's own limit), stay compiled and are right."""
+    from torch._dynamo.utils import counters
+
+    from aepo_kernels.compile import CompiledFunction
+
+    def kernel(x, tanh_scale=None):
+        if tanh_scale is not None:
+            x = torch.tanh(x * tanh_scale)
+        return x * 2 + 1
+
+    compiled = CompiledFunction(kernel)
+    variants = [(torch.randn(n, dtype=dtype), cap) for dtype in (torch.float32, torch.float64, torch.bfloat16)
+                for cap in (None, 0.5) for n in (1, 10)]
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        for x, cap in variants:
+            torch.testing.assert_close(compiled(x, cap), kernel(x, cap))
+    assert compiled.mode == "compiled" and counters["stats"]["unique_graphs"] - before == len(variants) > 8
