@@ -53,9 +53,6 @@ from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entr
 # ---------------------------------------------------------------------------------------------
 # Per-token bookkeeping shared by both loss functions: shape checks, label shifting, the target mask.
 
-_TOKEN_TENSORS = ("old_logprobs", "advantages", "loss_mask", "ref_logprobs", "token_weights")
-
-
 def _check_token_shapes(labels: torch.Tensor, tokens: dict[str, torch.Tensor | None]) -> None:
     """Every per-token tensor is shaped like ``labels``; ``advantages`` may be ``[B]`` per sequence."""
     for name, t in tokens.items():

@@ -59,7 +59,8 @@ class RowInputs:
     """Per-token inputs of the one-pass loss, all ``[B, T]`` float (``ref_logprobs`` optional).
 
     ``weight`` is the aggregation weight w_t (0 on masked tokens); ``entropy_mean``/``entropy_std``
-    are 0-d tensors. A later per-token importance weight would be one more field here.
+    are 0-d tensors. Per-token importance weights are already folded into ``advantages``
+    (:func:`aepo_kernels.apply_token_weights`).
     """
 
     old_logprobs: torch.Tensor
