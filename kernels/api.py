@@ -45,7 +45,7 @@ from torch import nn
 
 from .config import LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
-from .logits_ops import _as_3d, _resolve_backend, logit_map, logprob_entropy
+from .logits_ops import _as_3d, _resolve_backend, logit_map, logprob_entropy, shift_labels_left, shift_to_labels
 from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights, one_pass_loss_traceable
 from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
 
@@ -69,18 +69,12 @@ def _shift_to_logits(labels, tokens: dict, config: LossConfig, ignore_index: int
     (row t's target is token t+1; the last row gets ``ignore_index`` and zeros, so it is out of
     the loss). Per-sequence advantages are left alone. Returns ``(labels, tokens, config)``;
     ``seq-mean-token-sum-norm`` keeps its by-hand-slicing default length T - 1."""
-    if labels.shape[-1] < 2:
-        raise ValueError(f"shift_labels=True needs at least 2 tokens per sequence, labels are {tuple(labels.shape)}")
+    targets = shift_labels_left(labels, ignore_index)
     shifted = {name: t if t is None or t.shape != labels.shape else F.pad(t[..., 1:], (0, 1))
                for name, t in tokens.items()}
     if config.aggregation == "seq-mean-token-sum-norm" and config.seq_norm_length is None:
         config = dataclasses.replace(config, seq_norm_length=labels.shape[-1] - 1)
-    return F.pad(labels[..., 1:], (0, 1), value=ignore_index), shifted, config
-
-
-def _shift_to_labels(t: torch.Tensor) -> torch.Tensor:
-    """A logits-aligned per-token output back to the caller's input_ids alignment (token 0: 0)."""
-    return F.pad(t[..., :-1], (1, 0))
+    return targets, shifted, config
 
 
 def _target_mask(loss_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -101,7 +95,7 @@ def _finish_stats(stats: dict, shift_labels: bool) -> dict:
     if shift_labels:
         for name in ("token_loss", "token_logprobs", "token_entropy"):
             if name in stats:
-                stats[name] = _shift_to_labels(stats[name])
+                stats[name] = shift_to_labels(stats[name])
     return stats
 
 

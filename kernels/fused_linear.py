@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from .logits_ops import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, logit_map, map_logits, merge_stats
+from .logits_ops import (
+    accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, logit_map, map_logits, merge_stats, shift_labels_left,
+    shift_to_labels,
+)
 
 # The one memory budget of the fused-linear paths: bytes of the logits block(s) one step may hold.
 # At V = 151,936 fp32 it gives 441-row blocks for the one-pass loss (bench/bench_fused_linear.py).
@@ -128,6 +131,7 @@ def fused_linear_logprob_entropy(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``labels`` and entropies of ``softmax((hidden @ weight.T + bias) / T)``.
 
@@ -140,6 +144,8 @@ def fused_linear_logprob_entropy(
             ``[token_chunk, vocab_chunk]`` blocks plus an fp32 ``[N, D]`` and ``[vocab_chunk, D]``.
         logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
             of the raw ``z = hidden @ weight.T + bias`` (:func:`aepo_kernels.logits_ops.logit_map`).
+        shift_labels: hidden row t predicts ``labels[t+1]``; outputs aligned with ``labels``
+            (token 0: 0), as :func:`aepo_kernels.logprob_entropy`.
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
     """
@@ -149,10 +155,12 @@ def fused_linear_logprob_entropy(
     auto_tokens, auto_vocab = chunks_for_budget(weight.shape[0], chunk_bytes)
     token_chunk, vocab_chunk = token_chunk or auto_tokens, vocab_chunk or auto_vocab
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
     logp, entropy = FusedLinearLogprobEntropyFunction.apply(
-        flat_hidden, weight, bias, labels.reshape(-1).long(), inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk
+        flat_hidden, weight, bias, targets.reshape(-1).long(), inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk
     )
-    return logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)
 
 
 # ---------------------------------------------------------------------------------------------

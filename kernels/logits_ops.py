@@ -30,6 +30,7 @@ import os
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
 from .compile import compiled
@@ -244,6 +245,20 @@ class LogprobEntropyFunction(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
+def shift_labels_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``shift_labels=True``: input_ids-aligned ``labels [..., T]`` -> the target of each logits
+    row (row t predicts token t+1; the last row has none: ``ignore_index``). ``[..., T]``-sized."""
+    if labels.shape[-1] < 2:
+        raise ValueError(f"shift_labels=True needs at least 2 tokens per sequence, labels are {tuple(labels.shape)}")
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def shift_to_labels(t: torch.Tensor) -> torch.Tensor:
+    """A per-logits-row output back to the input_ids alignment of the labels (token 0, which no
+    row predicts, gets 0)."""
+    return F.pad(t[..., :-1], (1, 0))
+
+
 def _as_3d(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.dim() == 2:
         logits, labels = logits.unsqueeze(0), labels.unsqueeze(0)
@@ -264,6 +279,7 @@ def logprob_entropy(
     ignore_index: int = -100,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``labels`` and entropy of ``softmax(logits / temperature)``, per token.
 
@@ -279,15 +295,21 @@ def logprob_entropy(
         logit_scale, softcap: the softmax is that of ``softcap * tanh(logit_scale * logits / softcap)
             / temperature`` (:func:`logit_map`). Only for raw logits: a model whose forward already
             applies its scale/soft cap (HF Gemma-2, Cohere) returns logits that need neither.
+        shift_labels: ``labels`` are input_ids-aligned and logits row t predicts ``labels[t+1]``
+            (HF convention); the outputs are aligned with ``labels`` (token 0: log-prob and
+            entropy 0). No logits copy.
 
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``, both differentiable.
     """
     inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     backend = _resolve_backend(backend, logits)
+    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
     if backend == "reference":
-        return logprob_entropy_reference(logits, labels, temperature, ignore_index, logit_scale, softcap)
-    out_shape = labels.shape
-    logits3, labels3 = _as_3d(logits, labels)
-    logp, entropy = LogprobEntropyFunction.apply(logits3, labels3, inv_t, tanh_scale, backend, inplace_backward, ignore_index)
-    return logp.reshape(out_shape), entropy.reshape(out_shape)
+        logp, entropy = logprob_entropy_reference(logits, targets, temperature, ignore_index, logit_scale, softcap)
+    else:
+        logits3, labels3 = _as_3d(logits, targets)
+        logp, entropy = LogprobEntropyFunction.apply(logits3, labels3, inv_t, tanh_scale, backend, inplace_backward,
+                                                     ignore_index)
+        logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)

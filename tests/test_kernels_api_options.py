@@ -433,3 +433,30 @@ def test_more_kernel_variants_than_dynamos_default_limit_compile():
         for x, cap in variants:
             torch.testing.assert_close(compiled(x, cap), kernel(x, cap))
     assert compiled.mode == "compiled" and counters["stats"]["unique_graphs"] - before == len(variants) > 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_logprob_entropy_shift_labels_round_trip(backend):
+    """logprob_entropy(shift_labels=True) == slicing by hand, aligned with the labels; fed back
+    as old log-probs to the shifted loss (same alignment) every ratio is 1 (no clipping)."""
+    logits, labels, _, adv, mask, *_ = _shift_case(13)
+    leaf, hand = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logp, ent = logprob_entropy(leaf, labels, 0.9, backend=backend, softcap=5.0, shift_labels=True)
+    want_logp, want_ent = logprob_entropy(hand[:, :-1], labels[:, 1:], 0.9, backend=backend, softcap=5.0)
+    (logp.sum() + ent.sum()).backward()
+    (want_logp.sum() + want_ent.sum()).backward()
+    assert logp.shape == labels.shape and (logp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
+    torch.testing.assert_close(logp[:, 1:], want_logp)
+    torch.testing.assert_close(ent[:, 1:], want_ent)
+    torch.testing.assert_close(leaf.grad, hand.grad)
+    _, stats = aepo_policy_loss(logits, labels, logp.detach(), adv, mask, backend=backend, temperature=0.9,
+                                softcap=5.0, shift_labels=True, return_token_loss=True)
+    torch.testing.assert_close(stats["ratio"], torch.tensor(1.0))
+    torch.testing.assert_close(stats["token_logprobs"], logp.detach())
+    gen = torch.Generator().manual_seed(14)
+    hidden, weight = torch.randn(3, 9, 8, generator=gen), torch.randn(211, 8, generator=gen)
+    fused = fused_linear_logprob_entropy(hidden, weight, labels, 0.9, softcap=5.0, shift_labels=True, vocab_chunk=64)
+    by_hand = logprob_entropy_reference(hidden[:, :-1] @ weight.T, labels[:, 1:], 0.9, softcap=5.0)
+    for got, want in zip(fused, by_hand):
+        assert (got[:, 0] == 0).all()
+        torch.testing.assert_close(got[:, 1:], want, atol=2e-5, rtol=1e-5)
