@@ -426,12 +426,15 @@ def test_more_kernel_variants_than_dynamos_default_limit_compile():
         return x * 2 + 1
 
     compiled = CompiledFunction(kernel)
-    variants = [(torch.randn(n, dtype=dtype), cap) for dtype in (torch.float32, torch.float64, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    variants = [(torch.randn(n, generator=gen).to(dtype), cap) for dtype in (torch.float32, torch.float64, torch.bfloat16)
                 for cap in (None, 0.5) for n in (1, 10)]
     before = counters["stats"]["unique_graphs"]
     for _ in range(2):
         for x, cap in variants:
-            torch.testing.assert_close(compiled(x, cap), kernel(x, cap))
+            # bf16: inductor computes in fp32 and rounds once, eager rounds per op (1 ulp apart)
+            tol = dict(atol=2e-2, rtol=2e-2) if x.dtype == torch.bfloat16 else {}
+            torch.testing.assert_close(compiled(x, cap), kernel(x, cap), **tol)
     assert compiled.mode == "compiled" and counters["stats"]["unique_graphs"] - before == len(variants) > 8
 
 
