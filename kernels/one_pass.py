@@ -285,20 +285,21 @@ def one_pass_loss_op(
     logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
     weight: torch.Tensor, ref_logprobs: torch.Tensor, entropy_mean: torch.Tensor, entropy_std: torch.Tensor,
     params: list[float], clip: str, has_ref: bool, inv_t: float, ignore_index: int, backend: str,
-    tanh_scale: float | None = None,
+    tanh_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss [], rows [6, B, T], dlogits [B, T, V])`` of ``logits [B, T, V]``; ``params`` are
     :data:`HYPER_PARAMS` in order (the config travels as plain values)."""
     config = LossConfig(clip=clip, **dict(zip(HYPER_PARAMS, params)))
     inputs = RowInputs(old_logprobs, advantages, weight, entropy_mean, entropy_std, ref_logprobs if has_ref else None)
     dlogits = torch.empty_like(logits)
-    rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, dlogits, backend, tanh_scale)
+    # tanh_scale 0.0 = no soft cap (a plain float in the op's schema)
+    rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, dlogits, backend, tanh_scale or None)
     return (rows[2] * weight.to(rows.dtype)).sum(), rows, dlogits
 
 
 @one_pass_loss_op.register_fake
 def _(logits, labels, old_logprobs, advantages, weight, ref_logprobs, entropy_mean, entropy_std, params, clip,
-      has_ref, inv_t, ignore_index, backend, tanh_scale=None):
+      has_ref, inv_t, ignore_index, backend, tanh_scale):
     acc = accumulate_dtype(logits.dtype)
     rows = logits.new_empty((6, *logits.shape[:2]), dtype=acc)
     return logits.new_empty((), dtype=acc), rows, torch.empty_like(logits)
@@ -323,5 +324,5 @@ def one_pass_loss_traceable(logits, labels, inputs: RowInputs, config: LossConfi
     loss, rows, _ = one_pass_loss_op(
         logits, labels, inputs.old_logprobs, inputs.advantages, inputs.weight, ref, inputs.entropy_mean,
         inputs.entropy_std, [float(getattr(config, name)) for name in HYPER_PARAMS], config.clip,
-        inputs.ref_logprobs is not None, inv_t, ignore_index, backend, tanh_scale)
+        inputs.ref_logprobs is not None, inv_t, ignore_index, backend, tanh_scale or 0.0)
     return loss, rows.detach()
