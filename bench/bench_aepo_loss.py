@@ -14,6 +14,8 @@ Subjects (``--level``):
   buffer), ``two_stage_inplace`` (the previous path), and the memory-bound floors ``read``
   (``logits.sum()``: reads N V 4 bytes) and ``copy`` (``logits.clone()``: reads and writes N V 4
   bytes). The one-pass loss reads the logits twice and writes dlogits once (3 N V 4 bytes).
+- ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
+  ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
 Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
 statistics, token-mean over a supplied token count) -- the trainer's call.
 
@@ -43,8 +45,8 @@ SHAPES = {
 }
 IMPLS = {
     "linear": ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
-               "liger_grpo"],
-    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "read", "copy"],
+               "liger_grpo", "one_pass_fused_linear_softcap"],
+    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "read", "copy", "one_pass_inplace_softcap"],
 }
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
 
@@ -75,8 +77,10 @@ def make_loss_fn(impl: str, inputs: dict):
     def two_stage(logp, entropy):
         return policy_loss_from_logprobs(logp.reshape(shape), entropy.reshape(shape), old, adv, mask, config=cfg, **stats)[0]
 
-    if impl == "one_pass_fused_linear":
-        return lambda h, w: fused_linear_aepo_policy_loss(h.reshape(*shape, -1), w, labels, old, adv, mask, config=cfg, **stats)[0]
+    if impl in ("one_pass_fused_linear", "one_pass_fused_linear_softcap"):
+        head = dict(softcap=30.0, logit_scale=0.5) if impl.endswith("_softcap") else {}
+        return lambda h, w: fused_linear_aepo_policy_loss(h.reshape(*shape, -1), w, labels, old, adv, mask, config=cfg,
+                                                          **stats, **head)[0]
     if impl == "two_stage_fused_linear":  # the previous defaults: 1024 x 8192 blocks, recomputing backward
         return lambda h, w: two_stage(*fused_linear_logprob_entropy(h, w, labels.reshape(-1), token_chunk=1024, vocab_chunk=8192))
     if impl == "one_pass_materialised":
@@ -89,9 +93,10 @@ def make_loss_fn(impl: str, inputs: dict):
 
         liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo")
         return lambda h, w: liger(h.reshape(*shape, -1), w, labels, mask, adv, old_per_token_logps=old)[0]
-    if impl == "one_pass_inplace":
+    if impl in ("one_pass_inplace", "one_pass_inplace_softcap"):
+        head = dict(softcap=30.0, logit_scale=0.5) if impl.endswith("_softcap") else {}
         return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch",
-                                          inplace_backward=True, **stats)[0]
+                                          inplace_backward=True, **stats, **head)[0]
     if impl == "one_pass":
         return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch", **stats)[0]
     if impl == "two_stage_inplace":

@@ -10,6 +10,10 @@ The losses run in one pass per row (``one_pass``: log-prob, entropy, shaped adva
 loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropies from logits),
 ``fused_linear_logprob_entropy`` (from hidden states, no ``[N, V]`` tensor) and ``policy_loss``
 (clip rules, advantages, aggregation on given log-probs).
+
+Options for other trainers (keywords of both loss functions, see :mod:`aepo_kernels.api`):
+``token_weights`` (IS weights), ``return_token_loss``, ``shift_labels`` (HF labels convention),
+``ignore_index``, ``logit_scale`` / ``softcap`` (the model's logit map, e.g. Gemma-2's soft cap).
 """
 from .api import AEPOLoss, aepo_policy_loss, fused_linear_aepo_policy_loss
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig

@@ -10,17 +10,93 @@ gradient. Its inputs must all be known before the sweep:
   same logits (hidden states: one more logits matmul) gives this call's statistics, then the
   one pass runs with them. The trainer supplies global statistics, so it never pays for that.
 ``backend="reference"`` runs :mod:`aepo_kernels.reference`-style full-fp32 autograd instead.
+
+Options both loss functions share (keyword arguments; each costs nothing when off):
+- ``shift_labels=True``: the HF ``labels`` convention. ``labels`` and every per-token tensor are
+  aligned with ``input_ids`` (``[B, T]``: token t, its old log-prob, mask, weight ...); logits (or
+  hidden states) row t predicts token t+1. The shift happens on the ``[B, T]`` side
+  (:func:`_shift_to_logits`): labels move left with ``ignore_index`` in the last slot, the other
+  per-token tensors move left with 0 there, so the logits / hidden states are used as given (no
+  ``[N, V]`` or ``[N, D]`` copy, and backward returns their full gradient directly). The last
+  row costs one wasted row of work per sequence. Per-token outputs come back aligned with
+  ``labels`` again (token 0 has no prediction: 0). The result equals slicing by hand
+  (``logits[:, :-1]`` with ``labels[:, 1:]`` etc.), ``seq-mean-token-sum-norm``'s default length
+  included (T - 1).
+- ``ignore_index``: a position whose label is ``ignore_index`` has no target; it is out of the
+  loss (as if ``loss_mask`` were 0 there) and out of the statistics.
+- ``return_token_loss=True``: ``stats`` also carries ``token_loss`` (L_t, 0 where the mask is 0),
+  ``token_logprobs`` and ``token_entropy`` (every position; log-prob 0 without a target), detached
+  fp32 tensors shaped like ``labels``, read from the rows the pass computes anyway.
+- ``logit_scale`` / ``softcap``: the model maps its raw logits z to ``c tanh(s z / c)`` (Cohere /
+  Granite scale, Gemma-2 soft cap) before the temperature. They describe the model's head, not
+  the loss: the same :class:`LossConfig` (the algorithm's hyper-parameters, shared by presets
+  across models) must stay right for any model, so they are call arguments beside
+  ``temperature``. From hidden states (fused-linear) pass the model's values: the kernel applies
+  them per logits block, gradient included. On logits, pass them only for raw ``hidden @ W.T``
+  logits: HF models that soft-cap or scale return logits that already are.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
-from .logits_ops import _as_3d, _resolve_backend, logprob_entropy
+from .logits_ops import _as_3d, _resolve_backend, logit_map, logprob_entropy, shift_labels_left, shift_to_labels
 from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights, one_pass_loss_traceable
 from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token bookkeeping shared by both loss functions: shape checks, label shifting, the target mask.
+
+def _check_token_shapes(labels: torch.Tensor, tokens: dict[str, torch.Tensor | None]) -> None:
+    """Every per-token tensor is shaped like ``labels``; ``advantages`` may be ``[B]`` per sequence."""
+    for name, t in tokens.items():
+        if t is None or t.shape == labels.shape:
+            continue
+        if name == "advantages" and t.shape == labels.shape[:-1]:
+            continue
+        raise ValueError(f"{name} {tuple(t.shape)} must be shaped like labels {tuple(labels.shape)}"
+                         + (" (or [B] per sequence)" if name == "advantages" else ""))
+
+
+def _shift_to_logits(labels, tokens: dict, config: LossConfig, ignore_index: int):
+    """``shift_labels=True``: input_ids-aligned ``labels``/``tokens`` -> logits-aligned ones
+    (row t's target is token t+1; the last row gets ``ignore_index`` and zeros, so it is out of
+    the loss). Per-sequence advantages are left alone. Returns ``(labels, tokens, config)``;
+    ``seq-mean-token-sum-norm`` keeps its by-hand-slicing default length T - 1."""
+    targets = shift_labels_left(labels, ignore_index)
+    shifted = {name: t if t is None or t.shape != labels.shape else F.pad(t[..., 1:], (0, 1))
+               for name, t in tokens.items()}
+    if config.aggregation == "seq-mean-token-sum-norm" and config.seq_norm_length is None:
+        config = dataclasses.replace(config, seq_norm_length=labels.shape[-1] - 1)
+    return targets, shifted, config
+
+
+def _target_mask(loss_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``loss_mask`` with the positions that have no target (label ``ignore_index``) set to 0."""
+    return torch.where(labels != ignore_index, loss_mask, torch.zeros_like(loss_mask))
+
+
+def _prepare_tokens(labels, tokens: dict, config, ignore_index, shift_labels):
+    """Checks, shifts (``shift_labels``) and masks (``ignore_index``) the per-token inputs."""
+    _check_token_shapes(labels, tokens)
+    if shift_labels:
+        labels, tokens, config = _shift_to_logits(labels, tokens, config, ignore_index)
+    tokens["loss_mask"] = _target_mask(tokens["loss_mask"], labels, ignore_index)
+    return labels, tokens, config
+
+
+def _finish_stats(stats: dict, shift_labels: bool) -> dict:
+    if shift_labels:
+        for name in ("token_loss", "token_logprobs", "token_entropy"):
+            if name in stats:
+                stats[name] = shift_to_labels(stats[name])
+    return stats
 
 
 def _row_inputs(labels, old_logprobs, advantages, loss_mask, config, entropy_stats, global_token_count,
@@ -61,9 +137,25 @@ def _as_3d_inputs(inputs: RowInputs, shape3) -> RowInputs:
                      view(inputs.ref_logprobs))
 
 
-def _stats(rows, loss_mask, config, has_ref, stats_masks=None) -> dict[str, torch.Tensor]:
-    logp, entropy, _, ratio, shaped, kl = (r.reshape(loss_mask.shape) for r in rows)
-    return _loss_stats(entropy, ratio, shaped, loss_mask, config, kl if has_ref else None, stats_masks)
+def _stats(rows, loss_mask, config, has_ref, return_token_loss=False, stats_masks=None) -> dict[str, torch.Tensor]:
+    logp, entropy, token_loss, ratio, shaped, kl = (r.reshape(loss_mask.shape) for r in rows)
+    stats = _loss_stats(entropy, ratio, shaped, loss_mask, config, kl if has_ref else None, stats_masks)
+    if return_token_loss:
+        stats["token_loss"] = torch.where(loss_mask != 0, token_loss, torch.zeros_like(token_loss))
+        stats["token_logprobs"], stats["token_entropy"] = logp, entropy
+    return stats
+
+
+def _prepare_stats_masks(stats_masks, labels, shift_labels):
+    """``stats_masks`` checked against ``labels`` and shifted like ``loss_mask`` (``shift_labels``)."""
+    if not stats_masks:
+        return stats_masks
+    for name, mask in stats_masks.items():
+        if mask.shape != labels.shape:
+            raise ValueError(f"stats_masks[{name!r}] {tuple(mask.shape)} must be shaped like labels {tuple(labels.shape)}")
+    if shift_labels:
+        return {name: F.pad(mask[..., 1:], (0, 1)) for name, mask in stats_masks.items()}
+    return stats_masks
 
 
 def aepo_policy_loss(
@@ -85,13 +177,18 @@ def aepo_policy_loss(
     ignore_index: int = -100,
     token_weights: torch.Tensor | None = None,
     stats_masks: dict[str, torch.Tensor] | None = None,
+    shift_labels: bool = False,
+    return_token_loss: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from logits in one pass (spec §0, §2b-2d).
 
     Args:
         logits: ``[N, V]`` or ``[B, T, V]`` (logits of position t predict ``labels[t]``), unit
             stride on V (other strides are kept: ``logits[:, :-1]`` is not copied).
-        labels: ``[N]`` / ``[B, T]`` sampled token ids; ``ignore_index`` rows have log-prob 0.
+        labels: ``[N]`` / ``[B, T]`` sampled token ids; ``ignore_index`` positions have no target
+            (log-prob 0, out of the loss whatever ``loss_mask`` says).
         old_logprobs, loss_mask, ref_logprobs: shaped like ``labels``; advantages: the same or
             ``[B]`` per sequence. See :func:`policy_loss_from_logprobs`.
         config: :class:`LossConfig`; temperature: the sampling temperature.
@@ -106,47 +203,64 @@ def aepo_policy_loss(
             ``labels`` (importance-sampling weights; :func:`aepo_kernels.apply_token_weights`).
         stats_masks: name -> mask shaped like ``labels``: the statistics again over each mask's
             valid tokens, as ``<stat>/<name>`` (e.g. tokens of branched trajectories); no extra pass.
+        shift_labels: ``labels`` and the per-token tensors are input_ids-aligned; logits row t
+            predicts ``labels[t+1]`` (module docstring). The logits are not copied.
+        return_token_loss: also return the per-token loss, log-probs and entropies in ``stats``.
+        logit_scale, softcap: the softmax is taken of ``softcap * tanh(logit_scale * logits /
+            softcap) / temperature`` -- only for raw logits (module docstring).
     Returns:
         ``(loss, stats)`` with stats a dict of detached scalar tensors (entropy, ratio,
-        clipfrac_high/low(/dual), num_tokens, kl with ``ref_logprobs``).
+        clipfrac_high/low(/dual), num_tokens, kl with ``ref_logprobs``), plus ``token_loss``,
+        ``token_logprobs``, ``token_entropy`` (shaped like ``labels``) with ``return_token_loss``.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0")
+    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     backend = _resolve_backend(backend, logits)
+    stats_masks = _prepare_stats_masks(stats_masks, labels, shift_labels)
+    labels, tokens, config = _prepare_tokens(labels, dict(
+        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, ref_logprobs=ref_logprobs,
+        token_weights=token_weights), config, ignore_index, shift_labels)
     if backend == "reference":
-        logprobs, entropy = logprob_entropy(logits, labels, temperature, backend="reference", ignore_index=ignore_index)
-        return policy_loss_from_logprobs(
-            logprobs, entropy, old_logprobs, advantages, loss_mask, config=config, entropy_mean=entropy_mean,
-            entropy_std=entropy_std, global_token_count=global_token_count, global_num_seqs=global_num_seqs,
-            ref_logprobs=ref_logprobs, token_weights=token_weights, stats_masks=stats_masks)
+        logprobs, entropy = logprob_entropy(logits, labels, temperature, backend="reference", ignore_index=ignore_index,
+                                            logit_scale=logit_scale, softcap=softcap)
+        loss, stats = policy_loss_from_logprobs(
+            logprobs, entropy, **tokens, config=config, entropy_mean=entropy_mean, entropy_std=entropy_std,
+            global_token_count=global_token_count, global_num_seqs=global_num_seqs, return_token_loss=return_token_loss,
+            stats_masks=stats_masks)
+        if return_token_loss:
+            stats["token_logprobs"], stats["token_entropy"] = logprobs.detach(), entropy.detach()
+        return loss, _finish_stats(stats, shift_labels)
+    loss_mask, ref_logprobs = tokens["loss_mask"], tokens["ref_logprobs"]
     if torch.compiler.is_compiling():
         # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
-        entropy_pass = lambda: _traceable(logits.detach(), labels, old_logprobs, advantages, loss_mask,  # noqa: E731
-                                          LossConfig(entropy_adv_alpha=0.0), temperature, ignore_index, backend)[1][1]
+        entropy_pass = lambda: _traceable(logits.detach(), labels, tokens, LossConfig(entropy_adv_alpha=0.0),  # noqa: E731
+                                          inv_t, tanh_scale, ignore_index, backend)[1][1]
     else:
         entropy_pass = lambda: logprob_entropy(logits.detach(), labels, temperature, backend=backend,  # noqa: E731
-                                               ignore_index=ignore_index)[1]
-    stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, entropy_pass)
-    inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, stats, global_token_count,
-                         global_num_seqs, ref_logprobs, token_weights)
+                                               ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap)[1]
+    entropy_stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, entropy_pass)
+    inputs = _row_inputs(labels, tokens["old_logprobs"], tokens["advantages"], loss_mask, config, entropy_stats,
+                         global_token_count, global_num_seqs, ref_logprobs, tokens["token_weights"])
     logits3, labels3 = _as_3d(logits, labels)
     inputs = _as_3d_inputs(inputs, labels3.shape)
     if torch.compiler.is_compiling():
-        loss, rows = one_pass_loss_traceable(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend)
+        loss, rows = one_pass_loss_traceable(logits3, labels3, inputs, config, inv_t, ignore_index, backend, tanh_scale)
     else:
         in_place = inplace_backward and logits3.requires_grad and torch.is_grad_enabled()
-        loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend, in_place)
-    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None, stats_masks)
+        loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, inv_t, ignore_index, backend, in_place,
+                                               tanh_scale)
+    stats = _stats(rows, loss_mask, config, ref_logprobs is not None, return_token_loss, stats_masks)
+    return loss, _finish_stats(stats, shift_labels)
 
 
-def _traceable(logits, labels, old_logprobs, advantages, loss_mask, config, temperature, ignore_index, backend):
+def _traceable(logits, labels, tokens, config, inv_t, tanh_scale, ignore_index, backend):
     """``(loss, rows)`` through the custom op, statistics unused (alpha_H = 0): the entropy pass
     of the two-phase path under torch.compile."""
     zero = torch.zeros((), device=logits.device)
-    inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, (zero, zero + 1), None, None, None)
+    inputs = _row_inputs(labels, tokens["old_logprobs"], tokens["advantages"], tokens["loss_mask"], config,
+                         (zero, zero + 1), None, None, None)
     logits3, labels3 = _as_3d(logits, labels)
-    rows = one_pass_loss_traceable(logits3, labels3, _as_3d_inputs(inputs, labels3.shape), config, 1.0 / temperature,
-                                   ignore_index, backend)[1]
+    rows = one_pass_loss_traceable(logits3, labels3, _as_3d_inputs(inputs, labels3.shape), config, inv_t,
+                                   ignore_index, backend, tanh_scale)[1]
     return None, rows.reshape(6, *labels.shape)
 
 
@@ -173,6 +287,10 @@ def fused_linear_aepo_policy_loss(
     ignore_index: int = -100,
     token_weights: torch.Tensor | None = None,
     stats_masks: dict[str, torch.Tensor] | None = None,
+    shift_labels: bool = False,
+    return_token_loss: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from hidden states ``[N, D]``/``[B, T, D]`` and lm_head ``weight [V, D]``
     (optional ``bias [V]``), never materialising ``[N, V]``, gradient computed in the forward loop.
@@ -182,31 +300,40 @@ def fused_linear_aepo_policy_loss(
         chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block
             (``token_chunk = chunk_bytes // (V * 4)``), unless ``token_chunk`` is given.
         vocab_chunk: vocab block of the no-grad entropy pass of the two-phase path only.
+        shift_labels: hidden row t predicts ``labels[t+1]``; hidden states are not copied.
+        logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
+            of ``z = hidden @ weight.T + bias`` (pass the model config's values).
     Returns:
         ``(loss, stats)`` as :func:`aepo_policy_loss`; gradients flow to hidden, weight and bias.
     Cost: 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight), an fp32 ``[V, D]`` weight-gradient
     accumulator (the gradient itself for fp32 weights), one ``[token_chunk, V]`` block; on CPU,
     non-fp32 weights are converted to fp32 once per call.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0")
+    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
     backend = _resolve_backend(backend, hidden)
     if backend == "reference":
         raise ValueError("backend='reference': use aepo_policy_loss on materialised logits")
-    stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, lambda: fused_linear_logprob_entropy(
+    stats_masks = _prepare_stats_masks(stats_masks, labels, shift_labels)
+    labels, tokens, config = _prepare_tokens(labels, dict(
+        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, ref_logprobs=ref_logprobs,
+        token_weights=token_weights), config, ignore_index, shift_labels)
+    loss_mask, ref_logprobs = tokens["loss_mask"], tokens["ref_logprobs"]
+    entropy_stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, lambda: fused_linear_logprob_entropy(
         hidden.detach(), weight.detach(), labels, temperature, bias=None if bias is None else bias.detach(),
-        ignore_index=ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes)[1])
-    inputs = _row_inputs(labels, old_logprobs, advantages, loss_mask, config, stats, global_token_count,
-                         global_num_seqs, ref_logprobs, token_weights)
+        ignore_index=ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes, logit_scale=logit_scale,
+        softcap=softcap)[1])
+    inputs = _row_inputs(labels, tokens["old_logprobs"], tokens["advantages"], loss_mask, config, entropy_stats,
+                         global_token_count, global_num_seqs, ref_logprobs, tokens["token_weights"])
     n_tokens = labels.numel()
     inputs = _as_3d_inputs(inputs, (1, n_tokens))
     token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes)
     loss, rows = FusedLinearAEPOLossFunction.apply(
         hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs, config,
-        1.0 / temperature, ignore_index, backend, token_chunk)
-    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None, stats_masks)
+        inv_t, ignore_index, backend, token_chunk, tanh_scale)
+    stats = _stats(rows, loss_mask, config, ref_logprobs is not None, return_token_loss, stats_masks)
+    return loss, _finish_stats(stats, shift_labels)
 
 
 class AEPOLoss(nn.Module):

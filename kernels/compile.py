@@ -10,6 +10,11 @@ slow run. Now:
 - ``AEPO_TORCH_COMPILE=0`` runs eager on purpose (e.g. a machine without a C++ compiler), and
   says so once.
 ``CompiledFunction.mode`` tells which one ran; tests check that it is ``"compiled"`` on CPU.
+
+Each function legitimately compiles a handful of variants (input dtype fp32 / bf16 / fp64 for
+gradchecks, soft cap on or off, expanded per-sequence advantages, size-1 specialisations), more
+than dynamo's default limit of 8 per code object, a process-wide guard meant for user code. The
+limit is raised to :data:`RECOMPILE_LIMIT` for these functions only, for the calls that compile.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch._dynamo.exc
 
 _EAGER_NOTICE_GIVEN = False
+RECOMPILE_LIMIT = 64
 
 
 def compile_enabled() -> bool:
@@ -44,8 +50,15 @@ class CompiledFunction:
         if self.mode == "eager":
             return self.impl(*args)
         try:
-            return self.impl(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # compiler failures and graph breaks
+            try:
+                return self.impl(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                # A new variant past dynamo's default limit: compile it under this module's limit
+                # (only calls that compile pay for the patch; later calls hit the cache).
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return self.impl(*args)
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+            # compiler failures and graph breaks
             raise RuntimeError(
                 f"aepo_kernels: torch.compile of {self.__name__} failed ({type(exc).__name__}: {str(exc)[:300]}). "
                 "The CPU path needs a working inductor (a C++ compiler); set AEPO_TORCH_COMPILE=0 "

@@ -19,12 +19,19 @@ that problem once the entropy statistics and normalisers are supplied:
 forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
 
 Matmuls run in the input dtype on CUDA (tensor cores, fp32 accumulation) and in fp32 on CPU.
+
+``logit_scale`` and ``softcap`` (models whose head is followed by ``z * s`` and/or
+``c tanh(z / c)``: Cohere, Gemma-2) are applied to each logits block inside the row ops
+(:func:`aepo_kernels.logits_ops.logit_map`), gradient included; nothing extra is materialised.
 """
 from __future__ import annotations
 
 import torch
 
-from .logits_ops import accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, merge_stats
+from .logits_ops import (
+    accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, logit_map, map_logits, merge_stats, shift_labels_left,
+    shift_to_labels,
+)
 
 # The one memory budget of the fused-linear paths: bytes of the logits block(s) one step may hold.
 # At V = 151,936 fp32 it gives 441-row blocks for the one-pass loss (bench/bench_fused_linear.py).
@@ -52,9 +59,9 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
     """autograd for ``(hidden [N, D], weight [V, D], bias [V] | None) -> (logp [N], H [N])``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, token_chunk, vocab_chunk):
+    def forward(ctx, hidden, weight, bias, labels, inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        inv_t, dtype = 1.0 / temperature, _mm_dtype(hidden)
+        dtype = _mm_dtype(hidden)
         f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
         stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
         target = torch.zeros(n_tokens, **f32)
@@ -67,21 +74,21 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
                 z = _logits_block(hidden[rows], w, b, dtype)  # [tc, vc]
                 hit = in_block[rows]
                 local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
-                z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(target.dtype) * inv_t
+                z_target = map_logits(z.gather(-1, local.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(target.dtype)
                 target[rows] += torch.where(hit, z_target, 0.0)
-                merged = merge_stats(tuple(x[rows] for x in stats), fast_chunk_stats(z, inv_t))
+                merged = merge_stats(tuple(x[rows] for x in stats), fast_chunk_stats(z, inv_t, tanh_scale))
                 for acc, value in zip(stats, merged):
                     acc[rows] = value
         lse, eu = finish_stats(*stats)
         logp = torch.where(valid, target - lse, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, eu, valid)
-        ctx.config = (inv_t, token_chunk, vocab_chunk)
+        ctx.config = (inv_t, tanh_scale, token_chunk, vocab_chunk)
         return logp, lse - eu
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
         hidden, weight, bias, labels, lse, eu, valid = ctx.saved_tensors
-        inv_t, token_chunk, vocab_chunk = ctx.config
+        inv_t, tanh_scale, token_chunk, vocab_chunk = ctx.config
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).masked_fill(~valid, 0.0)
         g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
         acc = dict(dtype=lse.dtype, device=hidden.device)
@@ -99,7 +106,7 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
                 h = hidden[rows]
                 z = _logits_block(h, w, b, dtype)
                 local = torch.where(in_block[rows], labels[rows] - v0, torch.full_like(labels[rows], -1))
-                dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t)  # [tc, vc] fp32
+                dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale)  # [tc, vc] fp32
                 dz_mm = dz.to(dtype)
                 d_hidden[rows] += (dz_mm @ w.to(dtype)).to(acc["dtype"])
                 d_w += (dz_mm.T @ h.to(dtype)).to(acc["dtype"])
@@ -108,7 +115,7 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
                 d_weight[v0 : v0 + vocab_chunk] = d_w.to(weight.dtype)
             if d_bias is not None:
                 d_bias[v0 : v0 + vocab_chunk] = d_b.to(bias.dtype)
-        return d_hidden.to(hidden.dtype), d_weight, d_bias, None, None, None, None, None
+        return d_hidden.to(hidden.dtype), d_weight, d_bias, None, None, None, None, None, None
 
 
 def fused_linear_logprob_entropy(
@@ -122,6 +129,9 @@ def fused_linear_logprob_entropy(
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``labels`` and entropies of ``softmax((hidden @ weight.T + bias) / T)``.
 
@@ -132,20 +142,25 @@ def fused_linear_logprob_entropy(
         token_chunk, vocab_chunk: block sizes, by default derived from ``chunk_bytes``
             (:func:`chunks_for_budget`); peak extra memory is a few fp32
             ``[token_chunk, vocab_chunk]`` blocks plus an fp32 ``[N, D]`` and ``[vocab_chunk, D]``.
+        logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
+            of the raw ``z = hidden @ weight.T + bias`` (:func:`aepo_kernels.logits_ops.logit_map`).
+        shift_labels: hidden row t predicts ``labels[t+1]``; outputs aligned with ``labels``
+            (token 0: 0), as :func:`aepo_kernels.logprob_entropy`.
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0")
+    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
     auto_tokens, auto_vocab = chunks_for_budget(weight.shape[0], chunk_bytes)
     token_chunk, vocab_chunk = token_chunk or auto_tokens, vocab_chunk or auto_vocab
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
     logp, entropy = FusedLinearLogprobEntropyFunction.apply(
-        flat_hidden, weight, bias, labels.reshape(-1).long(), float(temperature), ignore_index, token_chunk, vocab_chunk
+        flat_hidden, weight, bias, targets.reshape(-1).long(), inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk
     )
-    return logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,14 +182,16 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
+    def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk,
+                tanh_scale=None):
         # The matmul dtype is chosen here (_mm_dtype), not by an enclosing autocast region.
         with torch.autocast(hidden.device.type, enabled=False):
             return FusedLinearAEPOLossFunction._forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t,
-                                                        ignore_index, backend, token_chunk)
+                                                        ignore_index, backend, token_chunk, tanh_scale)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk):
+    def _forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk,
+                 tanh_scale):
         from .one_pass import one_pass_rows
 
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -197,7 +214,8 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
                 torch.addmm(b_mm, h, w_mm.T, out=z)
             part = inputs.rows(slice(0, 1), rows)  # [1, tc] fields
             z3 = z[None]  # one object as logits and out: the row op writes dlogits in place
-            rows_out[:, rows] = one_pass_rows(z3, labels[:, rows], part, config, inv_t, ignore_index, z3, backend)[:, 0]
+            rows_out[:, rows] = one_pass_rows(z3, labels[:, rows], part, config, inv_t, ignore_index, z3, backend,
+                                              tanh_scale)[:, 0]
             if d_hidden is not None:
                 torch.mm(z, w_mm, out=d_hidden[rows])
             if d_weight is not None:
@@ -217,4 +235,4 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
         from .one_pass import scale_gradient
 
         d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None

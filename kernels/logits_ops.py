@@ -3,7 +3,10 @@
 Maths (AEPO_SPEC.md §0), per row t with u = z / T and p = softmax(u):
     lse  = log sum_v exp(u_v)              Eu = sum_v p_v u_v
     logp = u_y - lse                        H  = lse - Eu
-    dL/dz = ( g_lp (onehot(y) - p) + g_H p (Eu - u) ) / T
+    dL/dz = ( g_lp (onehot(y) - p) + g_H p (Eu - u) ) du/dz,     du/dz = 1 / T
+With a logit scale s and a soft cap c (:func:`logit_map`) the model's logits are
+``c tanh(s z / c)`` and u = c tanh(s z / c) / T, so du/dz = (s / T)(1 - tanh^2(s z / c)); without a
+cap the scale folds into the temperature (u = z s / T): no extra work.
 Forward reads the logits once and keeps four fp32 numbers per row (logp, H, lse, Eu); backward
 reads them a second time, recomputes p from (lse, Eu) and writes dlogits — into a new buffer, or,
 with ``inplace_backward=True``, into the logits buffer itself (no second ``[N, V]`` tensor).
@@ -22,10 +25,12 @@ are all ``-inf`` (their lse is undefined).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
 from .compile import compiled
@@ -49,14 +54,41 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_stats(z: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax statistics of ``u = z * inv_t`` for a block ``z: [R, C]``.
+def logit_map(temperature: float, logit_scale: float = 1.0, softcap: float | None = None) -> tuple[float, float | None]:
+    """``(inv_t, tanh_scale)`` of the map from raw logits z to the softmax input u:
+    ``u = z * inv_t`` (no cap; inv_t = logit_scale / T) or ``u = tanh(z * tanh_scale) * inv_t``
+    (soft cap c: tanh_scale = logit_scale / c, inv_t = c / T), i.e. u = c tanh(s z / c) / T.
+
+    The order is that of the models: scale first (Cohere's ``logit_scale``; Granite divides by
+    ``logits_scaling``, so pass its inverse), then the soft cap (Gemma-2's
+    ``final_logit_softcapping``), then the temperature. Raises ValueError on a value that is not
+    a positive finite number.
+    """
+    for name, value in (("temperature", temperature), ("logit_scale", logit_scale), ("softcap", softcap)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value}: must be a positive finite number"
+                             + (" (None turns the soft cap off)" if name == "softcap" else ""))
+    if softcap is None:
+        return float(logit_scale) / temperature, None
+    return float(softcap) / temperature, float(logit_scale) / softcap
+
+
+def map_logits(z: torch.Tensor, inv_t: float, tanh_scale: float | None = None) -> torch.Tensor:
+    """The softmax input ``u`` of raw logits ``z`` (any shape) in the math dtype; see :func:`logit_map`."""
+    x = z.to(accumulate_dtype(z.dtype))
+    if tanh_scale is not None:
+        x = torch.tanh(x * tanh_scale)
+    return x * inv_t
+
+
+def chunk_stats(z: torch.Tensor, inv_t: float, tanh_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax statistics of ``u = map_logits(z, inv_t, tanh_scale)`` for a block ``z: [R, C]``.
 
     Returns ``(m, s, t)``, each ``[R]``: m = max u, s = sum e^(u-m), t = sum e^(u-m) (u-m);
     lse = m + log s and Eu = m + t / s (:func:`finish_stats`); :func:`merge_stats` combines
     blocks of the same rows.
     """
-    u = z.to(accumulate_dtype(z.dtype)) * inv_t
+    u = map_logits(z, inv_t, tanh_scale)
     m = u.amax(-1, keepdim=True)
     d = u - m
     e = d.exp()
@@ -79,30 +111,36 @@ def finish_stats(m, s, t) -> tuple[torch.Tensor, torch.Tensor]:
     return m + s.log(), m + t / s
 
 
-def chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> torch.Tensor:
-    """dL/dz for a block ``z: [R, C]``: ``(g_lp (onehot - p) + g_H p (Eu - u)) / T``.
+def chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, tanh_scale: float | None = None) -> torch.Tensor:
+    """dL/dz for a block ``z: [R, C]``: ``(g_lp (onehot - p) + g_H p (Eu - u)) du/dz``.
 
     ``local_labels: [R]`` is the target's column inside this block, or -1 when it lies outside
     (or the row has no target). Returns the fp32 (fp64 for fp64) block.
     """
-    u = z.to(accumulate_dtype(z.dtype)) * inv_t
+    x = z.to(accumulate_dtype(z.dtype))
+    if tanh_scale is None:
+        u, du_dz = x * inv_t, inv_t
+    else:  # soft cap: d/dz tanh(a z) = a (1 - tanh^2(a z))
+        th = torch.tanh(x * tanh_scale)
+        u, du_dz = th * inv_t, (1 - th * th) * (tanh_scale * inv_t)
     p = (u - lse.unsqueeze(-1)).exp()
     g_lp, g_h = g_lp.unsqueeze(-1), g_h.unsqueeze(-1)
     grad = p * (g_h * (eu.unsqueeze(-1) - u) - g_lp)
     hit = torch.arange(z.shape[-1], device=z.device) == local_labels.unsqueeze(-1)
-    return torch.where(hit, grad + g_lp, grad) * inv_t
+    return torch.where(hit, grad + g_lp, grad) * du_dz
 
 
-def chunk_grad_into(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, out: torch.Tensor) -> None:
+def chunk_grad_into(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, out: torch.Tensor,
+                    tanh_scale: float | None = None) -> None:
     """:func:`chunk_grad` written straight into ``out`` (its dtype), which must not overlap ``z``:
     compiled, the store is fused into the same loop, with no chunk-sized temporary."""
-    out.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t))
+    out.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t, tanh_scale))
 
 
-def chunk_grad_inplace(z, local_labels, lse, eu, g_lp, g_h, inv_t: float) -> None:
+def chunk_grad_inplace(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, tanh_scale: float | None = None) -> None:
     """:func:`chunk_grad` written over ``z`` itself. A separate function because a compiled
     graph that receives two different views of one buffer as ``z`` and ``out`` is not safe."""
-    z.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t))
+    z.copy_(chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t, tanh_scale))
 
 
 fast_chunk_stats = compiled(chunk_stats)
@@ -120,28 +158,29 @@ def _row_chunks(logits: torch.Tensor):
             yield b, slice(t0, t0 + rows)
 
 
-def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int):
+def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int,
+                  tanh_scale: float | None = None):
     """Returns ``(logp, H, lse, Eu)``, each ``[B, T]`` fp32 (fp64 for fp64 logits), for ``logits: [B, T, V]``."""
     lse = torch.empty(logits.shape[:2], dtype=accumulate_dtype(logits.dtype), device=logits.device)
     eu = torch.empty_like(lse)
     for b, rows in _row_chunks(logits):
-        lse[b, rows], eu[b, rows] = finish_stats(*fast_chunk_stats(logits[b, rows], inv_t))
+        lse[b, rows], eu[b, rows] = finish_stats(*fast_chunk_stats(logits[b, rows], inv_t, tanh_scale))
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
-    target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(lse.dtype) * inv_t
+    target = map_logits(logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(lse.dtype)
     logp = torch.where(valid, target - lse, torch.zeros_like(lse))
     return logp, lse - eu, lse, eu
 
 
-def torch_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out):
+def torch_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale=None):
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
     local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
     for b, rows in _row_chunks(logits):
         args = (logits[b, rows], local[b, rows], lse[b, rows], eu[b, rows], g_lp[b, rows], g_h[b, rows], inv_t)
         if out is logits:
-            fast_chunk_grad_inplace(*args)
+            fast_chunk_grad_inplace(*args, tanh_scale)
         else:
-            fast_chunk_grad_into(*args, out[b, rows])
+            fast_chunk_grad_into(*args, out[b, rows], tanh_scale)
     return out
 
 
@@ -178,19 +217,19 @@ class LogprobEntropyFunction(torch.autograd.Function):
     """autograd for ``logits [B, T, V] -> (logp [B, T], entropy [B, T])``; see module docstring."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature: float, backend: str, inplace_backward: bool, ignore_index: int):
+    def forward(ctx, logits, labels, inv_t: float, tanh_scale: float | None, backend: str, inplace_backward: bool,
+                ignore_index: int):
         forward_impl, _ = _impl(backend)
-        inv_t = 1.0 / temperature
-        logp, entropy, lse, eu = forward_impl(logits, labels, inv_t, ignore_index)
+        logp, entropy, lse, eu = forward_impl(logits, labels, inv_t, ignore_index, tanh_scale)
         ctx.save_for_backward(logits, labels, lse, eu)
-        ctx.config = (inv_t, backend, inplace_backward, ignore_index)
+        ctx.config = (inv_t, tanh_scale, backend, inplace_backward, ignore_index)
         ctx.mark_non_differentiable(lse)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
         logits, labels, lse, eu = ctx.saved_tensors
-        inv_t, backend, inplace, ignore_index = ctx.config
+        inv_t, tanh_scale, backend, inplace, ignore_index = ctx.config
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
         g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)  # logp is the constant 0 there
         g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
@@ -199,11 +238,25 @@ class LogprobEntropyFunction(torch.autograd.Function):
         else:
             out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         _, backward_impl = _impl(backend)
-        backward_impl(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out)
+        backward_impl(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale)
         if inplace:
             # Anything else that saved these logits now fails loudly instead of reading gradients.
             increment_version(logits)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
+
+
+def shift_labels_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``shift_labels=True``: input_ids-aligned ``labels [..., T]`` -> the target of each logits
+    row (row t predicts token t+1; the last row has none: ``ignore_index``). ``[..., T]``-sized."""
+    if labels.shape[-1] < 2:
+        raise ValueError(f"shift_labels=True needs at least 2 tokens per sequence, labels are {tuple(labels.shape)}")
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def shift_to_labels(t: torch.Tensor) -> torch.Tensor:
+    """A per-logits-row output back to the input_ids alignment of the labels (token 0, which no
+    row predicts, gets 0)."""
+    return F.pad(t[..., :-1], (1, 0))
 
 
 def _as_3d(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,6 +277,9 @@ def logprob_entropy(
     backend: str = "auto",
     inplace_backward: bool = False,
     ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``labels`` and entropy of ``softmax(logits / temperature)``, per token.
 
@@ -236,16 +292,24 @@ def logprob_entropy(
             ``[N, V]`` tensor). Afterwards ``logits`` holds its gradient; any other autograd use
             of these logits then raises a version-counter error instead of reading wrong values.
         ignore_index: label value marking positions without a target.
+        logit_scale, softcap: the softmax is that of ``softcap * tanh(logit_scale * logits / softcap)
+            / temperature`` (:func:`logit_map`). Only for raw logits: a model whose forward already
+            applies its scale/soft cap (HF Gemma-2, Cohere) returns logits that need neither.
+        shift_labels: ``labels`` are input_ids-aligned and logits row t predicts ``labels[t+1]``
+            (HF convention); the outputs are aligned with ``labels`` (token 0: log-prob and
+            entropy 0). No logits copy.
 
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``, both differentiable.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0")
+    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     backend = _resolve_backend(backend, logits)
+    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
     if backend == "reference":
-        return logprob_entropy_reference(logits, labels, temperature, ignore_index)
-    out_shape = labels.shape
-    logits3, labels3 = _as_3d(logits, labels)
-    logp, entropy = LogprobEntropyFunction.apply(logits3, labels3, float(temperature), backend, inplace_backward, ignore_index)
-    return logp.reshape(out_shape), entropy.reshape(out_shape)
+        logp, entropy = logprob_entropy_reference(logits, targets, temperature, ignore_index, logit_scale, softcap)
+    else:
+        logits3, labels3 = _as_3d(logits, targets)
+        logp, entropy = LogprobEntropyFunction.apply(logits3, labels3, inv_t, tanh_scale, backend, inplace_backward,
+                                                     ignore_index)
+        logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)

@@ -5,12 +5,13 @@ in one sweep per row, from logits ``[B, T, V]`` (this module's CPU path, or the 
 Every per-token input of the loss is known before the pass: old log-probs, advantages, the
 aggregation weight ``w_t`` (loss mask / normaliser, :func:`aggregation_weights`), reference
 log-probs, and the entropy z-score statistics (supplied by the caller, e.g. all-reduced by the
-trainer). So per row, with u = z / T and p = softmax(u):
+trainer). So per row, with u = z / T (or the soft-capped/scaled map of
+:func:`aepo_kernels.logits_ops.logit_map`) and p = softmax(u):
     1. one read of the row: lse, Eu (online softmax) -> logp = u_y - lse, H = lse - Eu;
     2. per-token head (:func:`token_head`): A_t = A (1 + alpha (H - mean) / std), the ratio with
        the log-ratio clamp, the clip rule, k3 KL, entropy bonus -> L_t and its explicit
        derivatives dL_t/dlogp, dL_t/dH; scaled by w_t they are g_lp, g_H;
-    3. a second read of the row writes ``dlogits = (g_lp (onehot - p) + g_H p (Eu - u)) / T`` into a
+    3. a second read of the row writes ``dlogits = (g_lp (onehot - p) + g_H p (Eu - u)) du/dz`` into a
        new buffer or over the logits themselves (in place).
 The autograd backward then only scales the stored gradient by the incoming scalar gradient.
 Bytes: read the logits twice, write them once -- the same as a separate forward and backward,
@@ -45,7 +46,9 @@ from torch.autograd.graph import increment_version
 
 from .compile import compiled
 from .config import CLIP_RULES, LossConfig
-from .logits_ops import _row_chunks, accumulate_dtype, fast_chunk_grad_inplace, fast_chunk_grad_into, fast_chunk_stats, finish_stats
+from .logits_ops import (
+    _row_chunks, accumulate_dtype, fast_chunk_grad_inplace, fast_chunk_grad_into, fast_chunk_stats, finish_stats, map_logits,
+)
 
 # The order of the hyper-parameter vector (torch path) and of the Triton kernel's scalar arguments.
 HYPER_PARAMS = ("eps_low", "eps_high", "dual_clip", "log_ratio_clamp", "entropy_adv_alpha", "kl_coef", "entropy_coef")
@@ -56,7 +59,8 @@ class RowInputs:
     """Per-token inputs of the one-pass loss, all ``[B, T]`` float (``ref_logprobs`` optional).
 
     ``weight`` is the aggregation weight w_t (0 on masked tokens); ``entropy_mean``/``entropy_std``
-    are 0-d tensors. A later per-token importance weight would be one more field here.
+    are 0-d tensors. Per-token importance weights are already folded into ``advantages``
+    (:func:`aepo_kernels.apply_token_weights`).
     """
 
     old_logprobs: torch.Tensor
@@ -153,7 +157,7 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
 # inductor generates it as one kernel, and it was not faster here.
 
 
-def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t):
+def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t, tanh_scale=None):
     """The per-row middle of the pass for a chunk ``z: [R, V]`` with merged stats ``(m, s, t)``:
     returns ``(lse, eu, g_lp, g_h, rows [6, R])``. ``local_labels`` is the target column or -1
     (no target: logp is the constant 0 and gets no gradient). ``rows`` stacks
@@ -161,7 +165,7 @@ def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv
     acc = m.dtype
     lse, eu = finish_stats(m, s, t)
     valid = local_labels >= 0
-    z_y = z.gather(-1, local_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).to(acc) * inv_t
+    z_y = map_logits(z.gather(-1, local_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(acc)
     logp = torch.where(valid, z_y - lse, torch.zeros_like(lse))
     entropy = lse - eu
     loss, d_logp, d_h, ratio, shaped, kl = token_head(
@@ -174,9 +178,10 @@ def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv
 fast_row_head = compiled(row_head)
 
 
-def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out):
+def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out,
+                   tanh_scale: float | None = None):
     """CPU path: ``logits [B, T, V]`` -> rows ``[6, B, T]``; dlogits written into ``out``
-    (``logits`` itself for in place)."""
+    (``logits`` itself for in place). ``inv_t``/``tanh_scale``: :func:`aepo_kernels.logits_ops.logit_map`."""
     batch, seq, vocab = logits.shape
     acc = accumulate_dtype(logits.dtype)
     hp = hyper_params(config, inputs.ref_logprobs is not None, acc, logits.device)
@@ -188,14 +193,14 @@ def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t:
     # loops' per-call and per-thread overheads dominate).
     for b, rows in _row_chunks(logits):
         part, z, labels_part = inputs.rows(b, rows), logits[b, rows], local[b, rows]
-        stats = fast_chunk_stats(z, inv_t)
+        stats = fast_chunk_stats(z, inv_t, tanh_scale)
         lse, eu, g_lp, g_h, rows_out[:, b, rows] = fast_row_head(
             z, labels_part, *stats, part.old_logprobs, part.advantages, part.weight, part.ref_or_old,
-            part.entropy_mean, part.entropy_std, hp, inv_t)
+            part.entropy_mean, part.entropy_std, hp, inv_t, tanh_scale)
         if out is logits:
-            fast_chunk_grad_inplace(z, labels_part, lse, eu, g_lp, g_h, inv_t)
+            fast_chunk_grad_inplace(z, labels_part, lse, eu, g_lp, g_h, inv_t, tanh_scale)
         else:
-            fast_chunk_grad_into(z, labels_part, lse, eu, g_lp, g_h, inv_t, out[b, rows])
+            fast_chunk_grad_into(z, labels_part, lse, eu, g_lp, g_h, inv_t, out[b, rows], tanh_scale)
     return rows_out
 
 
@@ -205,10 +210,11 @@ def _triton_one_pass():
     return triton_one_pass
 
 
-def one_pass_rows(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out, backend: str):
+def one_pass_rows(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out, backend: str,
+                  tanh_scale: float | None = None):
     """Dispatch to the ``"torch"`` or ``"triton"`` row pass (same contract as :func:`torch_one_pass`)."""
     impl = _triton_one_pass() if backend == "triton" else torch_one_pass
-    return impl(logits, labels, inputs, config, inv_t, ignore_index, out)
+    return impl(logits, labels, inputs, config, inv_t, ignore_index, out, tanh_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,9 +255,9 @@ class OnePassLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int,
-                backend: str, in_place: bool):
+                backend: str, in_place: bool, tanh_scale: float | None = None):
         out = logits if in_place else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, out, backend)
+        rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, out, backend, tanh_scale)
         if in_place:
             # The logits now hold their gradient: any node that saved them fails loudly.
             increment_version(logits)
@@ -263,8 +269,7 @@ class OnePassLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_rows):
         (dlogits,) = ctx.saved_tensors
-        return scale_gradient(dlogits, grad_loss), None, None, None, None, None, None, None
-
+        return scale_gradient(dlogits, grad_loss), None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,19 +285,21 @@ def one_pass_loss_op(
     logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
     weight: torch.Tensor, ref_logprobs: torch.Tensor, entropy_mean: torch.Tensor, entropy_std: torch.Tensor,
     params: list[float], clip: str, has_ref: bool, inv_t: float, ignore_index: int, backend: str,
+    tanh_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss [], rows [6, B, T], dlogits [B, T, V])`` of ``logits [B, T, V]``; ``params`` are
     :data:`HYPER_PARAMS` in order (the config travels as plain values)."""
     config = LossConfig(clip=clip, **dict(zip(HYPER_PARAMS, params)))
     inputs = RowInputs(old_logprobs, advantages, weight, entropy_mean, entropy_std, ref_logprobs if has_ref else None)
     dlogits = torch.empty_like(logits)
-    rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, dlogits, backend)
+    # tanh_scale 0.0 = no soft cap (a plain float in the op's schema)
+    rows = one_pass_rows(logits, labels, inputs, config, inv_t, ignore_index, dlogits, backend, tanh_scale or None)
     return (rows[2] * weight.to(rows.dtype)).sum(), rows, dlogits
 
 
 @one_pass_loss_op.register_fake
 def _(logits, labels, old_logprobs, advantages, weight, ref_logprobs, entropy_mean, entropy_std, params, clip,
-      has_ref, inv_t, ignore_index, backend):
+      has_ref, inv_t, ignore_index, backend, tanh_scale):
     acc = accumulate_dtype(logits.dtype)
     rows = logits.new_empty((6, *logits.shape[:2]), dtype=acc)
     return logits.new_empty((), dtype=acc), rows, torch.empty_like(logits)
@@ -304,18 +311,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_rows, _grad_dlogits):
     (dlogits,) = ctx.saved_tensors
-    return (dlogits * grad_loss.to(dlogits.dtype),) + (None,) * 13
+    return (dlogits * grad_loss.to(dlogits.dtype),) + (None,) * 14
 
 
 one_pass_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def one_pass_loss_traceable(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int,
-                            backend: str):
+                            backend: str, tanh_scale: float | None = None):
     """``(loss, rows)`` through :func:`one_pass_loss_op` (what runs under ``torch.compile``)."""
     ref = inputs.ref_or_old
     loss, rows, _ = one_pass_loss_op(
         logits, labels, inputs.old_logprobs, inputs.advantages, inputs.weight, ref, inputs.entropy_mean,
         inputs.entropy_std, [float(getattr(config, name)) for name in HYPER_PARAMS], config.clip,
-        inputs.ref_logprobs is not None, inv_t, ignore_index, backend)
+        inputs.ref_logprobs is not None, inv_t, ignore_index, backend, tanh_scale or 0.0)
     return loss, rows.detach()

@@ -195,6 +195,7 @@ def policy_loss_from_logprobs(
     ref_logprobs: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
     stats_masks: dict[str, torch.Tensor] | None = None,
+    return_token_loss: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AEPO loss given per-token ``logprobs`` and ``entropy`` (both ``[N]`` or ``[B, T]``).
 
@@ -210,8 +211,10 @@ def policy_loss_from_logprobs(
             ``logprobs`` (importance-sampling weights; see :func:`apply_token_weights`).
         stats_masks: name -> mask shaped like ``loss_mask``: the statistics again over each
             mask's valid tokens, as ``<stat>/<name>`` (the loss does not depend on them).
+        return_token_loss: also put the detached per-token loss ``token_loss`` (L_t before
+            aggregation, 0 where ``loss_mask`` is 0) in ``stats``.
     Returns:
-        ``(loss, stats)``: a scalar and a dict of detached scalar tensors.
+        ``(loss, stats)``: a scalar and a dict of detached scalar tensors (+ ``token_loss``).
     """
     advantages = apply_token_weights(advantages, token_weights, logprobs.shape)
     if advantages.dim() == logprobs.dim() - 1:
@@ -231,4 +234,8 @@ def policy_loss_from_logprobs(
     if config.entropy_coef != 0.0:
         token_loss = token_loss - config.entropy_coef * entropy
     loss = aggregate(token_loss, loss_mask, config, global_token_count, global_num_seqs)
-    return loss, _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl, stats_masks)
+    stats = _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl, stats_masks)
+    if return_token_loss:
+        token_loss = token_loss.detach()
+        stats["token_loss"] = torch.where(loss_mask != 0, token_loss, torch.zeros_like(token_loss))
+    return loss, stats

@@ -13,17 +13,23 @@ from .config import LossConfig
 
 
 def logprob_entropy_reference(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100,
+    logit_scale: float = 1.0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t) and H_t of softmax(z_t / T) (spec §0), fp32, differentiable in both.
 
     Args:
-        logits: ``[..., V]`` any float dtype.
+        logits: ``[..., V]`` any float dtype (fp64 stays fp64, for gradchecks).
         labels: ``[...]`` int; ``ignore_index`` rows get log-prob 0.
+        logit_scale, softcap: the logits are first mapped z -> z * logit_scale, then
+            z -> softcap * tanh(z / softcap) (when softcap is not None), then divided by T.
     Returns:
-        ``(logprobs, entropy)``, both ``[...]`` fp32.
+        ``(logprobs, entropy)``, both ``[...]`` fp32 (fp64 for fp64 logits).
     """
-    scaled = logits.float() / temperature
+    z = (logits if logits.dtype == torch.float64 else logits.float()) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    scaled = z / temperature
     log_p = torch.log_softmax(scaled, dim=-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     valid = labels != ignore_index
@@ -102,9 +108,14 @@ def aepo_loss_reference(
     config: LossConfig = LossConfig(),
     temperature: float = 1.0,
     ref_logprobs: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The whole AEPO loss of one batch, statistics computed over this batch."""
-    logprobs, entropy = logprob_entropy_reference(logits, labels, temperature)
+    """The whole AEPO loss of one batch, statistics computed over this batch. Positions whose
+    label is ``ignore_index`` have no target: they are out of the loss whatever ``loss_mask`` says."""
+    logprobs, entropy = logprob_entropy_reference(logits, labels, temperature, ignore_index, logit_scale, softcap)
+    loss_mask = loss_mask * (labels != ignore_index)
     token_loss = token_loss_reference(
         logprobs, entropy, old_logprobs, advantages, loss_mask, config, ref_logprobs=ref_logprobs
     )

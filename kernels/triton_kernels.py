@@ -14,6 +14,12 @@ by a fixed rule rather than autotuning (the interpreter cannot autotune; on an H
 checked by bench/gpu_check.py).
 
 Row addresses use int64 arithmetic: 16K rows x 152K vocab exceeds 2^31 elements.
+
+Logit soft cap (:func:`aepo_kernels.logits_ops.logit_map`): with ``SOFTCAP`` (a constexpr derived
+from ``tanh_scale != 0``, so the uncapped kernels are exactly the code without it) each lane maps
+z -> tanh(z * tanh_scale) before the temperature, and the gradient sweep multiplies by
+``tanh_scale (1 - tanh^2)``. tanh is written with ``exp`` (:func:`_tanh`): libdevice's is not
+available under the interpreter, and one formula on both keeps the tests on the GPU's code.
 """
 from __future__ import annotations
 
@@ -29,7 +35,30 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _row_stats(p_row, vocab, inv_temperature, BLOCK_V: tl.constexpr):
+def _tanh(x):
+    """tanh from exp: (1 - e^-2|x|) / (1 + e^-2|x|) with the sign of x, and the odd Taylor series
+    up to x^9 for |x| < 0.25, where 1 - e^-2|x| would lose digits (both within ~1 ulp there)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    t = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, series, t)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _map_logits(b_z, inv_temperature, tanh_scale, SOFTCAP: tl.constexpr):
+    """u of raw fp32 logits: ``z * inv_t``, or ``tanh(z * tanh_scale) * inv_t`` with a soft cap."""
+    if SOFTCAP:
+        b_u = _tanh(b_z * tanh_scale) * inv_temperature
+    else:
+        b_u = b_z * inv_temperature
+    return b_u
+
+
+@triton.jit
+def _row_stats(p_row, vocab, inv_temperature, tanh_scale, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax over one row: returns ``(m, log s, t / s)`` (lse = m + log s, Eu = m + t / s)."""
     b_m = tl.full((), float("-inf"), tl.float32)
     b_s = tl.zeros((), tl.float32)
@@ -37,7 +66,11 @@ def _row_stats(p_row, vocab, inv_temperature, BLOCK_V: tl.constexpr):
     for v0 in range(0, vocab, BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < vocab
-        b_u = tl.load(p_row + o_v, mask=m_v, other=float("-inf")).to(tl.float32) * inv_temperature
+        if SOFTCAP:  # tanh(-inf) = -1: the out-of-range lanes are set to -inf after the map
+            b_z = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_u = tl.where(m_v, _map_logits(b_z, inv_temperature, tanh_scale, SOFTCAP), float("-inf"))
+        else:
+            b_u = tl.load(p_row + o_v, mask=m_v, other=float("-inf")).to(tl.float32) * inv_temperature
         b_m_new = tl.maximum(b_m, tl.max(b_u, axis=0))
         # First block: b_m is -inf and b_s is 0; the shift term must be 0, not 0 * -inf.
         b_shift = tl.where(b_s > 0, b_m - b_m_new, 0.0)
@@ -51,52 +84,65 @@ def _row_stats(p_row, vocab, inv_temperature, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _row_grad(p_row, p_drow, vocab, inv_temperature, b_lse, b_eu, b_glp, b_gh, y, BLOCK_V: tl.constexpr):
-    """Writes ``(g_lp (onehot(y) - p) + g_H p (Eu - u)) / T`` over one row (y = -1: no target)."""
+def _row_grad(p_row, p_drow, vocab, inv_temperature, tanh_scale, b_lse, b_eu, b_glp, b_gh, y,
+              BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Writes ``(g_lp (onehot(y) - p) + g_H p (Eu - u)) du/dz`` over one row (y = -1: no target)."""
     for v0 in range(0, vocab, BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < vocab
-        b_u = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32) * inv_temperature
+        b_z = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            b_th = _tanh(b_z * tanh_scale)
+            b_u = b_th * inv_temperature
+            b_du = (1.0 - b_th * b_th) * (tanh_scale * inv_temperature)
+        else:
+            b_u = b_z * inv_temperature
+            b_du = inv_temperature
         b_p = tl.exp(b_u - b_lse)
         b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
-        b_d = tl.where(o_v == y, b_d + b_glp, b_d) * inv_temperature
+        b_d = tl.where(o_v == y, b_d + b_glp, b_d) * b_du
         # Same lanes as the load above: in-place mode (p_drow == p_row) is safe.
         tl.store(p_drow + o_v, b_d.to(p_drow.dtype.element_ty), mask=m_v)
 
 
+_SOFTCAP = triton.heuristics({"SOFTCAP": lambda args: args["tanh_scale"] != 0.0})
+
+
+@_SOFTCAP
 @triton.jit(do_not_specialize=["seq_len"])
 def _logprob_entropy_fwd_kernel(
     logits_ptr, stride_b, stride_t, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, eu_ptr,
-    seq_len, vocab, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr,
+    seq_len, vocab, inv_temperature, tanh_scale, ignore_index,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     i_row = tl.program_id(0).to(tl.int64)  # flat token index over [B, T]
     p_row = logits_ptr + (i_row // seq_len) * stride_b + (i_row % seq_len) * stride_t
-    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, BLOCK_V)
+    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, tanh_scale, BLOCK_V, SOFTCAP)
     b_lse = b_m + b_log_s
     y = tl.load(labels_ptr + i_row)
     valid = (y != ignore_index) & (y >= 0) & (y < vocab)
-    b_zy = tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32) * inv_temperature
+    b_zy = _map_logits(tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32), inv_temperature, tanh_scale, SOFTCAP)
     tl.store(logp_ptr + i_row, tl.where(valid, b_zy - b_lse, 0.0))
     tl.store(entropy_ptr + i_row, b_log_s - b_eu_rel)
     tl.store(lse_ptr + i_row, b_lse)
     tl.store(eu_ptr + i_row, b_m + b_eu_rel)
 
 
+@_SOFTCAP
 @triton.jit(do_not_specialize=["seq_len"])
 def _logprob_entropy_bwd_kernel(
     logits_ptr, stride_b, stride_t, dlogits_ptr, dstride_b, dstride_t,
     labels_ptr, lse_ptr, eu_ptr, g_lp_ptr, g_h_ptr,
-    seq_len, vocab, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr,
+    seq_len, vocab, inv_temperature, tanh_scale, ignore_index,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     i_row = tl.program_id(0).to(tl.int64)
     i_b, i_t = i_row // seq_len, i_row % seq_len
     y = tl.load(labels_ptr + i_row)
     y = tl.where(y == ignore_index, -1, y)
     _row_grad(logits_ptr + i_b * stride_b + i_t * stride_t, dlogits_ptr + i_b * dstride_b + i_t * dstride_t,
-              vocab, inv_temperature, tl.load(lse_ptr + i_row), tl.load(eu_ptr + i_row),
-              tl.load(g_lp_ptr + i_row), tl.load(g_h_ptr + i_row), y, BLOCK_V)
+              vocab, inv_temperature, tanh_scale, tl.load(lse_ptr + i_row), tl.load(eu_ptr + i_row),
+              tl.load(g_lp_ptr + i_row), tl.load(g_h_ptr + i_row), y, BLOCK_V, SOFTCAP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,13 +186,14 @@ def _token_head(logp, entropy, old, adv, ref, mean, std,
     return loss - entropy_coef * entropy, d_logp, ratio, shaped, kl
 
 
+@_SOFTCAP
 @triton.jit(do_not_specialize=["n_rows", "seq_len", "rule", "has_ref"])
 def _aepo_one_pass_kernel(
     logits_ptr, stride_b, stride_t, out_ptr, ostride_b, ostride_t,
     labels_ptr, old_ptr, adv_ptr, weight_ptr, ref_ptr, mean_ptr, std_ptr, rows_ptr,
-    n_rows, seq_len, vocab, inv_temperature, ignore_index,
+    n_rows, seq_len, vocab, inv_temperature, tanh_scale, ignore_index,
     eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One program per token row: stats sweep, loss head, gradient sweep (out may alias logits).
 
@@ -155,12 +202,12 @@ def _aepo_one_pass_kernel(
     i_row = tl.program_id(0).to(tl.int64)
     i_b, i_t = i_row // seq_len, i_row % seq_len
     p_row = logits_ptr + i_b * stride_b + i_t * stride_t
-    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, BLOCK_V)
+    b_m, b_log_s, b_eu_rel = _row_stats(p_row, vocab, inv_temperature, tanh_scale, BLOCK_V, SOFTCAP)
     b_lse, b_eu = b_m + b_log_s, b_m + b_eu_rel
     b_entropy = b_log_s - b_eu_rel
     y = tl.load(labels_ptr + i_row)
     valid = (y != ignore_index) & (y >= 0) & (y < vocab)
-    b_zy = tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32) * inv_temperature
+    b_zy = _map_logits(tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32), inv_temperature, tanh_scale, SOFTCAP)
     b_logp = tl.where(valid, b_zy - b_lse, 0.0)
     b_w = tl.load(weight_ptr + i_row)
     b_loss, b_dlogp, b_ratio, b_shaped, b_kl = _token_head(
@@ -174,8 +221,8 @@ def _aepo_one_pass_kernel(
     tl.store(rows_ptr + 4 * n_rows + i_row, b_shaped)
     tl.store(rows_ptr + 5 * n_rows + i_row, b_kl)
     b_glp = tl.where(valid, b_dlogp * b_w, 0.0)
-    _row_grad(p_row, out_ptr + i_b * ostride_b + i_t * ostride_t, vocab, inv_temperature,
-              b_lse, b_eu, b_glp, -entropy_coef * b_w, tl.where(valid, y, -1), BLOCK_V)
+    _row_grad(p_row, out_ptr + i_b * ostride_b + i_t * ostride_t, vocab, inv_temperature, tanh_scale,
+              b_lse, b_eu, b_glp, -entropy_coef * b_w, tl.where(valid, y, -1), BLOCK_V, SOFTCAP)
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
@@ -192,7 +239,8 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError("logits must have unit stride on the vocab dim")
 
 
-def triton_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int):
+def triton_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int,
+                   tanh_scale: float | None = None):
     """``logits: [B, T, V]`` -> ``(logp, H, lse, Eu)``, each ``[B, T]`` fp32."""
     _check(logits)
     batch, seq, vocab = logits.shape
@@ -202,12 +250,12 @@ def triton_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ign
     if batch * seq > 0:
         _logprob_entropy_fwd_kernel[(batch * seq,)](
             logits, logits.stride(0), logits.stride(1), labels, logp, entropy, lse, eu,
-            seq, vocab, inv_t, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
+            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
         )
     return logp, entropy, lse, eu
 
 
-def triton_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out):
+def triton_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale=None):
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
     _check(logits)
     batch, seq, vocab = logits.shape
@@ -216,12 +264,12 @@ def triton_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out
         _logprob_entropy_bwd_kernel[(batch * seq,)](
             logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
             labels.contiguous(), lse, eu, g_lp.contiguous(), g_h.contiguous(),
-            seq, vocab, inv_t, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
+            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
         )
     return out
 
 
-def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: int, out):
+def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: int, out, tanh_scale=None):
     """The one-pass loss over ``logits [B, T, V]`` (contract of ``one_pass.torch_one_pass``):
     returns rows ``[6, B, T]`` fp32 and writes dlogits into ``out`` (may be ``logits``)."""
     _check(logits)
@@ -235,7 +283,7 @@ def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: 
             logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
             labels.contiguous(), flat(inputs.old_logprobs), flat(inputs.advantages), flat(inputs.weight),
             flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()), rows,
-            n_rows, seq, vocab, inv_t, ignore_index,
+            n_rows, seq, vocab, inv_t, tanh_scale or 0.0, ignore_index,
             float(config.eps_low), float(config.eps_high), float(config.dual_clip), float(config.log_ratio_clamp),
             float(config.entropy_adv_alpha), float(config.kl_coef), float(config.entropy_coef),
             CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None),
