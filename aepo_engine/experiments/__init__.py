@@ -1,0 +1,2 @@
+"""Experiments built on the trainer: the algorithm-comparison grid (``compare``) and its
+results (``results``)."""
