@@ -36,8 +36,14 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
         wandb_project: W&B project name.
         run_name: Run name for W&B and TensorBoard; none = a timestamp.
         print_every_n_steps: Print a one-line metrics summary every N steps; 0 = never.
-        sample_trajectories: Trajectories per step written to dir/samples.jsonl (full text, rewards,
-            tool calls) for inspection; 0 = none.
+        sample_trajectories: Trajectories per step written to dir/samples/step_N.jsonl (full text,
+            rewards, tool calls, lineage) for inspection: the step's first ones; 0 = none.
+        sample_trees: Prompts per step whose whole rollout tree (all k trajectories, with branch
+            points, head entropies and branch decisions) goes to dir/samples/step_N.jsonl besides
+            sample_trajectories: the step's first prompts; what ``python -m
+            aepo_engine.experiments.trees`` draws. 0 = none.
+        high_entropy_threshold: Entropy (nats) above which a response token counts as
+            high-entropy in the per-step ``entropy/high_frac`` metric.
         plots_at_end: Draw reward/entropy/length curves from metrics.jsonl when training ends (needs
             matplotlib; skipped with a warning if missing).
     """
@@ -50,6 +56,8 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
     run_name: str | None = None
     print_every_n_steps: int = 1
     sample_trajectories: int = 2
+    sample_trees: int = 2
+    high_entropy_threshold: float = 1.0
     plots_at_end: bool = True
 
     def __post_init__(self) -> None:
@@ -57,6 +65,9 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
         _check(not self.wandb or bool(self.wandb_project.strip()), "wandb=true needs a wandb_project")
         _check(self.print_every_n_steps >= 0, f"print_every_n_steps must be >= 0, got {self.print_every_n_steps}")
         _check(self.sample_trajectories >= 0, f"sample_trajectories must be >= 0, got {self.sample_trajectories}")
+        _check(self.sample_trees >= 0, f"sample_trees must be >= 0, got {self.sample_trees}")
+        _check(self.high_entropy_threshold >= 0, f"high_entropy_threshold must be >= 0 nats, got "
+               f"{self.high_entropy_threshold}")
 
     def tensorboard_enabled(self) -> bool:
         """Resolve ``tensorboard`` against what is installed.
@@ -77,8 +88,13 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
 PLOT_GROUPS = {
     "reward": ("reward/mean", "eval/accuracy"),
     "entropy": ("loss/entropy", "rollout/entropy_mean"),
+    "entropy_tail": ("entropy/mean", "entropy/p90", "entropy/p99", "entropy/high_frac"),
     "clip_fractions": ("loss/clipfrac_high", "loss/clipfrac_low", "loss/clipfrac_dual"),
+    "clip_fractions_by_origin": ("loss/clipfrac_high/branch", "loss/clipfrac_low/branch",
+                                 "loss/clipfrac_high/global", "loss/clipfrac_low/global"),
     "branching": ("rollout/branches", "rollout/global_samples"),
+    "tree_depth": ("rollout/tree_depth_mean", "rollout/tree_depth_max", "rollout/branch_depth_mean"),
+    "diversity": ("diversity/distinct_answers", "diversity/distinct_tool_sequences", "diversity/pairwise_distance"),
 }
 
 

@@ -43,6 +43,8 @@ from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_layout
+from aepo_engine.rollout.measures import depth_metrics, diversity_metrics, entropy_tail_metrics
+from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
@@ -153,7 +155,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
-        trajectories, rewards, correct, stats = self._rollout_and_score(examples, step)
+        trajectories, rewards, correct, answers, stats = self._rollout_and_score(examples, step)
         t_rollout = time.perf_counter() - t0
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
@@ -161,6 +163,7 @@ class Trainer:
         rollout_logprobs = batch.old_logprobs  # what the backend reported while sampling
         batch.old_logprobs, batch.entropy = self.policy.compute_logprobs(batch)
         sampled = batch.loss_mask > 0
+        entropy_tail = entropy_tail_metrics(batch.entropy[sampled].numpy(), self.cfg.logging.high_entropy_threshold)
         # Backend vs policy on the sampled tokens: ~0 for the HF backend; for vLLM the gap of its
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
@@ -175,9 +178,12 @@ class Trainer:
             "train/accuracy": float(np.mean(correct)),
             **{f"loss/{k}": v for k, v in update.items()},
             **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
+            **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
-        self.logger.dump_samples(step, _samples(trajectories, rewards, self.tokenizer, self.cfg.logging.sample_trajectories))
+        logging = self.cfg.logging
+        self.logger.dump_samples(step, sample_rows(trajectories, rewards, correct, answers, self.tokenizer,
+                                                  logging.sample_trajectories, logging.sample_trees))
         return metrics
 
     def _sync_weights(self) -> None:
@@ -191,18 +197,19 @@ class Trainer:
                 pass
 
     def _rollout_and_score(self, examples: list[Example], step: int):
-        """This engine's share of prompts -> trajectories + rewards, all-gathered in prompt order."""
+        """This engine's share of prompts -> trajectories, rewards, correctness, the answers the
+        reward read (None where it reports none) and the rollout stats, all-gathered in prompt order."""
         mine = self.layout.prompts(len(examples))
         local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step) if mine else None
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
             result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
-            scored.append((traj, float(result.score), bool(result.correct)))
+            scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
         gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
         stats = [st for _, st in gathered if st is not None]
-        return [s[0] for s in everything], [s[1] for s in everything], [s[2] for s in everything], stats
+        return (*([s[i] for s in everything] for i in range(4)), stats)
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
@@ -328,13 +335,6 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
     }
-
-
-def _samples(trajectories, rewards, tokenizer, count: int) -> list[dict[str, Any]]:
-    return [{"prompt_index": t.prompt_index, "traj_id": t.traj_id, "kind": t.kind, "parent_id": t.parent_id,
-             "reward": r, "finish_reason": t.finish_reason, "tool_calls": t.tool_calls,
-             "prompt": tokenizer.decode(t.prompt_ids), "response": tokenizer.decode(t.response_ids)}
-            for t, r in list(zip(trajectories, rewards))[:count]]
 
 
 def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:

@@ -61,9 +61,9 @@ def _as_3d_inputs(inputs: RowInputs, shape3) -> RowInputs:
                      view(inputs.ref_logprobs))
 
 
-def _stats(rows, loss_mask, config, has_ref) -> dict[str, torch.Tensor]:
+def _stats(rows, loss_mask, config, has_ref, stats_masks=None) -> dict[str, torch.Tensor]:
     logp, entropy, _, ratio, shaped, kl = (r.reshape(loss_mask.shape) for r in rows)
-    return _loss_stats(entropy, ratio, shaped, loss_mask, config, kl if has_ref else None)
+    return _loss_stats(entropy, ratio, shaped, loss_mask, config, kl if has_ref else None, stats_masks)
 
 
 def aepo_policy_loss(
@@ -84,6 +84,7 @@ def aepo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     ignore_index: int = -100,
     token_weights: torch.Tensor | None = None,
+    stats_masks: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from logits in one pass (spec §0, §2b-2d).
 
@@ -103,6 +104,8 @@ def aepo_policy_loss(
         global_token_count, global_num_seqs: normalisers of the aggregation.
         token_weights: detached per-token weights of the policy-gradient term, shaped like
             ``labels`` (importance-sampling weights; :func:`aepo_kernels.apply_token_weights`).
+        stats_masks: name -> mask shaped like ``labels``: the statistics again over each mask's
+            valid tokens, as ``<stat>/<name>`` (e.g. tokens of branched trajectories); no extra pass.
     Returns:
         ``(loss, stats)`` with stats a dict of detached scalar tensors (entropy, ratio,
         clipfrac_high/low(/dual), num_tokens, kl with ``ref_logprobs``).
@@ -115,7 +118,7 @@ def aepo_policy_loss(
         return policy_loss_from_logprobs(
             logprobs, entropy, old_logprobs, advantages, loss_mask, config=config, entropy_mean=entropy_mean,
             entropy_std=entropy_std, global_token_count=global_token_count, global_num_seqs=global_num_seqs,
-            ref_logprobs=ref_logprobs, token_weights=token_weights)
+            ref_logprobs=ref_logprobs, token_weights=token_weights, stats_masks=stats_masks)
     if torch.compiler.is_compiling():
         # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
         entropy_pass = lambda: _traceable(logits.detach(), labels, old_logprobs, advantages, loss_mask,  # noqa: E731
@@ -133,7 +136,7 @@ def aepo_policy_loss(
     else:
         in_place = inplace_backward and logits3.requires_grad and torch.is_grad_enabled()
         loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, 1.0 / temperature, ignore_index, backend, in_place)
-    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None)
+    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None, stats_masks)
 
 
 def _traceable(logits, labels, old_logprobs, advantages, loss_mask, config, temperature, ignore_index, backend):
@@ -169,6 +172,7 @@ def fused_linear_aepo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     ignore_index: int = -100,
     token_weights: torch.Tensor | None = None,
+    stats_masks: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from hidden states ``[N, D]``/``[B, T, D]`` and lm_head ``weight [V, D]``
     (optional ``bias [V]``), never materialising ``[N, V]``, gradient computed in the forward loop.
@@ -202,7 +206,7 @@ def fused_linear_aepo_policy_loss(
     loss, rows = FusedLinearAEPOLossFunction.apply(
         hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs, config,
         1.0 / temperature, ignore_index, backend, token_chunk)
-    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None)
+    return loss, _stats(rows, loss_mask, config, ref_logprobs is not None, stats_masks)
 
 
 class AEPOLoss(nn.Module):

@@ -145,8 +145,24 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) 
     return (values.detach().float() * mask).sum() / count
 
 
-def _loss_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str, torch.Tensor]:
-    """Detached per-call statistics (means over this call's valid tokens), no host syncs."""
+def _loss_stats(entropy, ratio, advantages, loss_mask, config, kl, stats_masks=None) -> dict[str, torch.Tensor]:
+    """Detached per-call statistics (means over this call's valid tokens), no host syncs.
+
+    ``stats_masks`` (name -> mask shaped like ``loss_mask``) adds every statistic again over the
+    valid tokens inside each mask, as ``<stat>/<name>`` (``num_tokens/<name>`` counts them), e.g.
+    clip fractions of branched-trajectory tokens apart from the others; the loss is unchanged.
+    """
+    stats = _token_stats(entropy, ratio, advantages, loss_mask, config, kl)
+    for name, extra in (stats_masks or {}).items():
+        if extra.shape != loss_mask.shape:
+            raise ValueError(f"stats mask {name!r} {tuple(extra.shape)} must be shaped like loss_mask "
+                             f"{tuple(loss_mask.shape)}")
+        part = _token_stats(entropy, ratio, advantages, loss_mask.float() * extra.float(), config, kl)
+        stats.update({f"{key}/{name}": value for key, value in part.items()})
+    return stats
+
+
+def _token_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str, torch.Tensor]:
     mask = loss_mask.float()
     count = mask.sum().clamp(min=1)
     pos, neg = advantages > 0, advantages < 0
@@ -178,6 +194,7 @@ def policy_loss_from_logprobs(
     global_num_seqs: torch.Tensor | float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    stats_masks: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AEPO loss given per-token ``logprobs`` and ``entropy`` (both ``[N]`` or ``[B, T]``).
 
@@ -191,6 +208,8 @@ def policy_loss_from_logprobs(
         ref_logprobs: reference-policy log-probs for the k3 KL (needed when ``kl_coef != 0``).
         token_weights: detached per-token weights of the policy-gradient term, shaped like
             ``logprobs`` (importance-sampling weights; see :func:`apply_token_weights`).
+        stats_masks: name -> mask shaped like ``loss_mask``: the statistics again over each
+            mask's valid tokens, as ``<stat>/<name>`` (the loss does not depend on them).
     Returns:
         ``(loss, stats)``: a scalar and a dict of detached scalar tensors.
     """
@@ -212,4 +231,4 @@ def policy_loss_from_logprobs(
     if config.entropy_coef != 0.0:
         token_loss = token_loss - config.entropy_coef * entropy
     loss = aggregate(token_loss, loss_mask, config, global_token_count, global_num_seqs)
-    return loss, _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl)
+    return loss, _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl, stats_masks)

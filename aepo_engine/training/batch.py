@@ -8,7 +8,9 @@ n_b = P_b + R_b), right-padded to L. Position t predicts token t+1, so
     old_logprobs[b, t] = traj.logprobs[t + 1 - P_b]   (same positions), else 0
 
 so ``loss_mask`` is 1 exactly where the label is a model-written response token (prompt,
-tool-result tokens and padding are 0). Labels are kept on prompt and tool positions too (they are
+tool-result tokens and padding are 0). ``token_origin`` (same positions) says which kind of
+trajectory sampled each response token (``TOKEN_ORIGINS``): statistics only, e.g. clip fractions of
+branched tokens apart from the others; the loss does not read it. Labels are kept on prompt and tool positions too (they are
 real next tokens; the mask, not the label, decides what counts).
 
 Splitting: a batch is cut into PPO mini-batches (consecutive rows, by prompt group or count),
@@ -32,8 +34,13 @@ from torch import Tensor
 from aepo_engine.rollout.trajectory import Trajectory
 
 IGNORE_INDEX = -100
+# token_origin values: 0 prompt / padding; a probe or global trajectory's own response token; a
+# branch trajectory's own token (after its branch point); a branch's prefix copied from its parent.
+ORIGIN_NONE, ORIGIN_GLOBAL, ORIGIN_BRANCH, ORIGIN_INHERITED = 0, 1, 2, 3
+TOKEN_ORIGINS = {"global": ORIGIN_GLOBAL, "branch": ORIGIN_BRANCH}  # the groups statistics are split by
 
-__all__ = ["IGNORE_INDEX", "TokenBatch", "concat_rows"]
+__all__ = ["IGNORE_INDEX", "ORIGIN_BRANCH", "ORIGIN_GLOBAL", "ORIGIN_INHERITED", "ORIGIN_NONE", "TOKEN_ORIGINS",
+           "TokenBatch", "concat_rows"]
 
 
 @dataclass
@@ -53,6 +60,8 @@ class TokenBatch:
         ref_logprobs: ``[B, L]`` float or None; reference-policy log-probs for the k3 KL.
         is_weights: ``[B, L]`` float or None; detached importance weights of the rollout/trainer
             mismatch correction (``training.rollout_correction``); None means all 1.
+        token_origin: ``[B, L]`` long or None; who sampled each label (``ORIGIN_*``, aligned with
+            labels): for split statistics only.
     """
 
     input_ids: Tensor
@@ -65,6 +74,7 @@ class TokenBatch:
     entropy: Tensor | None = None
     ref_logprobs: Tensor | None = None
     is_weights: Tensor | None = None
+    token_origin: Tensor | None = None
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -79,16 +89,17 @@ class TokenBatch:
             advantages: ``[B]`` per-trajectory advantages (same order).
             pad_token_id: id written into padding (never a label).
         Returns:
-            A CPU ``TokenBatch``; ``group_ids`` are the trajectories' ``prompt_index``.
+            A CPU ``TokenBatch``; ``group_ids`` are the trajectories' ``prompt_index``;
+            ``token_origin`` from their kind and branch position.
         """
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
         if advantages.shape != (len(trajectories),):
             raise ValueError(f"advantages {tuple(advantages.shape)} != ({len(trajectories)},)")
         width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
         rows = [_encode(t, width, pad_token_id) for t in trajectories]
-        ids, attn, labels, mask, old = (torch.stack(col) for col in zip(*rows))
+        ids, attn, labels, mask, old, origin = (torch.stack(col) for col in zip(*rows))
         groups = torch.tensor([t.prompt_index for t in trajectories], dtype=torch.long)
-        return cls(ids, attn, labels, mask, advantages, old, groups)
+        return cls(ids, attn, labels, mask, advantages, old, groups, token_origin=origin)
 
     # --- properties -----------------------------------------------------------------------------
 
@@ -196,7 +207,7 @@ def concat_rows(batches: Sequence[TokenBatch]) -> TokenBatch:
 
 
 def _encode(traj: Trajectory, width: int, pad_token_id: int) -> tuple[Tensor, ...]:
-    """One row: ``(input_ids, attention_mask, labels, loss_mask, old_logprobs)``, each ``[width]``."""
+    """One row: ``(input_ids, attention_mask, labels, loss_mask, old_logprobs, token_origin)``, each ``[width]``."""
     n_prompt, n_resp = len(traj.prompt_ids), len(traj.response_ids)
     if n_prompt == 0 or not n_resp == len(traj.loss_mask) == len(traj.logprobs):
         raise ValueError(f"{traj.uid}: needs a prompt and aligned response/loss_mask/logprobs "
@@ -214,4 +225,10 @@ def _encode(traj: Trajectory, width: int, pad_token_id: int) -> tuple[Tensor, ..
     loss_mask[resp] = torch.tensor(traj.loss_mask, dtype=torch.float32)
     old = torch.zeros(width)
     old[resp] = torch.tensor(traj.logprobs, dtype=torch.float32) * loss_mask[resp]
-    return ids, attn, labels, loss_mask, old
+    origin = torch.zeros(width, dtype=torch.long)
+    if traj.kind == "branch":
+        cut = traj.branch_position or 0
+        origin[resp] = torch.tensor([ORIGIN_INHERITED] * cut + [ORIGIN_BRANCH] * (n_resp - cut), dtype=torch.long)
+    else:
+        origin[resp] = ORIGIN_GLOBAL
+    return ids, attn, labels, loss_mask, old, origin

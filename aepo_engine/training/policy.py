@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
-from aepo_engine.training.batch import IGNORE_INDEX, TokenBatch
+from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
 from aepo_kernels import (
     DEFAULT_CHUNK_BYTES,
     LossConfig,
@@ -75,6 +75,9 @@ __all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per-call statistics of the loss that are token means (re-weighted by tokens).
 TOKEN_MEAN_STATS = ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "kl")
+# The same statistics again per token origin (batch.token_origin: branched vs global tokens),
+# reported as "<stat>/<origin>" next to "tokens/<origin>"; token-weighted over the whole update.
+SPLIT_STATS = ("entropy", "clipfrac_high", "clipfrac_low")
 
 
 def _weighted_advantages(micro: TokenBatch) -> Tensor:
@@ -179,12 +182,15 @@ class LossInputs:
     global_token_count: Tensor
     entropy_mean: Tensor | None = None
     entropy_std: Tensor | None = None
+    stats_masks: dict[str, Tensor] | None = None  # name -> [B, L] mask of split statistics
 
     def packed(self, real: Tensor) -> "LossInputs":
         """The per-token fields at the real (non-padding) positions, as one ``[1, T]`` row."""
         pick = lambda t: None if t is None else t[real][None]  # noqa: E731
+        masks = None if self.stats_masks is None else {k: pick(v) for k, v in self.stats_masks.items()}
         return dataclasses.replace(self, old_logprobs=pick(self.old_logprobs), advantages=pick(self.advantages),
-                                   loss_mask=pick(self.loss_mask), ref_logprobs=pick(self.ref_logprobs))
+                                   loss_mask=pick(self.loss_mask), ref_logprobs=pick(self.ref_logprobs),
+                                   stats_masks=masks)
 
 
 class PolicyModel(nn.Module):
@@ -242,7 +248,7 @@ class PolicyModel(nn.Module):
         head = self.hf.get_output_embeddings()
         kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
                       global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
-                      entropy_std=inputs.entropy_std)
+                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks)
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
@@ -396,7 +402,10 @@ class PolicyWorker:
             ``ratio``, ``clipfrac_*``, ``kl`` (with ref_logprobs); ``grad_norm_max``, ``lr`` (after
             the update), ``tokens`` (valid tokens processed, summed), ``optimizer_steps``,
             ``skipped_steps`` (non-finite gradient norm: step skipped, weights untouched),
-            ``tokens_per_s``.
+            ``tokens_per_s``. With ``batch.token_origin``: per origin of ``TOKEN_ORIGINS``
+            (``global``, ``branch``) ``tokens/<origin>`` (summed) and ``entropy``/``clipfrac_high``/
+            ``clipfrac_low`` ``/<origin>``, token means over the update's steps, left out when the
+            update saw no token of that origin.
         """
         self.policy.train()
         start, records = time.perf_counter(), []
@@ -409,13 +418,18 @@ class PolicyWorker:
 
     def _summarise(self, records: list[dict[str, float]], seconds: float) -> dict[str, float]:
         done = [r for r in records if not r["skipped"]] or records
-        out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in ("tokens", "skipped")}
+        out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in ("tokens", "skipped", "split")}
         out["grad_norm_max"] = max(r["grad_norm"] for r in records)
         out["tokens"] = sum(r["tokens"] for r in records)
         out["skipped_steps"] = float(sum(r["skipped"] for r in records))
         out["optimizer_steps"] = len(records) - out["skipped_steps"]
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["tokens_per_s"] = out["tokens"] / max(seconds, 1e-9)
+        for origin in (TOKEN_ORIGINS if "split" in records[0] else ()):
+            count = sum(r["split"][origin]["tokens"] for r in done)
+            out[f"tokens/{origin}"] = count
+            out.update({f"{key}/{origin}": sum(r["split"][origin][key] for r in done) / count
+                        for key in SPLIT_STATS if count > 0})
         return out
 
     def _train_step(self, mini: TokenBatch) -> dict[str, float]:
@@ -427,7 +441,9 @@ class PolicyWorker:
         if self.config.entropy_stats_scope == "global":
             stats_kwargs = dict(zip(("entropy_mean", "entropy_std"), entropy_stats_from_moments(moments)))
         count = moments[2].clamp(min=1).float()
-        sums = torch.zeros(2 + len(TOKEN_MEAN_STATS), dtype=torch.float64, device=self.device)
+        split = mini.token_origin is not None
+        sums = torch.zeros(2 + len(TOKEN_MEAN_STATS) + split * len(TOKEN_ORIGINS) * (1 + len(SPLIT_STATS)),
+                           dtype=torch.float64, device=self.device)
         for micro in parts:
             sums += self._micro_step(micro, count, stats_kwargs)
         self._all_reduce(sums)
@@ -438,6 +454,11 @@ class PolicyWorker:
         for i, key in enumerate(TOKEN_MEAN_STATS):
             if key != "kl" or mini.ref_logprobs is not None:
                 record[key] = values[2 + i] / max(values[1], 1.0)
+        if split:  # per origin: (token count, token-weighted sums of SPLIT_STATS)
+            width = 1 + len(SPLIT_STATS)
+            rest = values[2 + len(TOKEN_MEAN_STATS):-1]
+            record["split"] = {origin: dict(zip(("tokens", *SPLIT_STATS), rest[j * width:(j + 1) * width]))
+                               for j, origin in enumerate(TOKEN_ORIGINS)}
         return record
 
     def _micro_step(self, micro: TokenBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
@@ -446,12 +467,18 @@ class PolicyWorker:
         advantages = _weighted_advantages(micro)
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(micro.old_logprobs)
-        inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count, **stats_kwargs)
+        masks = None if micro.token_origin is None else {
+            name: micro.token_origin == value for name, value in TOKEN_ORIGINS.items()}
+        inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count,
+                            **stats_kwargs, stats_masks=masks)
         with self._autocast():
             loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
         weighted = [stats[k].double() * tokens if k in stats else tokens.new_zeros(()) for k in TOKEN_MEAN_STATS]
+        for name in masks or ():
+            part = stats[f"num_tokens/{name}"].double()
+            weighted += [part, *(stats[f"{k}/{name}"].double() * part for k in SPLIT_STATS)]
         return torch.stack([loss.detach().double(), tokens, *weighted])
 
     def _entropy_moments(self, local: TokenBatch, parts: list[TokenBatch]) -> Tensor:

@@ -1,0 +1,149 @@
+"""Per-step measurements of a rollout: diversity, entropy tail, tree depth (cheap, no model pass).
+
+What the algorithm comparison logs per training step (``train.py`` writes them to metrics.jsonl
+under the names below). All of it is computed from the step's trajectories and the entropies the
+trainer already has; at k = 8 the pairwise part is 28 set comparisons per prompt.
+
+Rollout diversity, per prompt (its k trajectories), then averaged over the step's prompts:
+- ``diversity/distinct_answers``: distinct final answers, where a final answer is the answer the
+  reward read (``RewardResult.details["answer"]``), normalised by :func:`normalize_answer`
+  (SQuAD: case, punctuation, articles, whitespace). Trajectories without an answer (a format
+  error, a reward that reports none) are left out: 8 unanswered responses give 0, not 1.
+- ``diversity/distinct_tool_sequences``: distinct sequences of executed tool calls, a call being
+  its ``(tool, payload.strip())`` pair; the empty sequence (no call) is one sequence too.
+- ``diversity/pairwise_distance``: mean over the k(k-1)/2 pairs of ``1 - |A & B| / |A | B|``
+  (token-set Jaccard distance) where A, B are the sets of token ids the model wrote itself
+  (loss-mask 1: tool results left out, they follow from the calls); two empty sets are at 0.
+  A set distance ignores order and counts: cheap, and 0 only for responses made of the same ids.
+
+Policy entropy of the valid (model-written) response tokens of the step, from the trainer's
+no-grad pass (the old policy, the one that sampled): ``entropy/mean``, ``entropy/p90``,
+``entropy/p99`` (linear-interpolated quantiles, numpy's default) and ``entropy/high_frac``, the
+share of tokens whose entropy exceeds ``logging.high_entropy_threshold`` nats.
+
+Tree depth: a trajectory's depth is the number of branchings in its lineage (probe and global
+samples 0, a branch of a global sample 1, a branch of that branch 2, ...); a branch whose parent
+is not among the returned trajectories still counts 1 more than nothing known, i.e. 1.
+``rollout/tree_depth_mean`` is the mean over prompts of their tree's deepest trajectory,
+``rollout/tree_depth_max`` the deepest of the step, ``rollout/branch_depth_mean`` the mean depth of
+the branch trajectories alone (0 when none branched).
+
+Left out: embedding-based (semantic) distances, which need a model pass; edit distances (order
+aware, but O(n^2) per pair).
+"""
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from aepo_engine.rewards.text import normalize_answer
+from aepo_engine.rollout.trajectory import Trajectory
+
+__all__ = ["jaccard_distance", "normalized_answer", "tool_sequence", "tree_depths", "diversity_metrics",
+           "entropy_tail_metrics", "depth_metrics"]
+
+
+def normalized_answer(answer: object) -> str | None:
+    """The SQuAD-normalised answer string, or None for no answer (None or empty after normalising)."""
+    if answer is None:
+        return None
+    text = normalize_answer(str(answer))
+    return text or None
+
+
+def tool_sequence(traj: Trajectory) -> tuple[tuple[str, str], ...]:
+    """The executed calls of a trajectory as ``(tool, payload.strip())`` pairs, in order."""
+    return tuple((record.tool, record.payload.strip()) for record in traj.tool_log)
+
+
+def jaccard_distance(a: set[int], b: set[int]) -> float:
+    """``1 - |a & b| / |a | b|``; 0.0 for two empty sets."""
+    union = len(a | b)
+    return 1.0 - len(a & b) / union if union else 0.0
+
+
+def model_token_set(traj: Trajectory) -> set[int]:
+    """The ids of the response tokens the model wrote (loss mask 1)."""
+    return {tok for tok, keep in zip(traj.response_ids, traj.loss_mask) if keep}
+
+
+def _groups(trajectories: Sequence[Trajectory], values: Sequence) -> dict[int, list[tuple[Trajectory, object]]]:
+    groups: dict[int, list[tuple[Trajectory, object]]] = {}
+    for traj, value in zip(trajectories, values):
+        groups.setdefault(traj.prompt_index, []).append((traj, value))
+    return groups
+
+
+def diversity_metrics(trajectories: Sequence[Trajectory], answers: Sequence[object]) -> dict[str, float]:
+    """Rollout diversity per prompt, averaged over prompts (module docstring).
+
+    Args:
+        trajectories: the step's trajectories (any order; grouped by ``prompt_index``).
+        answers: the final answer of each trajectory as the reward read it (None: no answer).
+    Returns:
+        ``diversity/distinct_answers``, ``diversity/distinct_tool_sequences``,
+        ``diversity/pairwise_distance``; zeros for no trajectories.
+    """
+    if len(trajectories) != len(answers):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(answers)} answers")
+    per_prompt = []
+    for members in _groups(trajectories, answers).values():
+        normalised = {normalized_answer(a) for _, a in members} - {None}
+        sequences = {tool_sequence(t) for t, _ in members}
+        sets = [model_token_set(t) for t, _ in members]
+        pairs = [jaccard_distance(a, b) for a, b in combinations(sets, 2)]
+        per_prompt.append((len(normalised), len(sequences), float(np.mean(pairs)) if pairs else 0.0))
+    means = np.mean(per_prompt, axis=0) if per_prompt else np.zeros(3)
+    return {"diversity/distinct_answers": float(means[0]), "diversity/distinct_tool_sequences": float(means[1]),
+            "diversity/pairwise_distance": float(means[2])}
+
+
+def entropy_tail_metrics(entropies: Iterable[float] | np.ndarray, threshold: float) -> dict[str, float]:
+    """Mean, p90, p99 and the share above ``threshold`` of per-token entropies (nats).
+
+    Args:
+        entropies: the entropies of the valid tokens only (already masked).
+        threshold: the fixed entropy (nats) above which a token counts as high-entropy.
+    Returns:
+        ``entropy/mean``, ``entropy/p90``, ``entropy/p99``, ``entropy/high_frac``; zeros for no tokens.
+    """
+    values = np.asarray(entropies, dtype=np.float64).ravel()
+    if values.size == 0:
+        return {"entropy/mean": 0.0, "entropy/p90": 0.0, "entropy/p99": 0.0, "entropy/high_frac": 0.0}
+    p90, p99 = np.quantile(values, [0.9, 0.99])
+    return {"entropy/mean": float(values.mean()), "entropy/p90": float(p90), "entropy/p99": float(p99),
+            "entropy/high_frac": float((values > threshold).mean())}
+
+
+def tree_depths(trajectories: Sequence[Trajectory]) -> dict[tuple[int, int], int]:
+    """``(prompt_index, traj_id) -> depth`` (branchings in the lineage; module docstring)."""
+    by_id = {(t.prompt_index, t.traj_id): t for t in trajectories}
+    depths: dict[tuple[int, int], int] = {}
+
+    def depth(key: tuple[int, int]) -> int:
+        if key not in depths:
+            traj = by_id[key]
+            parent = (traj.prompt_index, traj.parent_id)
+            if traj.kind != "branch":
+                depths[key] = 0
+            else:  # parent ids are smaller than the child's: the recursion ends
+                depths[key] = 1 + (depth(parent) if parent in by_id else 0)
+        return depths[key]
+
+    for key in by_id:
+        depth(key)
+    return depths
+
+
+def depth_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``rollout/tree_depth_mean``, ``rollout/tree_depth_max``, ``rollout/branch_depth_mean``."""
+    depths = tree_depths(trajectories)
+    per_prompt: dict[int, int] = {}
+    for (prompt, _), d in depths.items():
+        per_prompt[prompt] = max(per_prompt.get(prompt, 0), d)
+    branch = [d for (p, i), d in depths.items() if d > 0]
+    return {"rollout/tree_depth_mean": float(np.mean(list(per_prompt.values()))) if per_prompt else 0.0,
+            "rollout/tree_depth_max": float(max(per_prompt.values(), default=0)),
+            "rollout/branch_depth_mean": float(np.mean(branch)) if branch else 0.0}
