@@ -110,9 +110,14 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
         cfg: the TrainConfig (task, model.tiny, tools, seed).
         run_dir: the run folder; artefacts go to ``run_dir/setup``.
     """
+    synthetic = cfg.task.synthetic
+    if synthetic.namesake_weight > 0 and cfg.tools.search.topk < synthetic.namesakes_per_group:
+        raise ValueError(f"tools.search.topk={cfg.tools.search.topk} < task.synthetic.namesakes_per_group="
+                         f"{synthetic.namesakes_per_group}: a namesake search must list every candidate, "
+                         "because choosing among them is what the namesake questions test")
     setup_dir = run_dir / "setup"
     setup_dir.mkdir(parents=True, exist_ok=True)
-    task = make_task(cfg.task.synthetic)
+    task = make_task(synthetic)
     corpus_path = setup_dir / "corpus.jsonl"
     if not corpus_path.exists():  # atomic, once: other ranks may already be reading it
         task.write_corpus(corpus_path.with_suffix(".tmp"))
@@ -127,8 +132,9 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     t0 = time.perf_counter()
     with ToolRunner(build_tools(tools_config), max_workers=tools_config.max_workers) as runner:
         demos = make_demonstrations(task.train, tool_fn_from_runner(runner),
-                                    guess_rate=cfg.task.synthetic.demo_guess_rate,
-                                    seed=section_seed(cfg.task.synthetic.seed, "task.synthetic.seed"))
+                                    guess_rate=synthetic.demo_guess_rate,
+                                    seed=section_seed(synthetic.seed, "task.synthetic.seed"),
+                                    wrong_pick_rate=synthetic.demo_wrong_pick_rate)
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
         f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
     texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]

@@ -49,6 +49,13 @@ EXPECTED = {
         "eval.num_questions": 200, "eval.samples": 2, "checkpoint.every_n_steps": 10,
         "run_dir": "runs/aepo-default",
     },
+    "namesakes": {
+        "task.synthetic.namesake_weight": 1.0, "task.synthetic.lookup_weight": 0.0,
+        "task.synthetic.two_hop_weight": 0.0, "task.synthetic.arithmetic_weight": 0.0,
+        "task.synthetic.demo_guess_rate": 0.0, "task.synthetic.demo_wrong_pick_rate": 0.3,
+        "task.synthetic.namesakes_per_group": 3, "tools.search.topk": 3, "train.steps": 30,
+        "run_dir": "runs/namesakes",
+    },
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
              "policy.loss.clip": "aepo", "policy.loss.entropy_adv_alpha": 0.2},
     "arpo": {"rollout.pre_monitoring": False, "rollout.branching": True, "rollout.branch_penalty": False,

@@ -47,7 +47,7 @@ import msgspec
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools.parsing import format_tool_result
 
-QuestionKind = Literal["lookup", "two_hop", "arithmetic"]
+QuestionKind = Literal["lookup", "two_hop", "arithmetic", "namesake"]
 ToolFn = Callable[[str, str], str]
 
 # Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
@@ -55,6 +55,7 @@ SYSTEM_PROMPT = ("Tools: <search> name attribute</search> and <python> print(...
                  "answered in <result>. End with <answer> \\boxed{answer} </answer>.")
 
 PERSON_ATTRIBUTES = ("age", "score", "color", "city")
+DISAMBIGUATING_ATTRIBUTES = ("city", "color")  # differ within a namesake group
 CITY_ATTRIBUTES = ("size", "mayor")
 NUMERIC_ATTRIBUTES = ("age", "score")  # arithmetic combines two of these
 COLORS = ("red", "blue", "green", "gold", "gray", "pink", "black", "white")
@@ -77,6 +78,17 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
         demo_guess_rate: share of warm-start demonstrations in which the teacher answers at once
             with a guess instead of using tools (see ``make_demonstrations``): the imperfect cold
             start that RL has to improve on. 0 = a perfect teacher.
+        namesake_weight: relative frequency of namesake questions ("the age of the Zorva whose
+            city is Tarunu": a search lists every Zorva, the model picks one, then searches it;
+            see the module docstring). 0 (the embedded default) = no namesakes in the world,
+            corpus or questions at all.
+        namesake_groups: groups of namesakes (people sharing a first name) when namesake_weight > 0;
+            each person has 4 fact documents.
+        namesakes_per_group: people per group, in [2, min(num_cities, 8)]: the candidates one
+            search lists (set tools.search.topk to at least this, or the list is cut).
+        demo_wrong_pick_rate: share of the (non-guessed) namesake demonstrations in which the
+            teacher picks a wrong candidate from the search results and follows it through: the
+            imperfect post-tool decision that RL has to improve on. 0 = a perfect teacher.
     """
 
     seed: int | None = None
@@ -88,17 +100,31 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     two_hop_weight: float = 0.3
     arithmetic_weight: float = 0.3
     demo_guess_rate: float = 0.3
+    namesake_weight: float = 0.0
+    namesake_groups: int = 100
+    namesakes_per_group: int = 3
+    demo_wrong_pick_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.demo_guess_rate <= 1.0:
-            raise ValueError(f"demo_guess_rate={self.demo_guess_rate} must be in [0, 1]")
-        weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight)
+        for name in ("demo_guess_rate", "demo_wrong_pick_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight, self.namesake_weight)
         if min(weights) < 0 or sum(weights) <= 0:
             raise ValueError("question-kind weights must be >= 0 with a positive sum")
         if self.num_people < 2:
             raise ValueError("num_people must be >= 2 because arithmetic combines two people")
         if self.num_cities < 1:
             raise ValueError("num_cities must be >= 1")
+        if self.namesake_weight > 0:
+            if self.namesake_groups < 1:
+                raise ValueError("namesake_groups must be >= 1 when namesake_weight > 0")
+            if not 2 <= self.namesakes_per_group <= min(self.num_cities, len(COLORS)):
+                raise ValueError(
+                    f"namesakes_per_group={self.namesakes_per_group} must lie in [2, "
+                    f"{min(self.num_cities, len(COLORS))}] because namesakes are told apart by their "
+                    f"city or colour, which must differ within a group (num_cities={self.num_cities}, "
+                    f"{len(COLORS)} colours), and one person is not a choice")
 
 
 @dataclass(frozen=True)
@@ -142,7 +168,7 @@ class Question:
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    entities: tuple[Entity, ...]  # people first, then cities
+    entities: tuple[Entity, ...]  # people first, then cities, then namesakes ("Zorva Tika")
     train: tuple[Question, ...]
     heldout: tuple[Question, ...]
 
@@ -189,6 +215,28 @@ def make_world(config: SyntheticTaskConfig, rng: random.Random) -> tuple[list[En
     return people, cities
 
 
+def make_namesakes(config: SyntheticTaskConfig, taken: set[str], city_names: Sequence[str],
+                   rng: random.Random) -> list[list[Entity]]:
+    """``namesake_groups`` groups of ``namesakes_per_group`` people who share a first name and
+    differ in surname, city and colour: ``Entity("Zorva Tika", {age, score, color, city})``.
+
+    Args:
+        taken: names already used (first names and surnames are drawn outside it; updated).
+        city_names: the world's cities (distinct ones within a group).
+        rng: its own stream, so that the rest of the world does not depend on the namesakes.
+    """
+    size = config.namesakes_per_group
+    groups = []
+    for first in _make_names(rng, config.namesake_groups, 2, taken):
+        surnames = _make_names(rng, size, 2, taken)
+        cities, colors = rng.sample(list(city_names), size), rng.sample(COLORS, size)
+        groups.append([Entity(f"{first} {surname}", {"age": str(rng.randint(20, 79)),
+                                                     "score": str(rng.randint(10, 99)),
+                                                     "color": color, "city": city})
+                       for surname, city, color in zip(surnames, cities, colors)])
+    return groups
+
+
 # ---------------------------------------------------------------------------------------------
 # Questions
 
@@ -196,11 +244,19 @@ def make_world(config: SyntheticTaskConfig, rng: random.Random) -> tuple[list[En
 _Draft = tuple[str, str, tuple[ToolCall, ...]]  # question text, answer, tool plan
 
 
+@dataclass(frozen=True)
+class _World:
+    people: list[Entity]
+    cities: dict[str, Entity]  # by name
+    namesakes: list[list[Entity]]  # groups sharing a first name; empty unless namesake_weight > 0
+
+
 def _search(entity: Entity, attr: str) -> ToolCall:
     return ToolCall("search", f"{entity.name} {attr}")
 
 
-def _lookup(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
+def _lookup(world: _World, rng: random.Random) -> _Draft:
+    people, cities = world.people, world.cities
     if rng.random() < len(cities) / (len(cities) + len(people)):
         entity, attr = rng.choice(list(cities.values())), rng.choice(CITY_ATTRIBUTES)
     else:
@@ -208,17 +264,17 @@ def _lookup(people: list[Entity], cities: dict[str, Entity], rng: random.Random)
     return (f"What is the {attr} of {entity.name}?", entity.attributes[attr], (_search(entity, attr),))
 
 
-def _two_hop(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
+def _two_hop(world: _World, rng: random.Random) -> _Draft:
     """"<attr> of the city of <person>": the first search asks for "city", the second for attr."""
-    person = rng.choice(people)
-    city = cities[person.attributes["city"]]
+    person = rng.choice(world.people)
+    city = world.cities[person.attributes["city"]]
     attr = rng.choice(CITY_ATTRIBUTES)
     return (f"What is the {attr} of the city of {person.name}?", city.attributes[attr],
             (_search(person, "city"), _search(city, attr)))
 
 
-def _arithmetic(people: list[Entity], cities: dict[str, Entity], rng: random.Random) -> _Draft:
-    first, second = rng.sample(people, 2)
+def _arithmetic(world: _World, rng: random.Random) -> _Draft:
+    first, second = rng.sample(world.people, 2)
     attr1, attr2 = rng.choice(NUMERIC_ATTRIBUTES), rng.choice(NUMERIC_ATTRIBUTES)
     value1, value2 = int(first.attributes[attr1]), int(second.attributes[attr2])
     # Differences are never negative: "{-" would be one BPE pre-token, so "-39" could not be
@@ -231,7 +287,19 @@ def _arithmetic(people: list[Entity], cities: dict[str, Entity], rng: random.Ran
     return text, str(answer), plan
 
 
-_MAKERS = {"lookup": _lookup, "two_hop": _two_hop, "arithmetic": _arithmetic}
+def _namesake(world: _World, rng: random.Random) -> _Draft:
+    """"<attr> of the <first name> whose <city|color> is <value>": the first search lists every
+    namesake with that attribute, the second searches the one whose value the question names."""
+    target = rng.choice(rng.choice(world.namesakes))
+    key = rng.choice(DISAMBIGUATING_ATTRIBUTES)
+    attr = rng.choice([a for a in PERSON_ATTRIBUTES if a != key])
+    first = target.name.split()[0]
+    text = f"What is the {attr} of the {first} whose {key} is {target.attributes[key]}?"
+    plan = (ToolCall("search", f"{first} {key}"), ToolCall("search", f"{target.name} {attr}"))
+    return text, target.attributes[attr], plan
+
+
+_MAKERS = {"lookup": _lookup, "two_hop": _two_hop, "arithmetic": _arithmetic, "namesake": _namesake}
 
 
 def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticTask:
@@ -241,11 +309,18 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     question text: a held-out question never appears among the train questions (so never in SFT
     demonstrations or RL prompts); the people and documents are shared.
     """
-    rng = random.Random(section_seed(config.seed, "task.synthetic.seed"))
+    seed = section_seed(config.seed, "task.synthetic.seed")
+    rng = random.Random(seed)
     people, cities = make_world(config, rng)
-    by_name = {c.name: c for c in cities}
+    namesakes: list[list[Entity]] = []
+    if config.namesake_weight > 0:
+        taken = {e.name for e in people + cities}
+        namesakes = make_namesakes(config, taken, [c.name for c in cities], random.Random(f"namesakes-{seed}"))
+    world = _World(people, {c.name: c for c in cities}, namesakes)
     weights = {"lookup": config.lookup_weight, "two_hop": config.two_hop_weight,
-               "arithmetic": config.arithmetic_weight}
+               "arithmetic": config.arithmetic_weight, "namesake": config.namesake_weight}
+    # A kind of weight 0 draws nothing (nor the rounding remainder of the last kind).
+    weights = {kind: weight for kind, weight in weights.items() if weight > 0}
     total_weight = sum(weights.values())
     train: list[Question] = []
     heldout: list[Question] = []
@@ -254,27 +329,29 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
         num_train = round(config.num_train * weight / total_weight)
         if position == len(weights) - 1:  # the last kind takes the rounding remainder
             num_heldout, num_train = config.num_heldout - len(heldout), config.num_train - len(train)
-        questions = _distinct_questions(kind, num_heldout + num_train, people, by_name, rng)
+        questions = _distinct_questions(kind, num_heldout + num_train, world, rng)
         heldout += questions[:num_heldout]
         train += questions[num_heldout:]
     rng.shuffle(train)
     rng.shuffle(heldout)
-    return SyntheticTask(entities=tuple(people + cities),
+    return SyntheticTask(entities=tuple(people + cities + [e for group in namesakes for e in group]),
                          train=tuple(_with_id(q, f"train-{i}") for i, q in enumerate(train)),
                          heldout=tuple(_with_id(q, f"heldout-{i}") for i, q in enumerate(heldout)))
 
 
-def _distinct_questions(kind: QuestionKind, count: int, people: list[Entity],
-                        cities: dict[str, Entity], rng: random.Random) -> list[Question]:
+def _distinct_questions(kind: QuestionKind, count: int, world: _World,
+                        rng: random.Random) -> list[Question]:
     seen: dict[str, Question] = {}
     for _ in range(50 * count):
         if len(seen) == count:
             break
-        text, answer, plan = _MAKERS[kind](people, cities, rng)
+        text, answer, plan = _MAKERS[kind](world, rng)
         seen.setdefault(text, Question(qid="", kind=kind, text=text, answer=answer, plan=plan))
     if len(seen) < count:
-        raise ValueError(f"cannot draw {count} distinct {kind} questions from {len(people)} "
-                         "people; raise num_people or lower num_train/num_heldout")
+        more = "namesake_groups" if kind == "namesake" else "num_people"
+        raise ValueError(f"cannot draw {count} distinct {kind} questions from {len(world.people)} "
+                         f"people and {len(world.namesakes)} namesake groups; raise {more} or "
+                         "lower num_train/num_heldout")
     return list(seen.values())
 
 
@@ -288,9 +365,10 @@ def _with_id(question: Question, qid: str) -> Question:
 
 
 def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn, guess_rate: float = 0.0,
-                        seed: int = 0) -> list[str]:
+                        seed: int = 0, wrong_pick_rate: float = 0.0) -> list[str]:
     """Write one response per question: the gold tool-using one, with tool results produced by
-    ``tool_fn``, or (for a ``guess_rate`` share of the questions) a guess without tools.
+    ``tool_fn``, or (for a ``guess_rate`` share of the questions) a guess without tools, or (for
+    a ``wrong_pick_rate`` share of the other namesake questions) a wrong pick.
 
     A guess is what an imperfect teacher does: it answers at once, from "memory", with the
     answer of a random other question of the same answer type (an age for an age, a city for a
@@ -298,13 +376,21 @@ def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn, guess_ra
     policy then guesses about as often as its teacher did; RL has to learn that the tool calls
     pay (the headroom of the embedded default, see ``SyntheticTaskConfig.demo_guess_rate``).
 
+    A wrong pick is the imperfect teacher of the namesake family: it makes the first search,
+    reads the namesakes it lists, picks one of the *other* candidates (uniformly), searches that
+    person and copies the value found: a well-formed, grounded response that is wrong because of
+    one decision taken after a tool result (see ``SyntheticTaskConfig.demo_wrong_pick_rate``).
+
     Args:
         questions: the questions (use train questions only: held-out ones must stay unseen).
         tool_fn: ``tool_fn(tool_name, payload) -> str`` with tool_name "search" or "python";
             at integration the engine's real tools, in tests ``reference_tool_fn``.
         guess_rate: share of questions, in [0, 1], whose demonstration is a guess; which ones is
             fixed by ``seed``.
-        seed: seeds the choice of guessed questions and guessed values.
+        seed: seeds the choice of guessed questions and guessed values, and (in a stream of its
+            own, so guesses do not depend on it) of wrong picks.
+        wrong_pick_rate: share, in [0, 1], of the namesake questions not guessed whose
+            demonstration follows a wrong candidate.
 
     Returns:
         Response texts (the assistant turn without the end-of-turn token), e.g.
@@ -313,17 +399,62 @@ def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn, guess_ra
     Raises:
         ValueError: a value the response must copy is missing from the tool results (the tool
             did not return the document the plan relies on), so the demonstration would teach
-            the model to answer from nowhere.
+            the model to answer from nowhere; or a namesake search listed fewer than two
+            candidates (no decision to learn: the search tool's topk is too small).
     """
-    if not 0.0 <= guess_rate <= 1.0:
-        raise ValueError(f"guess_rate={guess_rate} must be in [0, 1]")
+    for name, rate in (("guess_rate", guess_rate), ("wrong_pick_rate", wrong_pick_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name}={rate} must be in [0, 1]")
     rng = random.Random(seed)
     guessed = set(rng.sample(range(len(questions)), round(guess_rate * len(questions))))
+    picker = random.Random(f"wrong-pick-{seed}")
+    namesakes = [i for i, q in enumerate(questions) if q.kind == "namesake" and i not in guessed]
+    wrong = set(picker.sample(namesakes, round(wrong_pick_rate * len(namesakes))))
     pools: dict[str, list[str]] = {}
     for q in questions:
         pools.setdefault(answer_type(q), []).append(q.answer)
-    return [_guess(q, rng.choice(pools[answer_type(q)])) if i in guessed else _demonstration(q, tool_fn)
-            for i, q in enumerate(questions)]
+    responses = []
+    for i, q in enumerate(questions):
+        if i in guessed:
+            responses.append(_guess(q, rng.choice(pools[answer_type(q)])))
+            continue
+        if q.kind == "namesake":
+            candidates = _listed_candidates(q, tool_fn)
+            q = _follow_candidate(q, tool_fn, picker.choice(candidates[1:])) if i in wrong else q
+        responses.append(_demonstration(q, tool_fn))
+    return responses
+
+
+def namesake_candidates(listing: str, first_name: str, key: str) -> list[tuple[str, str]]:
+    """The ``(surname, value)`` pairs a namesake search result lists, in page order: the pages
+    ``"<first_name> <surname> <key> <value>."`` of ``listing`` (other pages are ignored)."""
+    pattern = rf"^Page \d+: {re.escape(first_name)} (\w+) {re.escape(key)} ([^\s.]+)\.$"
+    return re.findall(pattern, listing, flags=re.MULTILINE)
+
+
+def _listed_candidates(question: Question, tool_fn: ToolFn) -> list[str]:
+    """The surnames the first search of a namesake question lists, the right one first."""
+    first, key = question.plan[0].payload.split()
+    right = question.plan[1].payload.split()[1]
+    listing = tool_fn("search", question.plan[0].payload)
+    surnames = [surname for surname, _ in namesake_candidates(listing, first, key)]
+    if right not in surnames or len(surnames) < 2:
+        raise ValueError(f"{question.qid}: the search {question.plan[0].payload!r} must list the "
+                         f"person asked for ({first} {right}) and another {first}, got {listing!r}; "
+                         "set tools.search.topk >= task.synthetic.namesakes_per_group")
+    return [right] + [s for s in surnames if s != right]
+
+
+def _follow_candidate(question: Question, tool_fn: ToolFn, surname: str) -> Question:
+    """The namesake question answered as if it asked for ``<first> <surname>``: second search
+    on that person, answer = the value its top page gives."""
+    first, attr = question.plan[0].payload.split()[0], question.plan[1].payload.split()[-1]
+    call = ToolCall("search", f"{first} {surname} {attr}")
+    found = namesake_candidates(tool_fn("search", call.payload), first, attr)
+    values = [value for listed, value in found if listed == surname]
+    if not values:
+        raise ValueError(f"{question.qid}: the search {call.payload!r} did not return its fact")
+    return Question(question.qid, question.kind, question.text, values[0], (question.plan[0], call))
 
 
 def answer_type(question: Question) -> str:
@@ -394,13 +525,24 @@ def _contains_token(text: str, value: str) -> bool:
 
 
 def exact_search(task: SyntheticTask, query: str) -> str:
-    """The fact document for the query "<name> <attribute>" (case-insensitive), else ""."""
+    """The fact document for the query "<name> <attribute>" (case-insensitive), else "".
+
+    A query "<first name> <attribute>" naming namesakes ("Zorva city" for "Zorva Tika" and
+    "Zorva Bemo") gets the fact of every one of them, one per line, in world order.
+    """
+    return "\n".join(exact_search_pages(task, query))
+
+
+def exact_search_pages(task: SyntheticTask, query: str) -> list[str]:
+    """The fact documents ``exact_search`` answers with, as a list."""
     words = query.lower().split()
+    pages = []
     for entity in task.entities:
+        name = entity.name.lower().split()
         for attr, value in entity.attributes.items():
-            if words == [entity.name.lower(), attr]:
-                return fact_document(entity.name, attr, value)
-    return ""
+            if words == [*name, attr] or (len(name) > 1 and words == [name[0], attr]):
+                pages.append(fact_document(entity.name, attr, value))
+    return pages
 
 
 _BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -440,14 +582,14 @@ def safe_print_eval(code: str) -> str:
 def reference_tool_fn(task: SyntheticTask) -> ToolFn:
     """``tool_fn`` backed by exact lookup and ``safe_print_eval`` (not the engine's tools).
 
-    Search answers like the engine's search tool with one page: ``"Page 1: <document>"``, or
-    ``""`` when nothing matches.
+    Search answers like the engine's search tool: ``"Page 1: <document>"``, or one page per
+    namesake for a namesake listing (``exact_search``), or ``""`` when nothing matches.
     """
 
     def tool_fn(tool: str, payload: str) -> str:
         if tool == "search":
-            document = exact_search(task, payload)
-            return f"Page 1: {document}" if document else ""
+            return "\n".join(f"Page {i}: {page}"
+                             for i, page in enumerate(exact_search_pages(task, payload), start=1))
         if tool == "python":
             return safe_print_eval(payload)
         return f"Error: unknown tool {tool}"
