@@ -262,12 +262,13 @@ def setup_dir(out: Path, seed: int) -> Path:
     return out / "_setup" / f"seed{seed}"
 
 
-def build_setup(out: Path, seed: int, cfg: TrainConfig, threads: int, log=print) -> Path:
+def build_setup(out: Path, seed: int, cfg: TrainConfig, threads: int, log=None) -> Path:
     """Build (or reuse) the synthetic set-up of ``seed`` under ``OUT/_setup/seed<N>/setup``.
 
     Runs ``python -m aepo_engine.default_setup`` (the trainer's own preparation) in a child
     process. A folder built from other set-up sections is refused.
     """
+    log = log or _log
     folder = setup_dir(out, seed)
     folder.mkdir(parents=True, exist_ok=True)
     config_text = dump_config(msgspec.structs.replace(cfg, run_dir=str(folder)))
@@ -354,6 +355,10 @@ def run_training(spec: RunSpec, threads: int, commit: str) -> int:
     return proc.returncode
 
 
+def _log(message: str) -> None:
+    print(message, flush=True)  # the grid runs for hours under nohup: show progress as it goes
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -368,13 +373,23 @@ def git_commit() -> str:
 
 
 def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig], jobs: int,
-             log=print) -> dict[str, str]:
-    """Run every unfinished spec, ``jobs`` at a time, in order; returns ``{run: outcome}``."""
+             log=None, on_done=None) -> dict[str, str]:
+    """Run every unfinished spec, ``jobs`` at a time, in order; returns ``{run: outcome}``.
+    ``on_done()`` is called (one call at a time) after each run that finished."""
+    log = log or _log
+    done_lock = threading.Lock()
     threads = max(1, (os.cpu_count() or 1) // jobs)
     commit = git_commit()
     locks = {seed: threading.Lock() for seed in {s.seed for s in specs}}
 
     def one(spec: RunSpec) -> str:
+        try:
+            return run_spec(spec)
+        except Exception as err:  # noqa: BLE001 - one broken run must not stop the grid
+            log(f"[compare] {spec.name}: failed: {type(err).__name__}: {err}")
+            return f"failed ({type(err).__name__}: {err})"
+
+    def run_spec(spec: RunSpec) -> str:
         if is_finished(spec.run_dir):
             log(f"[compare] {spec.name}: finished earlier, skipped")
             return "skipped"
@@ -387,6 +402,9 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
         rc = run_training(spec, threads, commit)
         outcome = "done" if rc == 0 and is_finished(spec.run_dir) else f"failed (exit {rc})"
         log(f"[compare] {spec.name}: {outcome}")
+        if outcome == "done" and on_done is not None:
+            with done_lock:
+                on_done()
         return outcome
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -444,7 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         write_grid_file(args.out, {"task_presets": list(args.task), "overrides": list(overrides),
                                    "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
-        outcomes = run_grid(args.out, specs, configs, args.jobs)
+        # The results are rebuilt after every finished run, so they are current while the grid runs.
+        outcomes = run_grid(args.out, specs, configs, args.jobs,
+                            on_done=lambda: summarize_grid(args.out, results_dir))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -462,6 +482,7 @@ def _print_plan(specs: list[RunSpec], configs: dict[RunSpec, TrainConfig], share
     for i, spec in enumerate(specs):
         state = "finished" if is_finished(spec.run_dir) else "to run"
         print(f"  {i + 1:3d}. {spec.name:36s} {state}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -303,7 +303,8 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], pat
             ax.scatter([i + offset] * len(values), values, color="black", s=8, zorder=3)
     ax.set_xticks(range(len(present)), present, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title(f"{title}: held-out accuracy before / after RL (mean ± std, dots = seeds)", fontsize=9)
+    ax.set_title(f"{title}: held-out accuracy before / after RL\n(bars = mean, error bars = std, dots = seeds)",
+                 fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
