@@ -120,6 +120,10 @@ def compare(out: Path, results: Path, *extra: str) -> subprocess.CompletedProces
 
 def test_smoke_grid_rows_table_plots_resume(tmp_path):
     out, results = tmp_path / "grid", tmp_path / "results"
+    proc = compare(out, results, "--setup-only", *TINY)  # the per-seed set-up alone, ahead of the runs
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "setup/seed0: done" in proc.stdout and not (out / "grpo").exists()
+    assert (out / "_setup" / "seed0" / "setup" / "warm_start" / "DONE").exists()
     proc = compare(out, results, *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (results / "compare_embedded.jsonl").read_text().splitlines()]

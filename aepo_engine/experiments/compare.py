@@ -373,14 +373,36 @@ def git_commit() -> str:
 
 
 def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig], jobs: int,
-             log=None, on_done=None) -> dict[str, str]:
-    """Run every unfinished spec, ``jobs`` at a time, in order; returns ``{run: outcome}``.
-    ``on_done()`` is called (one call at a time) after each run that finished."""
+             log=None, on_done=None, threads: int | None = None, setup_only: bool = False) -> dict[str, str]:
+    """Build the per-seed set-ups, then run every unfinished spec, ``jobs`` at a time, in order.
+
+    The set-ups of all seeds are queued before the runs: a run waits for its seed's set-up, and
+    the other workers build the next seeds' meanwhile (the work is the same; nothing idles).
+    ``on_done()`` is called (one call at a time) after each run that finished.
+
+    Returns:
+        ``{run name: "done" | "skipped" | "failed (...)"}`` (``{"setup/seed<N>": ...}`` with setup_only).
+    """
     log = log or _log
     done_lock = threading.Lock()
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     commit = git_commit()
-    locks = {seed: threading.Lock() for seed in {s.seed for s in specs}}
+    todo = [s for s in specs if not is_finished(s.run_dir) and configs[s].task.source == "synthetic"]
+    first_of_seed = {s.seed: s for s in reversed(todo)}
+    seeds = list(dict.fromkeys(s.seed for s in todo))
+    ready = {seed: threading.Event() for seed in seeds}
+    shared: dict[int, Path | Exception] = {}
+
+    def setup(seed: int) -> str:
+        try:
+            shared[seed] = build_setup(out, seed, configs[first_of_seed[seed]], threads, log)
+            return "done"
+        except Exception as err:  # noqa: BLE001 - reported by every run of the seed
+            shared[seed] = err
+            log(f"[compare] set-up of seed {seed} failed: {type(err).__name__}: {err}")
+            return f"failed ({type(err).__name__}: {err})"
+        finally:
+            ready[seed].set()
 
     def one(spec: RunSpec) -> str:
         try:
@@ -393,11 +415,11 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
         if is_finished(spec.run_dir):
             log(f"[compare] {spec.name}: finished earlier, skipped")
             return "skipped"
-        cfg = configs[spec]
-        if cfg.task.source == "synthetic":
-            with locks[spec.seed]:
-                shared = build_setup(out, spec.seed, cfg, threads, log)
-            link_setup(shared, spec.run_dir)
+        if spec.seed in ready:
+            ready[spec.seed].wait()
+            if isinstance(shared[spec.seed], Exception):
+                raise RuntimeError(f"no set-up for seed {spec.seed}: {shared[spec.seed]}")
+            link_setup(shared[spec.seed], spec.run_dir)
         log(f"[compare] {spec.name}: running ({threads} threads) -> {spec.run_dir}")
         rc = run_training(spec, threads, commit)
         outcome = "done" if rc == 0 and is_finished(spec.run_dir) else f"failed (exit {rc})"
@@ -407,8 +429,14 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
                 on_done()
         return outcome
 
+    # Tasks are taken in submission order, so every set-up is taken before any run waits on it.
+    tasks = [(f"setup/seed{seed}", setup, seed) for seed in seeds]
+    if not setup_only:
+        tasks += [(spec.name, one, spec) for spec in specs]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return dict(zip((s.name for s in specs), pool.map(one, specs)))
+        outcomes = list(pool.map(lambda task: task[1](task[2]), tasks))
+    results = dict(zip((name for name, _, _ in tasks), outcomes))
+    return results if setup_only else {name: o for name, o in results.items() if not name.startswith("setup/")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,14 +455,18 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="folder of the grid's runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores // jobs threads)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per run instead of cores // jobs (e.g. 1 on a machine others load too)")
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="where rows, table and plots go (default: bench/results of this checkout)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="run nothing: rebuild rows, table and plots from the finished runs under --out")
     parser.add_argument("--plan", action="store_true", help="print the runs in order and the checks, run nothing")
+    parser.add_argument("--setup-only", action="store_true",
+                        help="only build the per-seed shared set-ups (jobs at a time), e.g. ahead of the grid")
     args, overrides = parser.parse_known_args(list(argv))
-    if args.jobs < 1:
-        parser.error("--jobs must be >= 1")
+    if args.jobs < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--jobs and --threads must be >= 1")
     bad = [a for a in overrides if not a.startswith("--") or a.startswith(("--preset", "--config", "--seed", "--run_dir"))]
     if bad:
         parser.error(f"{' '.join(bad)}: the grid sets presets, seed and run_dir itself; other arguments must be "
@@ -464,7 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
         # The results are rebuilt after every finished run, so they are current while the grid runs.
         outcomes = run_grid(args.out, specs, configs, args.jobs,
-                            on_done=lambda: summarize_grid(args.out, results_dir))
+                            on_done=lambda: summarize_grid(args.out, results_dir), threads=args.threads,
+                            setup_only=args.setup_only)
+        if args.setup_only:
+            print("\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
+            return 0 if all(o == "done" for o in outcomes.values()) else 1
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
