@@ -223,3 +223,17 @@ def test_the_preset_stacks_on_embedded_and_refuses_a_search_that_cuts_the_listin
     with pytest.raises(ValueError, match="topk"):
         prepare_synthetic_run(short, tmp_path)
     assert not (tmp_path / "setup").exists()  # refused before building anything
+
+
+def test_entropy_bench_finds_the_heads_of_the_segments_after_tool_results():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_task_entropy.py"
+    spec = importlib.util.spec_from_file_location("bench_task_entropy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # prompt (0-2), segment (3-6), tool result (7-8), segment (9-10), tool result (11), segment (12)
+    mask = (0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1)
+    assert bench.segment_heads(mask, 2) == [[3, 4], [9, 10], [12]]
+    assert bench.segment_heads(mask, 9) == [[3, 4, 5, 6], [9, 10], [12]]

@@ -26,8 +26,45 @@ questions name the attributes in the opposite order of the searches). The warm-s
 demonstrations can come from an imperfect teacher that sometimes guesses instead of searching
 (``demo_guess_rate``); unlearning that is what RL measurably improves in the embedded default.
 
-Deliberately left out: natural-language variety (one template per kind), distractor documents,
-questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks
+The namesake family (``--preset namesakes``; ``namesake_weight`` > 0) moves the headroom to a
+decision taken *after* a tool result, where AEPO acts. Groups of people share a first name and
+differ in surname, city and colour ("Zorva Tika", "Zorva Bemo", "Zorva Lusa"); a question names
+one by a first name and a city or colour:
+    namesake    "What is the age of the Zorva whose city is Tarunu?"
+                <search> Zorva city</search> <result>
+                Page 1: Zorva Bemo city Kelimo.
+                Page 2: Zorva Tika city Tarunu.
+                Page 3: Zorva Lusa city Posaru.
+                </result>
+                <search> Zorva Tika age</search> <result>
+                Page 1: Zorva Tika age 34.
+                Page 2: Zorva Tika score 51.
+                ...
+                </result>
+                <answer> \\boxed{ 34} </answer>
+The first search lists every namesake (the distractors; ``tools.search.topk`` >= the group size),
+in an order that does not tell which one is asked for. The hard token is the surname of the second
+query: the model must find the page whose city (or colour) is the question's and copy the surname
+before it - everything else is copying the question or the top page, as in the other kinds, so a
+~1M-parameter model can still learn each step. The warm-start teacher never guesses here but picks
+a wrong namesake in ``demo_wrong_pick_rate`` of its demonstrations and follows it through (searches
+that person, copies its value): a grounded, well-formed response that is wrong because of one
+post-tool decision. The warm-started policy is therefore uncertain exactly at the token after the
+first result, and RL's headroom is there:
+- entropy-balanced branching (AEPO, ARPO) forks trajectories at high-entropy steps after tool
+  results, so the k samples of a prompt spend their budget on alternative picks of the namesake
+  (which share the prefix and differ only in that decision) rather than on re-sampling the
+  deterministic prefix, and the group's reward contrast lands on that choice;
+- the entropy-aware advantage and the stop-gradient clip keep gradient on those high-entropy
+  tokens, which are the ones that decide the reward here.
+Whether that makes AEPO better than GRPO at an equal budget is the question the comparison
+harness measures; the task does not assume it. Left out of the family: skipping the
+disambiguating call (answering from the listing alone), chains of more than one disambiguation,
+namesakes in the other question kinds, more than one template, and questions whose description
+matches no one or several people.
+
+Deliberately left out: natural-language variety (one template per kind), distractor documents
+outside the namesake family, questions without tools. ``reference_tool_fn`` is an exact-lookup oracle for tests and benchmarks
 that answers in the engine's search format (``Page 1: ...``); the engine's real tools (BM25 over
 the same corpus, a python sandbox) live in ``aepo_engine.tools``.
 """
