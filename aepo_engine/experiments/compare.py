@@ -36,6 +36,7 @@ across machines.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -268,9 +269,15 @@ def build_setup(out: Path, seed: int, cfg: TrainConfig, threads: int, log=None) 
     Runs ``python -m aepo_engine.default_setup`` (the trainer's own preparation) in a child
     process. A folder built from other set-up sections is refused.
     """
-    log = log or _log
     folder = setup_dir(out, seed)
     folder.mkdir(parents=True, exist_ok=True)
+    # Another compare process (e.g. an earlier --setup-only) may be building it: wait for it.
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_setup_locked(folder, seed, cfg, threads, log or _log)
+
+
+def _build_setup_locked(folder: Path, seed: int, cfg: TrainConfig, threads: int, log) -> Path:
     config_text = dump_config(msgspec.structs.replace(cfg, run_dir=str(folder)))
     recorded = folder / "setup_config.toml"
     if recorded.exists():
@@ -492,8 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_plan(specs, configs, shareable)
         if args.plan:
             return 0
-        write_grid_file(args.out, {"task_presets": list(args.task), "overrides": list(overrides),
-                                   "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
+        if not args.setup_only:  # a set-up does not depend on the budget: record the grid with its runs
+            write_grid_file(args.out, {"task_presets": list(args.task), "overrides": list(overrides),
+                                       "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
         # The results are rebuilt after every finished run, so they are current while the grid runs.
         outcomes = run_grid(args.out, specs, configs, args.jobs,
                             on_done=lambda: summarize_grid(args.out, results_dir), threads=args.threads,
