@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -383,8 +382,8 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
              log=None, on_done=None, threads: int | None = None, setup_only: bool = False) -> dict[str, str]:
     """Build the per-seed set-ups, then run every unfinished spec, ``jobs`` at a time, in order.
 
-    The set-ups of all seeds are queued before the runs: a run waits for its seed's set-up, and
-    the other workers build the next seeds' meanwhile (the work is the same; nothing idles).
+    A seed's set-up is queued just before its first run; a run waits for its set-up, and idle
+    workers take the next startable task (often the next seed's set-up) meanwhile.
     ``on_done()`` is called (one call at a time) after each run that finished.
 
     Returns:
@@ -436,14 +435,44 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
                 on_done()
         return outcome
 
-    # Tasks are taken in submission order, so every set-up is taken before any run waits on it.
-    tasks = [(f"setup/seed{seed}", setup, seed) for seed in seeds]
-    if not setup_only:
-        tasks += [(spec.name, one, spec) for spec in specs]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        outcomes = list(pool.map(lambda task: task[1](task[2]), tasks))
-    results = dict(zip((name for name, _, _ in tasks), outcomes))
-    return results if setup_only else {name: o for name, o in results.items() if not name.startswith("setup/")}
+    # The queue: each seed's set-up just before the first run of that seed. A worker takes the first
+    # task it can start (a run once its seed's set-up is built), so idle workers build the next
+    # seeds' set-ups while the first runs go.
+    queue: list[tuple[str, Any, Any]] = []
+    for spec in specs:
+        if spec.seed in ready and not any(name == f"setup/seed{spec.seed}" for name, _, _ in queue):
+            queue.append((f"setup/seed{spec.seed}", setup, spec.seed))
+        if not setup_only:
+            queue.append((spec.name, one, spec))
+    results: dict[str, str] = {}
+    cond = threading.Condition()
+
+    def startable(task: tuple[str, Any, Any]) -> bool:
+        return task[1] is setup or not isinstance(task[2], RunSpec) or task[2].seed not in ready \
+            or ready[task[2].seed].is_set()
+
+    def worker() -> None:
+        while True:
+            with cond:
+                while queue and not any(startable(t) for t in queue):
+                    cond.wait(timeout=5.0)
+                if not queue:
+                    return
+                task = next(t for t in queue if startable(t))
+                queue.remove(task)
+            outcome = task[1](task[2])
+            with cond:
+                results[task[0]] = outcome
+                cond.notify_all()
+
+    threads_ = [threading.Thread(target=worker, daemon=True) for _ in range(jobs)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join()
+    if setup_only:
+        return results
+    return {spec.name: results[spec.name] for spec in specs}
 
 
 # ---------------------------------------------------------------------------------------------
