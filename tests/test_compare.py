@@ -161,3 +161,18 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     proc = compare(out, results, "--summarize-only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "- grpo seed 1: not started" in proc.stdout and "- aepo seed 1: not started" in proc.stdout
+
+
+def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path):
+    import fcntl
+
+    from aepo_engine.experiments.compare import SetupBusy, build_setup, setup_dir
+
+    spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
+    folder = setup_dir(tmp_path, 0)
+    folder.mkdir(parents=True)
+    with (folder / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another compare process building it would
+        with pytest.raises(SetupBusy):
+            build_setup(tmp_path, 0, resolve(spec), threads=1, wait=False)
+    assert not (folder / "setup").exists()

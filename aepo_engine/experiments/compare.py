@@ -262,17 +262,25 @@ def setup_dir(out: Path, seed: int) -> Path:
     return out / "_setup" / f"seed{seed}"
 
 
-def build_setup(out: Path, seed: int, cfg: TrainConfig, threads: int, log=None) -> Path:
+class SetupBusy(RuntimeError):
+    """Another process holds the set-up's lock (it is building it)."""
+
+
+def build_setup(out: Path, seed: int, cfg: TrainConfig, threads: int, log=None, wait: bool = True) -> Path:
     """Build (or reuse) the synthetic set-up of ``seed`` under ``OUT/_setup/seed<N>/setup``.
 
     Runs ``python -m aepo_engine.default_setup`` (the trainer's own preparation) in a child
-    process. A folder built from other set-up sections is refused.
+    process. A folder built from other set-up sections is refused. ``wait=False`` raises
+    :class:`SetupBusy` instead of waiting while another process builds it.
     """
     folder = setup_dir(out, seed)
     folder.mkdir(parents=True, exist_ok=True)
     # Another compare process (e.g. an earlier --setup-only) may be building it: wait for it.
     with (folder / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError as err:
+            raise SetupBusy(f"{folder} is being built by another process") from err
         return _build_setup_locked(folder, seed, cfg, threads, log or _log)
 
 
@@ -401,8 +409,10 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
 
     def setup(seed: int) -> str:
         try:
-            shared[seed] = build_setup(out, seed, configs[first_of_seed[seed]], threads, log)
+            shared[seed] = build_setup(out, seed, configs[first_of_seed[seed]], threads, log, wait=False)
             return "done"
+        except SetupBusy:
+            return "busy"
         except Exception as err:  # noqa: BLE001 - reported by every run of the seed
             shared[seed] = err
             log(f"[compare] set-up of seed {seed} failed: {type(err).__name__}: {err}")
@@ -447,9 +457,12 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
     results: dict[str, str] = {}
     cond = threading.Condition()
 
+    retry_at: dict[str, float] = {}  # set-ups another process is building: look again later
+
     def startable(task: tuple[str, Any, Any]) -> bool:
-        return task[1] is setup or not isinstance(task[2], RunSpec) or task[2].seed not in ready \
-            or ready[task[2].seed].is_set()
+        if task[1] is setup:
+            return time.monotonic() >= retry_at.get(task[0], 0.0)
+        return task[2].seed not in ready or ready[task[2].seed].is_set()
 
     def worker() -> None:
         while True:
@@ -459,10 +472,17 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
                 if not queue:
                     return
                 task = next(t for t in queue if startable(t))
+                position = queue.index(task)
                 queue.remove(task)
             outcome = task[1](task[2])
             with cond:
-                results[task[0]] = outcome
+                if outcome == "busy":  # back in its place; this worker takes something else
+                    queue.insert(position, task)
+                    if task[0] not in retry_at:
+                        log(f"[compare] {task[0]}: another process is building it; looking again every 30 s")
+                    retry_at[task[0]] = time.monotonic() + 30.0
+                else:
+                    results[task[0]] = outcome
                 cond.notify_all()
 
     threads_ = [threading.Thread(target=worker, daemon=True) for _ in range(jobs)]
