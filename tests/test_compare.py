@@ -176,3 +176,42 @@ def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path)
         with pytest.raises(SetupBusy):
             build_setup(tmp_path, 0, resolve(spec), threads=1, wait=False)
     assert not (folder / "setup").exists()
+
+
+def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_path, monkeypatch):
+    """Seed 1's set-up is busy (another process) for a while: seed 0's runs go meanwhile, seed 1's
+    wait and then run; nothing is marked failed. Set-up and training are stand-ins here (the
+    smoke grid runs the real ones)."""
+    import threading
+    import time
+
+    from aepo_engine.experiments import compare as cmp
+
+    monkeypatch.setattr(cmp, "SETUP_RETRY_S", 0.05)
+    busy_until = float("inf")  # set just before the grid starts
+    started = []
+    lock = threading.Lock()
+
+    def fake_build(out, seed, cfg, threads, log=None, wait=True):
+        if seed == 1 and time.monotonic() < busy_until:
+            raise cmp.SetupBusy("busy")
+        path = cmp.setup_dir(out, seed) / "setup"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def fake_train(spec, threads, commit):
+        with lock:
+            started.append((spec.name, time.monotonic() < busy_until))
+        time.sleep(0.2)
+        (spec.run_dir / "summary.json").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(cmp, "build_setup", fake_build)
+    monkeypatch.setattr(cmp, "run_training", fake_train)
+    specs = plan_runs(tmp_path, ["embedded"], [["grpo", "aepo"]], [0, 1], TINY)
+    configs = {spec: resolve(spec) for spec in specs}
+    busy_until = time.monotonic() + 1.0
+    outcomes = cmp.run_grid(tmp_path, specs, configs, jobs=2, log=lambda _: None)
+    assert outcomes == {s.name: "done" for s in specs}
+    early = {name for name, while_busy in started if while_busy}
+    assert early == {"grpo/seed0", "aepo/seed0"}  # seed 1 waited for its set-up, seed 0 did not

@@ -89,6 +89,7 @@ BRANCH_ONLY_ROLLOUT_FIELDS = ("pre_monitoring", "beta", "reuse_probe_as_sample",
                               "monitor_tool_steps", "branch_alpha_mode", "branch_alpha", "gamma", "tau",
                               "penalty_slope", "branch_penalty")
 GRID_FILE = "grid.json"
+SETUP_RETRY_S = 30.0  # how often a set-up another process is building is looked at again
 RUN_INFO = "compare_run.json"
 
 
@@ -410,15 +411,13 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
     def setup(seed: int) -> str:
         try:
             shared[seed] = build_setup(out, seed, configs[first_of_seed[seed]], threads, log, wait=False)
-            return "done"
         except SetupBusy:
-            return "busy"
+            return "busy"  # not ready: the runs of the seed keep waiting
         except Exception as err:  # noqa: BLE001 - reported by every run of the seed
             shared[seed] = err
             log(f"[compare] set-up of seed {seed} failed: {type(err).__name__}: {err}")
-            return f"failed ({type(err).__name__}: {err})"
-        finally:
-            ready[seed].set()
+        ready[seed].set()
+        return "done" if isinstance(shared[seed], Path) else f"failed ({shared[seed]})"
 
     def one(spec: RunSpec) -> str:
         try:
@@ -468,7 +467,7 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
         while True:
             with cond:
                 while queue and not any(startable(t) for t in queue):
-                    cond.wait(timeout=5.0)
+                    cond.wait(timeout=min(5.0, SETUP_RETRY_S))
                 if not queue:
                     return
                 task = next(t for t in queue if startable(t))
@@ -479,8 +478,8 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
                 if outcome == "busy":  # back in its place; this worker takes something else
                     queue.insert(position, task)
                     if task[0] not in retry_at:
-                        log(f"[compare] {task[0]}: another process is building it; looking again every 30 s")
-                    retry_at[task[0]] = time.monotonic() + 30.0
+                        log(f"[compare] {task[0]}: another process is building it; looking again every {SETUP_RETRY_S:g} s")
+                    retry_at[task[0]] = time.monotonic() + SETUP_RETRY_S
                 else:
                     results[task[0]] = outcome
                 cond.notify_all()
