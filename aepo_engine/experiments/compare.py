@@ -25,7 +25,11 @@ algorithm of a seed measured the same ``eval_before``.
 Resumable: a run with ``summary.json`` is finished and skipped; any other run is (re)started with
 ``--checkpoint.resume auto``, which resumes from its last checkpoint or starts over (metrics rows
 of repeated steps are superseded by the last). Runs go one at a time or ``--jobs N`` at a time,
-each with ``cores // N`` torch threads. ``--summarize-only`` rebuilds the results (one JSON row per
+each with ``cores // N`` torch threads (``--threads`` overrides: on a machine others load too, 1
+thread per process was 3-4x faster than 2). A seed's set-up is built just before its first run;
+a worker that cannot start the next run yet builds the next seed's set-up, and a set-up another
+compare process is building (a lock file) is looked at again later instead of holding a worker.
+``--setup-only`` builds the set-ups alone, e.g. ahead of the grid. ``--summarize-only`` rebuilds the results (one JSON row per
 finished run, a Markdown table, PNG plots; :mod:`aepo_engine.experiments.results`) from whatever
 runs are finished and lists those that are missing.
 
