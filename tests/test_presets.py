@@ -64,7 +64,20 @@ EXPECTED = {
              "policy.loss.entropy_adv_alpha": 0.0},
     "dapo": {"rollout.pre_monitoring": False, "rollout.branching": False, "policy.loss.clip": "ppo",
              "policy.loss.eps_low": 0.2, "policy.loss.eps_high": 0.28, "policy.loss.entropy_adv_alpha": 0.0},
+    "gppo": {"rollout.pre_monitoring": False, "rollout.branching": False, "policy.loss.clip": "gppo",
+             "policy.loss.entropy_adv_alpha": 0.0},
+    "cispo": {"rollout.pre_monitoring": False, "rollout.branching": False, "policy.loss.clip": "cispo",
+              "policy.loss.entropy_adv_alpha": 0.0},
 }
+# The ablations set one knob each; stacked after aepo they give AEPO with exactly that part off.
+AEPO = EXPECTED["aepo"]
+ABLATIONS = {
+    "aepo_no_stopgrad_clip": {**AEPO, "policy.loss.clip": "ppo"},
+    "aepo_no_entropy_advantage": {**AEPO, "policy.loss.entropy_adv_alpha": 0.0},
+    "aepo_no_premonitoring": {**AEPO, "rollout.pre_monitoring": False},
+    "aepo_no_branch_penalty": {**AEPO, "rollout.branch_penalty": False},
+}
+EXPECTED.update(ABLATIONS)
 
 
 def test_every_shipped_preset_has_expectations():
@@ -72,7 +85,7 @@ def test_every_shipped_preset_has_expectations():
 
 
 # Presets that only switch the algorithm, meant to be stacked on a run preset.
-ALGORITHMS = ("aepo", "arpo", "dapo", "grpo")
+ALGORITHMS = ("aepo", "arpo", "dapo", "grpo", "gppo", "cispo", *ABLATIONS)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -80,6 +93,8 @@ def test_preset_resolves_to_its_run(name):
     stacks = [["--preset", name]]
     if name in ALGORITHMS:
         stacks += [["--preset", "embedded", "--preset", name], ["--preset", "qwen3_14b_deep_research", "--preset", name]]
+    if name in ABLATIONS:
+        stacks += [["--preset", "embedded", "--preset", "aepo", "--preset", name]]
     for argv in stacks:
         cfg = load_train_config([*argv, "--model.path=/m"])
         wrong = {key: (value(cfg, key), want) for key, want in EXPECTED[name].items() if value(cfg, key) != want}
