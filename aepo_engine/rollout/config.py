@@ -24,12 +24,22 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             on-policy sample); False throws it away like the reference code (one extra trajectory).
         speculative_global_samples: Global samples started beside the pre-monitoring probe, before
             m is known, so the probe does not run alone. They are the same trajectories (same ids,
-            same seeds) the spec's order would start after the probe; they take their branch
-            decisions once m is known, like a reused probe. Those beyond the m the probe sets wait
-            in reserve and fill unused branch slots first; only those left over are discarded
-            (their tokens counted as discarded). None = max(0, k // 2 - 1), one below the global
-            samples of a neutral probe; 0 = the spec's strict order (the probe first, alone).
+            same seeds) the spec's order would start after the probe. Those beyond the m the probe
+            sets wait in reserve (the branches they took are dropped) and fill unused branch slots
+            first; only those left over are discarded (their tokens counted as discarded).
+            None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
+            probe, then topped up to m_max - 1 once H_root is known after the probe's first round
+            (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that
+            many, no top-up; 0 = the spec's strict order (the probe first, alone).
             Ignored without pre-monitoring.
+        branch_before_m: Trajectories that run before m is known (the probe, speculative globals,
+            their branches) take their branch decisions online, while the k - m_max branch slots
+            that every m leaves last (entropies are >= 0, so m <= m_max); a decision that wants a
+            slot beyond those waits for m, with the trajectory's later decisions (they depend on
+            its branch count l), and all waiting decisions then claim the budget in the order
+            they were taken. So the budget goes to decisions in the order they are taken, as if
+            m had been known from the start. False: every decision waits for m (slower: the
+            children of late decisions run after the others).
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
             the whole probe has ended); 1 = m from the probe's first reaction to a tool result
@@ -62,6 +72,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     beta: float = 0.5
     reuse_probe_as_sample: bool = True
     speculative_global_samples: int | None = None
+    branch_before_m: bool = True
     monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
@@ -128,6 +139,12 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         if self.speculative_global_samples is not None:
             return self.speculative_global_samples
         return max(0, self.k // 2 - 1)
+
+    @property
+    def speculative_top_up(self) -> bool:
+        """Top the speculative globals up to m_max - 1 once H_root is known (the default)."""
+        return (self.speculative_global_samples is None and self.branching
+                and self.pre_monitoring)
 
     @property
     def global_samples_without_monitoring(self) -> int:
