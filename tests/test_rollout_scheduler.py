@@ -526,6 +526,34 @@ def test_speculative_beyond_m_drops_its_early_branches():
     assert stats.tokens_generated - stats.discarded_tokens == sampled
 
 
+def test_reserve_runs_only_while_a_refill_may_need_it():
+    # Random trees, 7 speculative globals (k = 8): reserve samples keep generating after m is
+    # known, so a refill resumes them further along, but never once their prompt has k
+    # trajectories (nothing can need them then). Token accounting holds in every call: what
+    # was sampled = what the returned trajectories sampled themselves + what was discarded.
+    sampled_in_reserve = 0
+
+    class Checked(EntropyBalancedRollout):
+        def _round(self, states, batch, step, stats):
+            nonlocal sampled_in_reserve
+            for state in states:
+                if any(t in state.reserve for t in batch):
+                    assert len(state.members) < self.config.k
+                    sampled_in_reserve += 1
+            super()._round(states, batch, step, stats)
+
+    for step in range(40):
+        backend = ScriptedBackend(random_tool_agent())
+        config = RolloutConfig(k=8, n_entropy_tokens=4, max_response_tokens=400,
+                               max_tokens_per_segment=100, speculative_global_samples=7)
+        result = Checked(backend, PureRunner(), config).rollout(PROMPTS, step=step)
+        stats = result.stats
+        assert len(result.trajectories) == 8 * len(PROMPTS)
+        sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in result.trajectories)
+        assert stats.tokens_generated - stats.discarded_tokens == sampled
+    assert sampled_in_reserve > 0
+
+
 def test_no_branch_decisions_without_branching():
     # GRPO rollout: k global samples; no decision is taken (nor counted as budget-blocked)
     scheduler, _, _ = make(tool_agent(2), k=4, branching=False)

@@ -25,8 +25,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         speculative_global_samples: Global samples started beside the pre-monitoring probe, before
             m is known, so the probe does not run alone. They are the same trajectories (same ids,
             same seeds) the spec's order would start after the probe. Those beyond the m the probe
-            sets wait in reserve (the branches they took are dropped) and fill unused branch slots
-            first; only those left over are discarded (their tokens counted as discarded).
+            sets go to the reserve (the branches they took are dropped; they go on sampling while
+            the prompt has fewer than k trajectories) and fill unused branch slots first; the
+            rest is discarded (their tokens counted as discarded).
             None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
             probe, then topped up to m_max - 1 once H_root is known after the probe's first round
             (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that

@@ -18,10 +18,12 @@ Per prompt:
    rounds are not spent on one trajectory per prompt. They are the trajectories the strict
    order would start after the probe (trajectory ids 1, 2, ... and seeds derive from the id),
    so m and every kept sample are unchanged. Those beyond the m - 1 (m without a reused probe)
-   the probe then sets are paused in reserve: they are global samples from the bare prompt,
-   which is what step 4 refills unused branch slots with, so a refill resumes them before it
-   starts fresh ones. Only reserve samples no refill needs are discarded (when branches used
-   the whole budget), their tokens counted in ``RolloutStats.discarded_tokens``.
+   the probe then sets go to the reserve: they are global samples from the bare prompt, which
+   is what step 4 refills unused branch slots with, so a refill resumes them before it starts
+   fresh ones. They go on sampling (taking no decisions) while a refill may need them, so a
+   refill finds them further along; once the prompt has k trajectories (branches used the
+   whole budget) nothing can, and they are discarded, their tokens counted in
+   ``RolloutStats.discarded_tokens``.
    The bound m_max. Entropies are >= 0, so H_tool >= 0 and m <= m_max = the m of H_tool = 0,
    known from H_root after the probe's first round. By default the speculative globals are
    then topped up to m_max - 1 (all any m keeps; ``speculative_top_up``), and k - m_max branch
@@ -151,7 +153,7 @@ class _PromptState:
     members: list[Trajectory] = field(default_factory=list)  # returned; at most k
     probe: Trajectory | None = None      # while probing, and afterwards if discarded
     speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
-    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, paused
+    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, not members
     m: int | None = None                 # global samples; None while probing
     h_root: float | None = None
     h_tool: float | None = None
@@ -168,11 +170,17 @@ class _PromptState:
         return self.next_id - 1
 
     def running(self) -> list[Trajectory]:
+        """Unfinished trajectories that may be returned (the reserve not included)."""
         pool = list(self.members) + self.speculative
         if self.probe is not None and self.probe not in pool:
             pool.append(self.probe)
-        # Id order (creation order): within a round, decisions claim the budget in this order.
-        return sorted((t for t in pool if not t.done), key=lambda t: t.traj_id)
+        return [t for t in pool if not t.done]
+
+    def generating(self) -> list[Trajectory]:
+        """What the next round samples: ``running`` and the unfinished reserve, in id order
+        (creation order): within a round, decisions claim the budget in this order."""
+        pool = self.running() + [t for t in self.reserve if not t.done]
+        return sorted(pool, key=lambda t: t.traj_id)
 
 
 @dataclass
@@ -299,15 +307,14 @@ class EntropyBalancedRollout:
         for state in states:
             self._start(state, step)
         while True:
-            batch = [t for state in states for t in state.running()]
+            batch = [t for state in states for t in state.generating()]
             if not batch:
                 break
             self._round(states, batch, step, stats)
             for state in states:
                 self._advance(state, step, stats)
         for state in states:  # reserve samples no refill needed: the budget went to branches
-            stats.discarded_speculative += len(state.reserve)
-            stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
+            self._discard_reserve(state, stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
         return RolloutResult(out, self._summarize(states, out, stats))
@@ -344,6 +351,14 @@ class EntropyBalancedRollout:
             stats.fresh_global_samples += missing
             for traj in resumed:  # the budget is spent now: recorded as blocked decisions
                 self._decide_late(state, traj, step)
+        if state.m is not None and len(state.members) == self.config.k and state.reserve:
+            self._discard_reserve(state, stats)  # no refill can need it any more
+
+    @staticmethod
+    def _discard_reserve(state: _PromptState, stats: _Stats) -> None:
+        stats.discarded_speculative += len(state.reserve)
+        stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
+        state.reserve = []
 
     def _evidence_ready(self, probe: Trajectory) -> bool:
         """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
@@ -374,7 +389,7 @@ class EntropyBalancedRollout:
         kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
         state.speculative = []
         for traj in state.reserve:
-            self._pause(state, traj, stats)
+            self._to_reserve(state, traj, stats)
         state.members.extend(kept)
         for _ in range(wanted - len(kept)):
             state.members.append(self._new(state, step, "global"))
@@ -389,10 +404,10 @@ class EntropyBalancedRollout:
         pending, state.pending, state.waiting = state.pending, [], set()
         stats.waited_decisions += len(pending)
         for traj, seg_index, h_now in pending:
-            if any(traj is member for member in state.members):  # not paused, not dropped
+            if any(traj is member for member in state.members):  # not in reserve, not dropped
                 self._decide(state, traj, seg_index, h_now, step)
 
-    def _pause(self, state: _PromptState, traj: Trajectory, stats: _Stats) -> None:
+    def _to_reserve(self, state: _PromptState, traj: Trajectory, stats: _Stats) -> None:
         """Put a speculative global beyond m in reserve: as a refill it is a fresh global sample
         that can no longer branch, so the branches it took are dropped (their own tokens counted
         as discarded) and its decisions are forgotten (a refill takes them again, blocked)."""
@@ -503,7 +518,10 @@ class EntropyBalancedRollout:
                 and segs[-1].start != traj.branch_position)
 
     def _samples(self, state: _PromptState, traj: Trajectory) -> bool:
-        """``traj`` will be returned if its prompt's m keeps it (a discarded probe never is)."""
+        """``traj`` will be returned if its prompt's m keeps it (a discarded probe never is, a
+        reserve sample only once a refill resumes it)."""
+        if any(traj is t for t in state.reserve):
+            return False
         return traj is not state.probe or self.config.reuse_probe_as_sample
 
     def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
