@@ -6,7 +6,8 @@ Modes (same backend, model, prompts, k, seeds and token limits; only the branchi
   sample, with ``speculative_global_samples`` globals started beside it and decisions taken
   online in the branch slots every m leaves, ``branch_before_m``), entropy branching at tool
   steps, consecutive-branch penalty.
-- ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False``: the
+- ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False,
+  speculative_branches=0``: the
   probe runs alone and takes its decisions once it has ended, before the other global samples
   start (the spec's strict order; what ``aepo`` was before the overlap).
 - ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
@@ -108,7 +109,8 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
     if mode == "aepo":
         return RolloutConfig(**limits)  # defaults: pre-monitoring, branching, penalty
     if mode == "aepo_strict":
-        return RolloutConfig(speculative_global_samples=0, branch_before_m=False, **limits)
+        return RolloutConfig(speculative_global_samples=0, branch_before_m=False,
+                             speculative_branches=0, **limits)
     if mode == "aepo_early":
         return RolloutConfig(monitor_tool_steps=1, **limits)
     if mode == "arpo":

@@ -277,7 +277,8 @@ def test_strict_order_probe_decides_first_and_its_slots_are_certain():
     for early in (False, True):
         scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
                                      branch_alpha=1.0, branch_penalty=False,
-                                     speculative_global_samples=0, branch_before_m=early)
+                                     speculative_global_samples=0, branch_before_m=early,
+                                     speculative_branches=0)
         runs[early] = (scheduler.rollout([[50]], step=0), backend)
     for early, child_ids in ((False, [4, 5]), (True, [1, 2])):
         result, backend = runs[early]
@@ -300,16 +301,18 @@ def test_default_decides_online_in_the_order_decisions_are_taken():
     # after round 1 H_root gives m_max = 4, so global 3 is added (top-up to m_max - 1) and the 2
     # certain slots are open. Round 2: probe, globals 1-2 react to tool 1 and decide in id order:
     # the probe takes slot 1 (child 4), global 1 slot 2 (child 5), global 2 finds no certain
-    # slot and waits. Round 3: the 4 decisions (probe, globals 1-2 after tool 2, global 3 after
-    # tool 1) all wait: no certain slot is left (global 2 already waits anyway). The
-    # probe ends -> m = 4: globals 1-3 are kept, the 6 slots are full, the waiting decisions
-    # are budget-blocked. Round 4: global 3 and the children answer. 4 rounds (strict: 6).
+    # slot and waits; it is the first waiting decision, so its child starts at once (tentative,
+    # id 6). Round 3: the 4 decisions (probe, globals 1-2 after tool 2, global 3 after tool 1)
+    # all wait: no certain slot is left (global 2 already waits anyway). The probe ends ->
+    # m = 4: globals 1-3 are kept, the 6 slots are full, the waiting decisions are
+    # budget-blocked, child 6 is discarded (its reaction, "think1 <search>q1</search>": 26
+    # tokens). Round 4: global 3 and the children answer. 4 rounds (strict: 6).
     scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False)
     result = scheduler.rollout([[50]], step=0)
     by_id = {t.traj_id: t for t in result.trajectories}
     assert result.stats.m == [4] and result.stats.rounds == 4
-    assert [len(b) for b in backend.batches] == [3, 4, 6, 3]
+    assert [len(b) for b in backend.batches] == [3, 4, 7, 3]
     assert sorted(by_id) == [0, 1, 2, 3, 4, 5]
     assert (by_id[4].parent_id, by_id[5].parent_id) == (0, 1)
     assert [d.branched for d in by_id[0].decisions] == [True, False]
@@ -317,7 +320,34 @@ def test_default_decides_online_in_the_order_decisions_are_taken():
     for tid in (2, 3):
         assert [d.budget_blocked for d in by_id[tid].decisions] == [True, True]
     assert result.stats.branches == 2 and result.stats.waited_decisions == 5
-    assert result.stats.discarded_tokens == 0
+    assert (result.stats.discarded_speculative, result.stats.discarded_tokens) == (1, 26)
+
+
+def test_tentative_child_kept_when_m_leaves_its_slot():
+    # As above, but H_tool 2 > H_root 1: m = floor(6 * sigmoid(-0.5)) + 1 = floor(2.26) + 1 = 3
+    # (m_max still 4): 3 slots, 2 of them certain. Global 2's waiting decision (round 2) gets
+    # the third when m is known after round 3; its child (id 6) started in round 3, so it
+    # answers in round 4 beside the others: 4 rounds. Without the tentative start
+    # (speculative_branches=0) the same child is forked after round 3 and needs rounds 4-5.
+    # Same trees, ids and decisions either way; global 3 (beyond m) is discarded in both.
+    policy = _stepwise_entropy_agent({0: 1.0, 1: 2.0, 2: 2.0})
+    runs = {}
+    for tentative in (1, 0):
+        scheduler, backend, _ = make(policy, PureRunner(), k=6, branch_alpha_mode="constant",
+                                     branch_alpha=1.0, branch_penalty=False,
+                                     speculative_branches=tentative)
+        runs[tentative] = (scheduler.rollout([[50]], step=0), backend)
+    for tentative, batches in ((1, [3, 4, 7, 3]), (0, [3, 4, 6, 3, 1])):
+        result, backend = runs[tentative]
+        assert result.stats.m == [3] and [len(b) for b in backend.batches] == batches
+        assert {t.traj_id: t.parent_id for t in result.trajectories} == {
+            0: None, 1: None, 2: None, 4: 0, 5: 1, 6: 2}
+        assert result.stats.discarded_speculative == 1  # global 3
+    assert _signature(runs[1][0].trajectories) == _signature(runs[0][0].trajectories)
+    assert [t.decisions for t in runs[1][0].trajectories] == \
+        [t.decisions for t in runs[0][0].trajectories]
+    child = next(t for t in runs[1][0].trajectories if t.traj_id == 6)
+    assert child.inherited_branches == 1 and child.branch_tool_step == 1
 
 
 class PureRunner(ScriptedRunner):
@@ -404,7 +434,8 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
                            branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
-    assert len(trajs) == 6 and stats.branches == 2 and stats.discarded_speculative == 2
+    # discarded: globals 4-5 and the tentative child of global 2's waiting decision
+    assert len(trajs) == 6 and stats.branches == 2 and stats.discarded_speculative == 3
     assert sorted(t.traj_id for t in trajs) == [0, 1, 2, 3, 6, 7]  # ids 4, 5 were spent
     sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in trajs)
     assert stats.discarded_tokens > 0
@@ -504,24 +535,26 @@ def test_speculative_beyond_m_drops_its_early_branches():
     # order: probe -> child 8, global 1 -> child 9, global 2 -> child 10, globals 3-7 wait.
     # Round 3: the probe answers (H_tool 6 -> m = floor(8 * sigmoid(-3)) + 1 = 1): only the
     # probe is kept; globals 1-7 are paused, children 9 and 10 dropped. The probe's waiting
-    # decision (tool 2) takes child 11; child 8 branches after its own tool 2 in round 4 (child
-    # 12, l = 2). Round 5: child 12 answers. 4 members -> 4 refills: globals 1-4 from the
-    # reserve (ended already, decisions blocked); globals 5-7 and children 9-10 discarded.
+    # Global 3's waiting decision starts a tentative child (11), dropped with its parent. The
+    # probe's waiting decision (tool 2) takes child 12; child 8 branches after its own tool 2
+    # in round 4 (child 13, l = 2). Round 5: child 13 answers. 4 members -> 4 refills: globals
+    # 1-4 from the reserve (ended already, decisions blocked); globals 5-7 and children 9-11
+    # discarded.
     policy = _stepwise_entropy_agent({0: 0.0, 1: 6.0, 2: 6.0})
     scheduler, backend, _ = make(policy, PureRunner(), k=8, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False,
                                  speculative_global_samples=7)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
-    assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 11, 2, 1]
+    assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 12, 2, 1]
     assert {t.traj_id: t.parent_id for t in trajs} == {0: None, 1: None, 2: None, 3: None,
-                                                       4: None, 8: 0, 11: 0, 12: 8}
+                                                       4: None, 8: 0, 12: 0, 13: 8}
     by_id = {t.traj_id: t for t in trajs}
     assert [d.branched for d in by_id[0].decisions] == [True, True]
     for gid in (1, 2, 3, 4):  # the decisions they took as speculative globals are forgotten
         assert [d.budget_blocked for d in by_id[gid].decisions] == [True, True]
     assert stats.branches == 3 and stats.fresh_global_samples == 4
-    assert stats.discarded_speculative == 5  # children 9, 10 and globals 5-7
+    assert stats.discarded_speculative == 6  # children 9-11 and globals 5-7
     sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in trajs)
     assert stats.tokens_generated - stats.discarded_tokens == sampled
 

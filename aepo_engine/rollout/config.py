@@ -41,6 +41,12 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             they were taken. So the budget goes to decisions in the order they are taken, as if
             m had been known from the start. False: every decision waits for m (slower: the
             children of late decisions run after the others).
+        speculative_branches: Per prompt, this many waiting decisions (``branch_before_m``) that
+            want a branch start their child at once, as a trajectory's first waiting decision
+            has a known P: if m leaves it a slot when the decision's turn comes, the child is
+            kept, further along than a child started then; if not, it is discarded (its tokens
+            counted as discarded). The decisions and their outcomes are unchanged; only the ids
+            (hence seeds) of later trajectories can shift by the discarded child's. 0 = off.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
             the whole probe has ended); 1 = m from the probe's first reaction to a tool result
@@ -74,6 +80,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     reuse_probe_as_sample: bool = True
     speculative_global_samples: int | None = None
     branch_before_m: bool = True
+    speculative_branches: int = 1
     monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
@@ -103,6 +110,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(0 <= self.speculative_global_samples <= self.k - 1,
                    f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
                    f"probe is one of the k trajectories, got {self.speculative_global_samples}")
+        _check(self.speculative_branches >= 0,
+               f"speculative_branches must be >= 0, got {self.speculative_branches}")
         if self.monitor_tool_steps is not None:
             _check(self.monitor_tool_steps >= 1,
                    f"monitor_tool_steps must be >= 1 (or none for all), got {self.monitor_tool_steps}")

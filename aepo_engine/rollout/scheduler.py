@@ -36,7 +36,10 @@ Per prompt:
    outcome). Once m is known, the speculative globals beyond m go to the reserve, dropping the
    branches they took (their own tokens counted as discarded; a refill, which can no longer
    branch, takes its decisions again), and the waiting decisions claim what is left in the
-   order they were taken. Since decisions in a round are taken in trajectory-id order and a
+   order they were taken (``speculative_branches``: the child of a trajectory's first waiting
+   decision that wants a branch, whose P is known, starts at once and is kept if the decision
+   gets a slot, discarded if not; outcomes are the same as for a child started then, only
+   earlier). Since decisions in a round are taken in trajectory-id order and a
    decision waits only once the certain slots are gone, the budget goes to decisions in the
    order they are taken, as in a rollout where m was known from the start and all m samples
    started together (the reference code's order after its probe). Tested: with m - 1
@@ -164,6 +167,8 @@ class _PromptState:
     waiting: set[int] = field(default_factory=set)  # ids of trajectories whose decisions wait
     pending: list[tuple[Trajectory, int, float]] = field(default_factory=list)  # (traj, segment, H_now)
     roots: dict[int, int] = field(default_factory=dict)  # branch id -> id of its root trajectory
+    # children started for waiting decisions, keyed by (parent id, segment index)
+    tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -179,7 +184,8 @@ class _PromptState:
     def generating(self) -> list[Trajectory]:
         """What the next round samples: ``running`` and the unfinished reserve, in id order
         (creation order): within a round, decisions claim the budget in this order."""
-        pool = self.running() + [t for t in self.reserve if not t.done]
+        pool = self.running() + [t for t in self.reserve if not t.done] + \
+            [t for t in self.tentative.values() if not t.done]
         return sorted(pool, key=lambda t: t.traj_id)
 
 
@@ -406,6 +412,10 @@ class EntropyBalancedRollout:
         for traj, seg_index, h_now in pending:
             if any(traj is member for member in state.members):  # not in reserve, not dropped
                 self._decide(state, traj, seg_index, h_now, step)
+        for child in state.tentative.values():  # their decisions found no slot
+            stats.discarded_speculative += 1
+            stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+        state.tentative = {}
 
     def _to_reserve(self, state: _PromptState, traj: Trajectory, stats: _Stats) -> None:
         """Put a speculative global beyond m in reserve: as a refill it is a fresh global sample
@@ -528,9 +538,22 @@ class EntropyBalancedRollout:
                        h_now: float, step: int) -> None:
         """Decide now, or leave the decision waiting for m (with the trajectory's later ones:
         their l depends on its outcome)."""
-        if traj.traj_id in state.waiting or not self._decide(state, traj, seg_index, h_now, step):
+        if traj.traj_id in state.waiting:
+            state.pending.append((traj, seg_index, h_now))
+        elif not self._decide(state, traj, seg_index, h_now, step):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
+            if len(state.tentative) < self.config.speculative_branches:
+                self._start_tentative(state, traj, seg_index)
+
+    def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
+        """Start now the child a waiting decision (it wants a branch) gets if m leaves it a slot,
+        so that it does not start rounds late; it takes no decision of its own before that."""
+        child = traj.fork(seg_index, state.new_id())
+        child.consecutive_branches = child.inherited_branches = traj.consecutive_branches + 1
+        state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+        state.waiting.add(child.traj_id)
+        state.tentative[(traj.traj_id, seg_index)] = child
 
     def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float,
                 step: int) -> bool:
@@ -552,9 +575,11 @@ class EntropyBalancedRollout:
             return False
         if slot:
             traj.consecutive_branches = l_before + 1
-            child = traj.fork(seg_index, state.new_id())
+            child = state.tentative.pop((traj.traj_id, seg_index), None)
+            if child is None:
+                child = traj.fork(seg_index, state.new_id())
+                state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
             state.members.append(child)
-            state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
             state.early_branches += int(state.m is None)
         else:
             traj.consecutive_branches = 0
