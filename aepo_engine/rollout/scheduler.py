@@ -44,14 +44,15 @@ Per prompt:
    order they are taken, as in a rollout where m was known from the start and all m samples
    started together (the reference code's order after its probe). Tested: with m - 1
    speculative globals the output equals, token for token, that of pre-monitoring off with
-   the same fixed m (whose global 0 is the probe's sample); with the defaults, the tree shape
+   the same fixed m (whose global 0 is the probe's sample; an early child is then discarded
+   only when the budget is full, so no later id shifts); with the defaults, the tree shape
    (depths, branch tool steps, blocked decisions) matches it in distribution. m, the branch
    count and the P distribution also match the strict order's; the tree shape does not: there
    the probe takes all its decisions first, so its later tool steps win scarce slots that
    earlier tool steps of other samples win here. ``branch_before_m=False`` makes every decision
    wait for m (the children of late decisions then need extra rounds); together with
-   ``speculative_global_samples=0`` it is the spec's strict order: the probe alone, its
-   decisions once it has ended, then the other globals.
+   ``speculative_global_samples=0`` and ``speculative_branches=0`` it is the spec's strict
+   order: the probe alone, its decisions once it has ended, then the other globals.
    What else can differ from the strict order: trajectory ids (hence the seeds of children and
    refills), once ids were spent on the reserve or on early branches.
    Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
@@ -221,8 +222,9 @@ class RolloutStats:
         fresh_global_samples: global samples started because a prompt's trajectories all ended;
             discarded_probes: probes thrown away (``reuse_probe_as_sample=False``);
             discarded_speculative: speculative samples beyond m that no refill needed, thrown
-            away (branches used the budget), and the branches that speculative samples beyond m
-            took before m was known;
+            away (branches used the budget), the branches that speculative samples beyond m
+            took before m was known, and children started early for waiting decisions that got
+            no slot (``speculative_branches``);
             waited_decisions: branch decisions that waited for m (``branch_before_m``);
             discarded_tokens: model tokens sampled in discarded trajectories (part of
             tokens_generated; the rest is what the returned trajectories hold).
