@@ -31,7 +31,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
             probe, then topped up to m_max - 1 once H_root is known after the probe's first round
             (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that
-            many, no top-up; 0 = the spec's strict order (the probe first, alone).
+            many, no top-up; 0 = the probe first, alone (with branch_before_m=False and
+            speculative_branches=0: the spec's strict order).
             Ignored without pre-monitoring.
         branch_before_m: Trajectories that run before m is known (the probe, speculative globals,
             their branches) take their branch decisions online, while the k - m_max branch slots
@@ -39,11 +40,13 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             slot beyond those waits for m, with the trajectory's later decisions (they depend on
             its branch count l), and all waiting decisions then claim the budget in the order
             they were taken. So the budget goes to decisions in the order they are taken, as if
-            m had been known from the start. False: every decision waits for m (slower: the
-            children of late decisions run after the others).
+            m had been known from the start: m, the branch count and P are the strict order's,
+            the tree shape is that of m known from the start (in the strict order the probe
+            claims first; module doc of ``rollout.scheduler``). False: every decision waits for
+            m (slower: the children of late decisions run after the others).
         speculative_branches: Per prompt, this many waiting decisions (``branch_before_m``) that
-            want a branch start their child at once, as a trajectory's first waiting decision
-            has a known P: if m leaves it a slot when the decision's turn comes, the child is
+            want a branch start their child at once (only a trajectory's first waiting decision,
+            whose P is known): if m leaves it a slot when the decision's turn comes, the child is
             kept, further along than a child started then; if not, it is discarded (its tokens
             counted as discarded). The decisions and their outcomes are unchanged; only the ids
             (hence seeds) of later trajectories can shift by the discarded child's. 0 = off.
