@@ -3,10 +3,13 @@
 Modes (same backend, model, prompts, k, seeds and token limits; only the branching rule differs):
 - ``plain``: branching off, k independent global samples per prompt (a GRPO rollout).
 - ``aepo``:  AEPO defaults: entropy pre-monitoring (a probe trajectory per prompt, reused as a
-  sample, with ``speculative_global_samples`` globals started beside it), entropy branching at
-  tool steps, consecutive-branch penalty.
-- ``aepo_strict``: the same with ``speculative_global_samples=0``: the probe runs alone before
-  the other global samples start (the spec's strict order; what ``aepo`` was before the overlap).
+  sample, with ``speculative_global_samples`` globals started beside it and decisions taken
+  online in the branch slots every m leaves, ``branch_before_m``), entropy branching at tool
+  steps, consecutive-branch penalty.
+- ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False,
+  speculative_branches=0``: the
+  probe runs alone and takes its decisions once it has ended, before the other global samples
+  start (the spec's strict order; what ``aepo`` was before the overlap).
 - ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
   tool result (a faster rule than the spec's, see ``RolloutConfig``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
@@ -106,7 +109,8 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
     if mode == "aepo":
         return RolloutConfig(**limits)  # defaults: pre-monitoring, branching, penalty
     if mode == "aepo_strict":
-        return RolloutConfig(speculative_global_samples=0, **limits)
+        return RolloutConfig(speculative_global_samples=0, branch_before_m=False,
+                             speculative_branches=0, **limits)
     if mode == "aepo_early":
         return RolloutConfig(monitor_tool_steps=1, **limits)
     if mode == "arpo":

@@ -69,7 +69,9 @@ def test_modes_differ_only_in_the_branching_rule():
     assert not plain.branching
     assert aepo.branching and aepo.pre_monitoring and aepo.branch_penalty
     assert aepo.speculative_globals == 2 and strict.speculative_globals == 0
-    assert msgspec.structs.replace(strict, speculative_global_samples=None) == aepo
+    assert not strict.branch_before_m and strict.speculative_branches == 0
+    assert msgspec.structs.replace(strict, speculative_global_samples=None, branch_before_m=True,
+                                   speculative_branches=1) == aepo
     assert msgspec.structs.replace(early, monitor_tool_steps=None) == aepo
     assert arpo.branching and not arpo.pre_monitoring and not arpo.branch_penalty
     for config in (plain, aepo, strict, early, arpo):

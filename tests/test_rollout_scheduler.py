@@ -191,6 +191,11 @@ def test_config_has_help_for_every_field_and_round_trips():
     dict(reuse_probe_as_sample=False),
     dict(branching=False),
     dict(branch_alpha_mode="constant", branch_alpha=1.0, gamma=0.0, branch_penalty=False, k=7),
+    dict(branch_alpha_mode="constant", branch_alpha=1.0, branch_penalty=False, k=7,
+         speculative_global_samples=6),
+    dict(branch_alpha_mode="constant", branch_alpha=1.0, branch_penalty=False, k=5,
+         reuse_probe_as_sample=False, monitor_tool_steps=1),
+    dict(branch_before_m=False, speculative_global_samples=0),
 ])
 def test_exactly_k_per_prompt_grouped(overrides):
     scheduler, backend, runner = make(tool_agent(3), **overrides)
@@ -260,18 +265,89 @@ def test_discarded_probe_is_not_returned():
     assert result.stats.discarded_probes == 1
 
 
-def test_reused_probe_takes_its_branch_decisions_after_m_is_known():
-    # Always branch (alpha 1, no penalty); k=6; m: H equal -> floor(3) + 1 = 4 -> 2 branches.
-    scheduler, _, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant", branch_alpha=1.0,
-                           branch_penalty=False)
+def test_strict_order_probe_decides_first_and_its_slots_are_certain():
+    # Always branch (alpha 1, no penalty); k=6; equal entropies 1.0 -> m = floor(6 * 0.5) + 1 = 4
+    # -> 2 branch slots, and m_max = floor(6 * sigmoid(0.5)) + 1 = floor(3.73) + 1 = 4, so both
+    # slots are certain once H_root is known. In the strict order the probe decides first
+    # whether its decisions wait for m (branch_before_m=False: both after round 3) or are taken
+    # online (round 2 and round 3): it takes both slots either way; only the children's ids
+    # (creation order) differ. Rounds: probe 3, then globals 1-3 (3 rounds) beside the
+    # children = 6 in both.
+    runs = {}
+    for early in (False, True):
+        scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
+                                     branch_alpha=1.0, branch_penalty=False,
+                                     speculative_global_samples=0, branch_before_m=early,
+                                     speculative_branches=0)
+        runs[early] = (scheduler.rollout([[50]], step=0), backend)
+    for early, child_ids in ((False, [4, 5]), (True, [1, 2])):
+        result, backend = runs[early]
+        probe = result.trajectories[0]
+        assert result.stats.m == [4] and result.stats.rounds == 6
+        assert [d.branched for d in probe.decisions] == [True, True]
+        children = [t for t in result.trajectories if t.parent_id == probe.traj_id]
+        assert [c.traj_id for c in children] == child_ids
+        assert [c.branch_tool_step for c in children] == [1, 2]
+        assert all(c.kind == "branch" for c in children)
+        assert result.stats.waited_decisions == (0 if early else 2)
+    # online, the first child samples its reaction beside the probe's last segment (round 3)
+    # and answers beside the globals' first segments (round 4); waiting, it needs rounds 4-5
+    assert [len(b) for b in runs[True][1].batches] == [1, 1, 2, 5, 3, 3]
+    assert [len(b) for b in runs[False][1].batches] == [1, 1, 1, 5, 4, 3]
+
+
+def test_default_decides_online_in_the_order_decisions_are_taken():
+    # Same set-up with the defaults: 2 speculative globals (k // 2 - 1) start beside the probe;
+    # after round 1 H_root gives m_max = 4, so global 3 is added (top-up to m_max - 1) and the 2
+    # certain slots are open. Round 2: probe, globals 1-2 react to tool 1 and decide in id order:
+    # the probe takes slot 1 (child 4), global 1 slot 2 (child 5), global 2 finds no certain
+    # slot and waits; it is the first waiting decision, so its child starts at once (tentative,
+    # id 6). Round 3: the 4 decisions (probe, globals 1-2 after tool 2, global 3 after tool 1)
+    # all wait: no certain slot is left (global 2 already waits anyway). The probe ends ->
+    # m = 4: globals 1-3 are kept, the 6 slots are full, the waiting decisions are
+    # budget-blocked, child 6 is discarded (its reaction, "think1 <search>q1</search>": 26
+    # tokens). Round 4: global 3 and the children answer. 4 rounds (strict: 6).
+    scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
+                                 branch_alpha=1.0, branch_penalty=False)
     result = scheduler.rollout([[50]], step=0)
-    trajs = result.trajectories
-    probe = trajs[0]
-    assert result.stats.m == [4]
-    assert [d.branched for d in probe.decisions] == [True, True]
-    children = [t for t in trajs if t.parent_id == probe.traj_id]
-    assert sorted(c.branch_tool_step for c in children) == [1, 2]
-    assert all(c.kind == "branch" for c in children)
+    by_id = {t.traj_id: t for t in result.trajectories}
+    assert result.stats.m == [4] and result.stats.rounds == 4
+    assert [len(b) for b in backend.batches] == [3, 4, 7, 3]
+    assert sorted(by_id) == [0, 1, 2, 3, 4, 5]
+    assert (by_id[4].parent_id, by_id[5].parent_id) == (0, 1)
+    assert [d.branched for d in by_id[0].decisions] == [True, False]
+    assert [d.branched for d in by_id[1].decisions] == [True, False]
+    for tid in (2, 3):
+        assert [d.budget_blocked for d in by_id[tid].decisions] == [True, True]
+    assert result.stats.branches == 2 and result.stats.waited_decisions == 5
+    assert (result.stats.discarded_speculative, result.stats.discarded_tokens) == (1, 26)
+
+
+def test_tentative_child_kept_when_m_leaves_its_slot():
+    # As above, but H_tool 2 > H_root 1: m = floor(6 * sigmoid(-0.5)) + 1 = floor(2.26) + 1 = 3
+    # (m_max still 4): 3 slots, 2 of them certain. Global 2's waiting decision (round 2) gets
+    # the third when m is known after round 3; its child (id 6) started in round 3, so it
+    # answers in round 4 beside the others: 4 rounds. Without the tentative start
+    # (speculative_branches=0) the same child is forked after round 3 and needs rounds 4-5.
+    # Same trees, ids and decisions either way; global 3 (beyond m) is discarded in both.
+    policy = _stepwise_entropy_agent({0: 1.0, 1: 2.0, 2: 2.0})
+    runs = {}
+    for tentative in (1, 0):
+        scheduler, backend, _ = make(policy, PureRunner(), k=6, branch_alpha_mode="constant",
+                                     branch_alpha=1.0, branch_penalty=False,
+                                     speculative_branches=tentative)
+        runs[tentative] = (scheduler.rollout([[50]], step=0), backend)
+    for tentative, batches in ((1, [3, 4, 7, 3]), (0, [3, 4, 6, 3, 1])):
+        result, backend = runs[tentative]
+        assert result.stats.m == [3] and [len(b) for b in backend.batches] == batches
+        assert {t.traj_id: t.parent_id for t in result.trajectories} == {
+            0: None, 1: None, 2: None, 4: 0, 5: 1, 6: 2}
+        assert result.stats.discarded_speculative == 1  # global 3
+    assert _signature(runs[1][0].trajectories) == _signature(runs[0][0].trajectories)
+    assert [t.decisions for t in runs[1][0].trajectories] == \
+        [t.decisions for t in runs[0][0].trajectories]
+    child = next(t for t in runs[1][0].trajectories if t.traj_id == 6)
+    assert child.inherited_branches == 1 and child.branch_tool_step == 1
 
 
 class PureRunner(ScriptedRunner):
@@ -328,26 +404,27 @@ def test_speculative_globals_remove_the_probes_rounds():
     assert _signature(results[7].trajectories) == _signature(results[0].trajectories)
 
 
-def test_speculative_globals_take_their_branch_decisions_once_m_is_known():
-    # Always branch (alpha 1, no penalty), k = 6, m = 4 -> 2 branch slots. The probe decides
-    # first (as in the strict order, where the globals start after it), so it takes both slots;
-    # the speculative globals' decisions are then budget-blocked, as the strict globals' are.
-    # Rounds: strict 3 (probe) + 3 (globals 1-3 beside the children) = 6; with the globals
-    # beside the probe only the children (2 and 1 rounds left) follow: 3 + 2 = 5.
+def test_speculative_globals_wait_for_m_without_branch_before_m():
+    # Always branch, k = 6, m = 4 -> 2 slots, branch_before_m=False: every decision taken before
+    # m waits for it and then claims in the order it was taken: round 2's decisions of the
+    # probe and global 1 take the slots; all later ones are budget-blocked. Rounds: strict 3
+    # (probe) + 3 (globals 1-3 beside the children) = 6; with 3 globals beside the probe the
+    # children (forked after round 3, 2 and 2 rounds left) follow: 3 + 2 = 5.
     runs = []
     for spec in (0, 3):
         scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=6,
                                branch_alpha_mode="constant", branch_alpha=1.0,
-                               branch_penalty=False, speculative_global_samples=spec)
+                               branch_penalty=False, speculative_global_samples=spec,
+                               branch_before_m=False)
         runs.append(scheduler.rollout([[50]], step=0))
     strict, overlap = runs
-    assert _signature(overlap.trajectories) == _signature(strict.trajectories)
-    for result in runs:
-        by_id = {t.traj_id: t for t in result.trajectories}
-        assert [d.branched for d in by_id[0].decisions] == [True, True]
-        for gid in (1, 2, 3):
-            assert [d.budget_blocked for d in by_id[gid].decisions] == [True, True]
     assert (strict.stats.rounds, overlap.stats.rounds) == (6, 5)
+    by_id = {t.traj_id: t for t in overlap.trajectories}
+    assert [d.branched for d in by_id[0].decisions] == [True, False]
+    assert [d.branched for d in by_id[1].decisions] == [True, False]
+    assert sorted(t.parent_id for t in overlap.trajectories if t.kind == "branch") == [0, 1]
+    by_id = {t.traj_id: t for t in strict.trajectories}
+    assert [d.branched for d in by_id[0].decisions] == [True, True]  # the probe went first
 
 
 def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
@@ -357,11 +434,157 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
                            branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
-    assert len(trajs) == 6 and stats.branches == 2 and stats.discarded_speculative == 2
+    # discarded: globals 4-5 and the tentative child of global 2's waiting decision
+    assert len(trajs) == 6 and stats.branches == 2 and stats.discarded_speculative == 3
     assert sorted(t.traj_id for t in trajs) == [0, 1, 2, 3, 6, 7]  # ids 4, 5 were spent
     sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in trajs)
     assert stats.discarded_tokens > 0
     assert stats.tokens_generated - stats.discarded_tokens == sampled
+
+
+def random_tool_agent(max_calls: int = 4) -> Policy:
+    """Entropies and the choice between another search and an answer drawn from the request's
+    seed: a different tree shape for every trajectory, reproducible."""
+    import random
+
+    def policy(context: str, request: GenRequest):
+        done = context.count("<result>")
+        rng = random.Random(request.seed)
+        entropy = rng.uniform(0.0, 2.0) if done else rng.uniform(0.3, 1.2)
+        if done < max_calls and (done == 0 or rng.random() < 0.6):
+            return f"t{done} <search>q{rng.randrange(99)}</search>", entropy, False
+        return "<answer>x</answer>", entropy, True
+
+    return policy
+
+
+def _tree_features(result) -> dict[str, float]:
+    trajs = {t.traj_id: t for t in result.trajectories}
+
+    def depth(t: Trajectory) -> int:
+        return 0 if t.parent_id is None else 1 + depth(trajs[t.parent_id])
+
+    decisions = [d for t in trajs.values() for d in t.decisions]
+    depths = [depth(t) for t in trajs.values()]
+    return {"m": result.stats.m[0], "branches": sum(d.branched for d in decisions),
+            "mean_p": sum(d.probability for d in decisions) / max(1, len(decisions)),
+            "blocked": sum(d.budget_blocked for d in decisions),
+            "depth_1": depths.count(1), "depth_2+": sum(d >= 2 for d in depths),
+            "branch_steps": sum(t.branch_tool_step or 0 for t in trajs.values())}
+
+
+def _one_call(step: int, **overrides):
+    scheduler, _, _ = make(random_tool_agent(), PureRunner(), k=8, **overrides)
+    return scheduler.rollout([[50 + step % 3]], step=step)
+
+
+STRICT = dict(speculative_global_samples=0, branch_before_m=False)
+
+
+def test_branch_before_m_is_m_known_from_the_start():
+    # With the m - 1 globals the probe will keep started beside it (no reserve, no top-up), the
+    # rollout is the one of m known in advance: pre-monitoring off, fixed m, where global 0 is
+    # the probe's very sample (seeds derive from the id, not the kind), every decision online.
+    # Identical token for token, ids and decisions included, although decisions waited for m.
+    waited = branched = 0
+    for step in range(60):
+        m = _one_call(step, **STRICT).stats.m[0]
+        known = _one_call(step, pre_monitoring=False, fixed_global_samples=m)
+        early = _one_call(step, speculative_global_samples=m - 1)
+        assert early.stats.m == [m]
+        assert signature(early.trajectories)[1:] == signature(known.trajectories)[1:]
+        assert [t.decisions for t in early.trajectories] == [t.decisions for t in known.trajectories]
+        waited += early.stats.waited_decisions > 0
+        branched += early.stats.branches > 0
+    assert waited >= 10 and branched >= 50  # the cases that could differ did occur
+
+
+def test_branching_statistics_unchanged_in_distribution():
+    # 240 seeded single-prompt calls, each run three ways: the strict order, m known from the
+    # start (above), and the default (k // 2 - 1 speculative globals, top-up to m_max - 1, online
+    # decisions in certain slots). m is the same in every call (the probe is the same sample).
+    # Paired per call, a mean difference beyond 4 standard errors has probability < 1e-4 under
+    # equal distributions (CLT; the calls are independent draws). Measured at 900 calls: every
+    # |z| vs m-known <= 1.4; vs the strict order the branch count and P agree (|z| <= 0.4)
+    # while the tree shape does not (branch tool steps z = -6.5, depth-1 z = +5): there the
+    # reused probe claims the budget first, so its later tool steps win slots. That is why the
+    # tree shape is compared with m known from the start, the order the docstring promises.
+    features = {"strict": [], "known": [], "default": []}
+    for step in range(240):
+        strict = _one_call(step, **STRICT)
+        m = strict.stats.m[0]
+        features["strict"].append(_tree_features(strict))
+        features["known"].append(_tree_features(
+            _one_call(step, pre_monitoring=False, fixed_global_samples=m)))
+        features["default"].append(_tree_features(_one_call(step)))
+    assert [f["m"] for f in features["default"]] == [f["m"] for f in features["strict"]]
+    assert sum(f["branches"] for f in features["default"]) > 500  # budgets were contested
+    checks = {"strict": ("branches", "mean_p"),
+              "known": ("branches", "mean_p", "blocked", "depth_1", "depth_2+", "branch_steps")}
+    for reference, keys in checks.items():
+        for key in keys:
+            diffs = [a[key] - b[key] for a, b in zip(features["default"], features[reference])]
+            mean = sum(diffs) / len(diffs)
+            std_err = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+            assert abs(mean) <= 4 * std_err + 1e-9, (reference, key, mean, std_err)
+
+
+def test_speculative_beyond_m_drops_its_early_branches():
+    # Always branch, k = 8, 7 speculative globals. H_root 0 -> m_max = floor(8 * sigmoid(0)) + 1
+    # = 5: 3 certain slots. Round 2: the probe and globals 1-7 react to tool 1 and decide in id
+    # order: probe -> child 8, global 1 -> child 9, global 2 -> child 10, globals 3-7 wait.
+    # Round 3: the probe answers (H_tool 6 -> m = floor(8 * sigmoid(-3)) + 1 = 1): only the
+    # probe is kept; globals 1-7 are paused, children 9 and 10 dropped. The probe's waiting
+    # Global 3's waiting decision starts a tentative child (11), dropped with its parent. The
+    # probe's waiting decision (tool 2) takes child 12; child 8 branches after its own tool 2
+    # in round 4 (child 13, l = 2). Round 5: child 13 answers. 4 members -> 4 refills: globals
+    # 1-4 from the reserve (ended already, decisions blocked); globals 5-7 and children 9-11
+    # discarded.
+    policy = _stepwise_entropy_agent({0: 0.0, 1: 6.0, 2: 6.0})
+    scheduler, backend, _ = make(policy, PureRunner(), k=8, branch_alpha_mode="constant",
+                                 branch_alpha=1.0, branch_penalty=False,
+                                 speculative_global_samples=7)
+    result = scheduler.rollout([[50]], step=0)
+    stats, trajs = result.stats, result.trajectories
+    assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 12, 2, 1]
+    assert {t.traj_id: t.parent_id for t in trajs} == {0: None, 1: None, 2: None, 3: None,
+                                                       4: None, 8: 0, 12: 0, 13: 8}
+    by_id = {t.traj_id: t for t in trajs}
+    assert [d.branched for d in by_id[0].decisions] == [True, True]
+    for gid in (1, 2, 3, 4):  # the decisions they took as speculative globals are forgotten
+        assert [d.budget_blocked for d in by_id[gid].decisions] == [True, True]
+    assert stats.branches == 3 and stats.fresh_global_samples == 4
+    assert stats.discarded_speculative == 6  # children 9-11 and globals 5-7
+    sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in trajs)
+    assert stats.tokens_generated - stats.discarded_tokens == sampled
+
+
+def test_reserve_runs_only_while_a_refill_may_need_it():
+    # Random trees, 7 speculative globals (k = 8): reserve samples keep generating after m is
+    # known, so a refill resumes them further along, but never once their prompt has k
+    # trajectories (nothing can need them then). Token accounting holds in every call: what
+    # was sampled = what the returned trajectories sampled themselves + what was discarded.
+    sampled_in_reserve = 0
+
+    class Checked(EntropyBalancedRollout):
+        def _round(self, states, batch, step, stats):
+            nonlocal sampled_in_reserve
+            for state in states:
+                if any(t in state.reserve for t in batch):
+                    assert len(state.members) < self.config.k
+                    sampled_in_reserve += 1
+            super()._round(states, batch, step, stats)
+
+    for step in range(40):
+        backend = ScriptedBackend(random_tool_agent())
+        config = RolloutConfig(k=8, n_entropy_tokens=4, max_response_tokens=400,
+                               max_tokens_per_segment=100, speculative_global_samples=7)
+        result = Checked(backend, PureRunner(), config).rollout(PROMPTS, step=step)
+        stats = result.stats
+        assert len(result.trajectories) == 8 * len(PROMPTS)
+        sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in result.trajectories)
+        assert stats.tokens_generated - stats.discarded_tokens == sampled
+    assert sampled_in_reserve > 0
 
 
 def test_no_branch_decisions_without_branching():
@@ -416,6 +639,9 @@ def test_speculative_config():
     assert RolloutConfig(k=8, pre_monitoring=False).speculative_globals == 0
     assert RolloutConfig(k=8, branching=False).speculative_globals == 0
     assert RolloutConfig(k=8, speculative_global_samples=7).speculative_globals == 7
+    assert RolloutConfig(k=8).speculative_top_up
+    assert not RolloutConfig(k=8, speculative_global_samples=3).speculative_top_up
+    assert not RolloutConfig(k=8, pre_monitoring=False).speculative_top_up
     with pytest.raises(ValueError, match="speculative_global_samples must be in"):
         RolloutConfig(k=8, speculative_global_samples=8)
     with pytest.raises(ValueError, match="monitor_tool_steps must be >= 1"):

@@ -24,12 +24,32 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             on-policy sample); False throws it away like the reference code (one extra trajectory).
         speculative_global_samples: Global samples started beside the pre-monitoring probe, before
             m is known, so the probe does not run alone. They are the same trajectories (same ids,
-            same seeds) the spec's order would start after the probe; they take their branch
-            decisions once m is known, like a reused probe. Those beyond the m the probe sets wait
-            in reserve and fill unused branch slots first; only those left over are discarded
-            (their tokens counted as discarded). None = max(0, k // 2 - 1), one below the global
-            samples of a neutral probe; 0 = the spec's strict order (the probe first, alone).
+            same seeds) the spec's order would start after the probe. Those beyond the m the probe
+            sets go to the reserve (the branches they took are dropped; they go on sampling while
+            the prompt has fewer than k trajectories) and fill unused branch slots first; the
+            rest is discarded (their tokens counted as discarded).
+            None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
+            probe, then topped up to m_max - 1 once H_root is known after the probe's first round
+            (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that
+            many, no top-up; 0 = the probe first, alone (with branch_before_m=False and
+            speculative_branches=0: the spec's strict order).
             Ignored without pre-monitoring.
+        branch_before_m: Trajectories that run before m is known (the probe, speculative globals,
+            their branches) take their branch decisions online, while the k - m_max branch slots
+            that every m leaves last (entropies are >= 0, so m <= m_max); a decision that wants a
+            slot beyond those waits for m, with the trajectory's later decisions (they depend on
+            its branch count l), and all waiting decisions then claim the budget in the order
+            they were taken. So the budget goes to decisions in the order they are taken, as if
+            m had been known from the start: m, the branch count and P are the strict order's,
+            the tree shape is that of m known from the start (in the strict order the probe
+            claims first; module doc of ``rollout.scheduler``). False: every decision waits for
+            m (slower: the children of late decisions run after the others).
+        speculative_branches: Per prompt, this many waiting decisions (``branch_before_m``) that
+            want a branch start their child at once (only a trajectory's first waiting decision,
+            whose P is known): if m leaves it a slot when the decision's turn comes, the child is
+            kept, further along than a child started then; if not, it is discarded (its tokens
+            counted as discarded). The decisions and their outcomes are unchanged; only the ids
+            (hence seeds) of later trajectories can shift by the discarded child's. 0 = off.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
             the whole probe has ended); 1 = m from the probe's first reaction to a tool result
@@ -62,6 +82,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     beta: float = 0.5
     reuse_probe_as_sample: bool = True
     speculative_global_samples: int | None = None
+    branch_before_m: bool = True
+    speculative_branches: int = 1
     monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
@@ -91,6 +113,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(0 <= self.speculative_global_samples <= self.k - 1,
                    f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
                    f"probe is one of the k trajectories, got {self.speculative_global_samples}")
+        _check(self.speculative_branches >= 0,
+               f"speculative_branches must be >= 0, got {self.speculative_branches}")
         if self.monitor_tool_steps is not None:
             _check(self.monitor_tool_steps >= 1,
                    f"monitor_tool_steps must be >= 1 (or none for all), got {self.monitor_tool_steps}")
@@ -128,6 +152,12 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         if self.speculative_global_samples is not None:
             return self.speculative_global_samples
         return max(0, self.k // 2 - 1)
+
+    @property
+    def speculative_top_up(self) -> bool:
+        """Top the speculative globals up to m_max - 1 once H_root is known (the default)."""
+        return (self.speculative_global_samples is None and self.branching
+                and self.pre_monitoring)
 
     @property
     def global_samples_without_monitoring(self) -> int:

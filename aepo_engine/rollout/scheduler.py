@@ -12,21 +12,49 @@ Per prompt:
    neutral m = floor(k / 2) + 1, close to the reference scripts' fixed m = k / 2 (unused branch
    budget is refilled with global samples anyway, so nothing is wasted). Then
    m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
-   reused probe counts as one of them, and its branch decisions are taken once m is known, with
-   the same rule and the same seeded draws as online decisions (it could not branch earlier: the
-   budget k - m was unknown while it ran).
-   Overlap (``speculative_global_samples``, default k // 2 - 1): that many global samples start
-   beside the probe instead of after it, so the probe's sequential rounds are not spent on one
-   trajectory per prompt. They are the trajectories the strict order would start after the
-   probe (trajectory ids 1, 2, ... and seeds derive from the id), so m and every kept sample
-   are unchanged; like the reused probe they take their branch decisions once m is known. Those
-   beyond the m - 1 (m without a reused probe) the probe then sets are paused in reserve: they
-   are global samples from the bare prompt, which is what step 4 refills unused branch slots
-   with, so a refill resumes them before it starts fresh ones. Only reserve samples no refill
-   needs are discarded (when branches used the whole budget), their tokens counted in
-   ``RolloutStats.discarded_tokens``. What can differ from the strict order: the order in which
-   the decisions of several trajectories claim a scarce branch budget, and trajectory ids
-   (hence the seeds of children and refills) once ids were spent on the reserve.
+   reused probe counts as one of them.
+   Overlap (``speculative_global_samples``, default k // 2 - 1, then topped up, see below): that
+   many global samples start beside the probe instead of after it, so the probe's sequential
+   rounds are not spent on one trajectory per prompt. They are the trajectories the strict
+   order would start after the probe (trajectory ids 1, 2, ... and seeds derive from the id),
+   so m and every kept sample are unchanged. Those beyond the m - 1 (m without a reused probe)
+   the probe then sets go to the reserve: they are global samples from the bare prompt, which
+   is what step 4 refills unused branch slots with, so a refill resumes them before it starts
+   fresh ones. They go on sampling (taking no decisions) while a refill may need them, so a
+   refill finds them further along; once the prompt has k trajectories (branches used the
+   whole budget) nothing can, and they are discarded, their tokens counted in
+   ``RolloutStats.discarded_tokens``.
+   The bound m_max. Entropies are >= 0, so H_tool >= 0 and m <= m_max = the m of H_tool = 0,
+   known from H_root after the probe's first round. By default the speculative globals are
+   then topped up to m_max - 1 (all any m keeps; ``speculative_top_up``), and k - m_max branch
+   slots are certain whatever m turns out to be.
+   Decisions before m (``branch_before_m``, on by default). Every trajectory that runs before m
+   is known (the reused probe, the speculative globals, their branches) takes its decisions
+   online, as in 3 below. A decision that does not branch (P <= tau) needs no slot; one that
+   wants a slot takes a certain one while they last; otherwise it waits for m, and so does
+   every later decision of that trajectory (its P depends on l, hence on the waiting
+   outcome). Once m is known, the speculative globals beyond m go to the reserve, dropping the
+   branches they took (their own tokens counted as discarded; a refill, which can no longer
+   branch, takes its decisions again), and the waiting decisions claim what is left in the
+   order they were taken (``speculative_branches``: the child of a trajectory's first waiting
+   decision that wants a branch, whose P is known, starts at once and is kept if the decision
+   gets a slot, discarded if not; outcomes are the same as for a child started then, only
+   earlier). Since decisions in a round are taken in trajectory-id order and a
+   decision waits only once the certain slots are gone, the budget goes to decisions in the
+   order they are taken, as in a rollout where m was known from the start and all m samples
+   started together (the reference code's order after its probe). Tested: with m - 1
+   speculative globals the output equals, token for token, that of pre-monitoring off with
+   the same fixed m (whose global 0 is the probe's sample; an early child is then discarded
+   only when the budget is full, so no later id shifts); with the defaults, the tree shape
+   (depths, branch tool steps, blocked decisions) matches it in distribution. m, the branch
+   count and the P distribution also match the strict order's; the tree shape does not: there
+   the probe takes all its decisions first, so its later tool steps win scarce slots that
+   earlier tool steps of other samples win here. ``branch_before_m=False`` makes every decision
+   wait for m (the children of late decisions then need extra rounds); together with
+   ``speculative_global_samples=0`` and ``speculative_branches=0`` it is the spec's strict
+   order: the probe alone, its decisions once it has ended, then the other globals.
+   What else can differ from the strict order: trajectory ids (hence the seeds of children and
+   refills), once ids were spent on the reserve or on early branches.
    Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
    post-tool segments, and m is set as soon as they exist (or the probe ends), instead of after
    the whole probe; a reused probe then goes on as an ordinary sample deciding online. This is a
@@ -104,6 +132,9 @@ def branch_probability(alpha: float, gamma: float, delta_h: float, consecutive_b
 
 
 _SAMPLE, _ALPHA = 0, 1  # seed purposes, so sampling seeds and branch draws never coincide
+# Entropies are >= 0; float rounding can put a mean a hair below. m_max is the m of this H_tool,
+# so it bounds m for any H_tool the probe can report.
+_H_TOOL_FLOOR = -1e-3
 
 
 def derive_seed(root_seed: int, step: int, prompt_index: int, traj_id: int, counter: int,
@@ -126,21 +157,37 @@ class _PromptState:
     members: list[Trajectory] = field(default_factory=list)  # returned; at most k
     probe: Trajectory | None = None      # while probing, and afterwards if discarded
     speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
-    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, paused
+    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, not members
     m: int | None = None                 # global samples; None while probing
     h_root: float | None = None
     h_tool: float | None = None
     next_id: int = 0
+    # Before m is known (module doc, "Decisions before m"):
+    certain_slots: int | None = None     # k - m_max once H_root is known (0: branch_before_m off)
+    early_branches: int = 0              # children created while m was unknown
+    waiting: set[int] = field(default_factory=set)  # ids of trajectories whose decisions wait
+    pending: list[tuple[Trajectory, int, float]] = field(default_factory=list)  # (traj, segment, H_now)
+    roots: dict[int, int] = field(default_factory=dict)  # branch id -> id of its root trajectory
+    # children started for waiting decisions, keyed by (parent id, segment index)
+    tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
 
     def new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
     def running(self) -> list[Trajectory]:
+        """Unfinished trajectories that may be returned (the reserve not included)."""
         pool = list(self.members) + self.speculative
         if self.probe is not None and self.probe not in pool:
             pool.append(self.probe)
         return [t for t in pool if not t.done]
+
+    def generating(self) -> list[Trajectory]:
+        """What the next round samples: ``running`` and the unfinished reserve, in id order
+        (creation order): within a round, decisions claim the budget in this order."""
+        pool = self.running() + [t for t in self.reserve if not t.done] + \
+            [t for t in self.tentative.values() if not t.done]
+        return sorted(pool, key=lambda t: t.traj_id)
 
 
 @dataclass
@@ -155,7 +202,7 @@ class _Stats:
     discarded_probes: int = 0
     discarded_speculative: int = 0
     discarded_tokens: int = 0
-    decisions: list[BranchDecision] = field(default_factory=list)
+    waited_decisions: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,7 +222,10 @@ class RolloutStats:
         fresh_global_samples: global samples started because a prompt's trajectories all ended;
             discarded_probes: probes thrown away (``reuse_probe_as_sample=False``);
             discarded_speculative: speculative samples beyond m that no refill needed, thrown
-            away (branches used the budget);
+            away (branches used the budget), the branches that speculative samples beyond m
+            took before m was known, and children started early for waiting decisions that got
+            no slot (``speculative_branches``);
+            waited_decisions: branch decisions that waited for m (``branch_before_m``);
             discarded_tokens: model tokens sampled in discarded trajectories (part of
             tokens_generated; the rest is what the returned trajectories hold).
     """
@@ -199,6 +249,7 @@ class RolloutStats:
     discarded_probes: int
     discarded_speculative: int
     discarded_tokens: int
+    waited_decisions: int
 
 
 @dataclass(frozen=True)
@@ -264,15 +315,14 @@ class EntropyBalancedRollout:
         for state in states:
             self._start(state, step)
         while True:
-            batch = [t for state in states for t in state.running()]
+            batch = [t for state in states for t in state.generating()]
             if not batch:
                 break
             self._round(states, batch, step, stats)
             for state in states:
                 self._advance(state, step, stats)
         for state in states:  # reserve samples no refill needed: the budget went to branches
-            stats.discarded_speculative += len(state.reserve)
-            stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
+            self._discard_reserve(state, stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
         return RolloutResult(out, self._summarize(states, out, stats))
@@ -296,6 +346,8 @@ class EntropyBalancedRollout:
         """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
         if state.m is None:
             if not self._evidence_ready(state.probe):
+                if state.certain_slots is None:  # after the probe's first round
+                    self._bound_m(state, step)
                 return
             self._finish_probe(state, step, stats)
         missing = self.config.k - len(state.members)
@@ -306,12 +358,32 @@ class EntropyBalancedRollout:
                 state.members.append(self._new(state, step, "global"))
             stats.fresh_global_samples += missing
             for traj in resumed:  # the budget is spent now: recorded as blocked decisions
-                self._decide_late(state, traj, step, stats)
+                self._decide_late(state, traj, step)
+        if state.m is not None and len(state.members) == self.config.k and state.reserve:
+            self._discard_reserve(state, stats)  # no refill can need it any more
+
+    @staticmethod
+    def _discard_reserve(state: _PromptState, stats: _Stats) -> None:
+        stats.discarded_speculative += len(state.reserve)
+        stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
+        state.reserve = []
 
     def _evidence_ready(self, probe: Trajectory) -> bool:
         """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
         wanted = self.config.monitor_tool_steps
         return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
+
+    def _bound_m(self, state: _PromptState, step: int) -> None:
+        """H_root is known: m <= m_max. Free the k - m_max branch slots every m leaves, and top
+        the speculative globals up to the most that any m keeps (``speculative_top_up``)."""
+        cfg = self.config
+        m_max = global_sample_count(cfg.k, cfg.beta, state.probe.segment_entropies[0],
+                                    _H_TOOL_FLOOR)
+        state.certain_slots = cfg.k - m_max if cfg.branch_before_m else 0
+        if cfg.speculative_top_up:
+            most_kept = m_max - int(cfg.reuse_probe_as_sample)
+            for _ in range(most_kept - len(state.speculative)):
+                state.speculative.append(self._new(state, step, "global"))
 
     def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
@@ -324,26 +396,47 @@ class EntropyBalancedRollout:
         wanted = state.m - int(reused)
         kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
         state.speculative = []
+        for traj in state.reserve:
+            self._to_reserve(state, traj, stats)
         state.members.extend(kept)
         for _ in range(wanted - len(kept)):
             state.members.append(self._new(state, step, "global"))
         state.probe = None  # a reused probe goes on as a member; a discarded one stops here
-        if reused:
-            kept.insert(0, probe)
-        else:
+        if not reused:
             stats.discarded_probes += 1
             stats.discarded_tokens += sum(probe.loss_mask)
-        for traj in kept:  # the decisions they could not take while the budget was unknown
-            self._decide_late(state, traj, step, stats)
+        if len(state.members) > cfg.k:
+            raise RuntimeError(f"prompt {state.index}: {len(state.members)} trajectories for "
+                               f"k={cfg.k}: a branch before m took a slot m did not leave")
+        # The decisions that waited for m claim what is left, in the order they were taken.
+        pending, state.pending, state.waiting = state.pending, [], set()
+        stats.waited_decisions += len(pending)
+        for traj, seg_index, h_now in pending:
+            if any(traj is member for member in state.members):  # not in reserve, not dropped
+                self._decide(state, traj, seg_index, h_now, step)
+        for child in state.tentative.values():  # their decisions found no slot
+            stats.discarded_speculative += 1
+            stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+        state.tentative = {}
 
-    def _decide_late(self, state: _PromptState, traj: Trajectory, step: int, stats: _Stats
-                     ) -> None:
+    def _to_reserve(self, state: _PromptState, traj: Trajectory, stats: _Stats) -> None:
+        """Put a speculative global beyond m in reserve: as a refill it is a fresh global sample
+        that can no longer branch, so the branches it took are dropped (their own tokens counted
+        as discarded) and its decisions are forgotten (a refill takes them again, blocked)."""
+        dropped = [t for t in state.members if state.roots.get(t.traj_id) == traj.traj_id]
+        for child in dropped:
+            state.members.remove(child)
+            stats.discarded_speculative += 1
+            stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+        traj.decisions.clear()
+        traj.consecutive_branches = 0
+
+    def _decide_late(self, state: _PromptState, traj: Trajectory, step: int) -> None:
         """Take the decisions of every model segment of ``traj`` that reacts to a tool result,
-        in order (a trajectory started before m was known has taken none)."""
+        in order (a resumed reserve sample has taken none)."""
         model_segments = [j for j, s in enumerate(traj.segments) if s.kind == "model"]
         for n_model, seg_index in enumerate(model_segments[1:], start=1):
-            stats.decisions.append(self._decide(state, traj, seg_index,
-                                                traj.segment_entropies[n_model], step))
+            self._decide(state, traj, seg_index, traj.segment_entropies[n_model], step)
 
     def _new(self, state: _PromptState, step: int, kind: str) -> Trajectory:
         return Trajectory(prompt_ids=state.prompt_ids, prompt_index=state.index,
@@ -364,9 +457,9 @@ class EntropyBalancedRollout:
             stats.tokens_generated += len(output.token_ids)
         for traj in batch:  # branch decisions first: a child copies the prefix before this call
             state = states[traj.prompt_index]
-            if cfg.branching and state.m is not None and self._decision_due(traj):
-                stats.decisions.append(self._decide(
-                    state, traj, len(traj.segments) - 1, traj.segment_entropies[-1], step))
+            if cfg.branching and self._decision_due(traj) and self._samples(state, traj):
+                self._take_decision(state, traj, len(traj.segments) - 1,
+                                    traj.segment_entropies[-1], step)
         calls, callers = [], []
         for traj, output in zip(batch, outputs):
             call = self._classify(traj, output, stats)
@@ -436,9 +529,38 @@ class EntropyBalancedRollout:
         return (len(segs) >= 2 and segs[-2].kind == "tool"
                 and segs[-1].start != traj.branch_position)
 
+    def _samples(self, state: _PromptState, traj: Trajectory) -> bool:
+        """``traj`` will be returned if its prompt's m keeps it (a discarded probe never is, a
+        reserve sample only once a refill resumes it)."""
+        if any(traj is t for t in state.reserve):
+            return False
+        return traj is not state.probe or self.config.reuse_probe_as_sample
+
+    def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
+                       h_now: float, step: int) -> None:
+        """Decide now, or leave the decision waiting for m (with the trajectory's later ones:
+        their l depends on its outcome)."""
+        if traj.traj_id in state.waiting:
+            state.pending.append((traj, seg_index, h_now))
+        elif not self._decide(state, traj, seg_index, h_now, step):
+            state.waiting.add(traj.traj_id)
+            state.pending.append((traj, seg_index, h_now))
+            if len(state.tentative) < self.config.speculative_branches:
+                self._start_tentative(state, traj, seg_index)
+
+    def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
+        """Start now the child a waiting decision (it wants a branch) gets if m leaves it a slot,
+        so that it does not start rounds late; it takes no decision of its own before that."""
+        child = traj.fork(seg_index, state.new_id())
+        child.consecutive_branches = child.inherited_branches = traj.consecutive_branches + 1
+        state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+        state.waiting.add(child.traj_id)
+        state.tentative[(traj.traj_id, seg_index)] = child
+
     def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float,
-                step: int) -> BranchDecision:
-        """Take the branch decision for the model segment ``traj.segments[seg_index]``."""
+                step: int) -> bool:
+        """Take the branch decision for the model segment ``traj.segments[seg_index]``; False
+        (nothing recorded) when it wants a branch slot whose existence depends on m."""
         cfg = self.config
         tool_step = sum(s.kind == "tool" for s in traj.segments[:seg_index])
         if cfg.branch_alpha_mode == "random":
@@ -450,30 +572,44 @@ class EntropyBalancedRollout:
         p = branch_probability(alpha, cfg.gamma, h_now - traj.h_init, l_before,
                                cfg.penalty_slope, cfg.branch_penalty)
         wants = p > cfg.tau
-        branched = wants and len(state.members) < cfg.k
-        if branched:
+        slot = self._slot_left(state) if wants else False
+        if slot is None:
+            return False
+        if slot:
             traj.consecutive_branches = l_before + 1
-            state.members.append(traj.fork(seg_index, state.new_id()))
+            child = state.tentative.pop((traj.traj_id, seg_index), None)
+            if child is None:
+                child = traj.fork(seg_index, state.new_id())
+                state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+            state.members.append(child)
+            state.early_branches += int(state.m is None)
         else:
             traj.consecutive_branches = 0
-        decision = BranchDecision(tool_step=tool_step, h_init=traj.h_init, h_now=h_now,
-                                  alpha=alpha, consecutive_branches=l_before, probability=p,
-                                  branched=branched, budget_blocked=wants and not branched)
-        traj.decisions.append(decision)
-        return decision
+        traj.decisions.append(BranchDecision(
+            tool_step=tool_step, h_init=traj.h_init, h_now=h_now, alpha=alpha,
+            consecutive_branches=l_before, probability=p, branched=slot,
+            budget_blocked=wants and not slot))
+        return True
+
+    def _slot_left(self, state: _PromptState) -> bool | None:
+        """A branch slot is free (True), taken (False), or depends on the unknown m (None)."""
+        if state.m is not None:
+            return len(state.members) < self.config.k
+        return True if state.early_branches < (state.certain_slots or 0) else None
 
     # -- statistics ---------------------------------------------------------------------------
 
     def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
                    ) -> RolloutStats:
-        probs = [d.probability for d in stats.decisions]
+        decisions = [d for t in out for d in t.decisions]
+        probs = [d.probability for d in decisions]
         return RolloutStats(
             m=[s.m for s in states],
             h_root=[s.h_root for s in states],
             h_tool=[s.h_tool for s in states],
-            branches=sum(d.branched for d in stats.decisions),
-            branch_decisions=len(stats.decisions),
-            branch_budget_blocked=sum(d.budget_blocked for d in stats.decisions),
+            branches=sum(d.branched for d in decisions),
+            branch_decisions=len(decisions),
+            branch_budget_blocked=sum(d.budget_blocked for d in decisions),
             mean_branch_probability=sum(probs) / len(probs) if probs else None,
             tool_calls_executed=stats.tool_calls_executed,
             tool_errors=stats.tool_errors,
@@ -487,4 +623,5 @@ class EntropyBalancedRollout:
             discarded_probes=stats.discarded_probes,
             discarded_speculative=stats.discarded_speculative,
             discarded_tokens=stats.discarded_tokens,
+            waited_decisions=stats.waited_decisions,
         )
