@@ -21,6 +21,9 @@ Subjects (``--level``):
   one-pass loss reads the logits twice and writes dlogits once (3 N V 4 bytes). The backward timed
   is the loss's own: ``torch.autograd.grad`` to the logits (what the lm_head's backward would take),
   not a further copy into a leaf's ``.grad``.
+- ``<impl>@16MiB``: the case with the CPU row chunks of before this change (16 MiB, 27 rows at
+  V=151,936) instead of one chunk per sequence: ``two_stage_inplace@16MiB`` is the previous path as
+  it ran.
 - ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
   ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
 Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,11 +57,14 @@ SHAPES = {
 IMPLS = {
     "linear": ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
                "liger_grpo", "one_pass_fused_linear_softcap", "gemm3", "gemm3_chunked"],
-    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "read", "copy", "copy_into",
+    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "two_stage_inplace@16MiB", "read", "copy", "copy_into",
                "one_pass_inplace_softcap"],
 }
 NO_GRAD = ("read", "copy", "copy_into", "gemm3", "gemm3_chunked")  # floors: no loss, no backward
 WARM_UP_TOKENS = {"linear": 256, "logits": 64}  # tokens of the untimed compile run (at the timed D, V)
+# An impl name + this suffix runs with the CPU row chunks of before (16 MiB, 27 rows at V=151,936)
+# instead of one chunk per sequence (logits_ops.cpu_chunk_elems), e.g. two_stage_inplace@16MiB.
+OLD_CHUNKS = "@16MiB"
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
 
 
@@ -188,8 +195,9 @@ def warm_up(level: str, impl: str, base: list[torch.Tensor]) -> None:
         base[1].grad = None
 
 
-def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> dict:
+def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> dict:
     n, d, vocab = SHAPES[level][shape]
+    impl = name.removesuffix(OLD_CHUNKS)  # the chunk setting itself travels in the environment
     fn = make_loss_fn(impl, loss_inputs(n, vocab))
     base = make_tensors(level, n, d, vocab)
     needs_grad = impl not in NO_GRAD
@@ -223,7 +231,8 @@ def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> di
     row = measure(setup, body, warmup=warmup, repeats=repeats)
     from aepo_kernels import DEFAULT_CHUNK_BYTES
 
-    row.update(level=level, impl=impl, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES,
+               cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"))
     if level == "linear":
         matmuls = 4 if impl == "two_stage_fused_linear" else 3  # flops: matmuls x 2 N D V
         row["gflops"] = matmuls * 2 * n * d * vocab / row["total_s"] / 1e9
@@ -250,7 +259,8 @@ def main() -> None:
     for impl in args.impl or IMPLS[args.level]:
         case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
                      "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-        row = run_case_subprocess(Path(__file__), case_args)
+        env = {"AEPO_CPU_CHUNK_ELEMS": str(1 << 22)} if impl.endswith(OLD_CHUNKS) else None
+        row = run_case_subprocess(Path(__file__), case_args, env=env)
         row.setdefault("impl", impl)
         row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])
         rows.append(row)
