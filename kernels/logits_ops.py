@@ -155,14 +155,18 @@ def cpu_chunk_elems() -> int | None:
     Compiled (the default), a chunk is a whole sequence: inductor's kernels make no ``[R, V]``
     temporary (the stats kernel keeps one V-sized row buffer per thread; the gradient is stored in
     the loop that computes it), so a chunk costs per-row vectors only, whatever R. Fewer, longer
-    calls measured 2x faster than the former 16 MiB chunks at ``[1024, 151936]``
-    (bench/bench_aepo_loss.py --level logits): each compiled call pays its Python/guard cost and
-    two OpenMP regions whose barriers stall whenever another process holds one of the cores.
+    calls measured 1.9-2.3x faster than the former 16 MiB chunks for the two-stage sweeps at
+    ``[1024 | 4096, 151936]`` on the loaded 2-core VM (bench/bench_aepo_loss.py --level logits,
+    ``two_stage_inplace`` vs ``two_stage_inplace@16MiB``): each compiled call pays its
+    Python/guard cost and two OpenMP regions whose barriers stall whenever another process holds
+    one of the cores.
     Eager (``AEPO_TORCH_COMPILE=0``): :data:`_EAGER_CHUNK_ELEMS`. ``AEPO_CPU_CHUNK_ELEMS`` sets
     the chunk for both (tests of chunk boundaries, experiments).
     """
     override = os.environ.get("AEPO_CPU_CHUNK_ELEMS")
     if override is not None:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"AEPO_CPU_CHUNK_ELEMS={override!r}: must be a positive number of elements")
         return int(override)
     return None if compile_enabled() else _EAGER_CHUNK_ELEMS
 

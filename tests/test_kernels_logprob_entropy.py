@@ -147,6 +147,11 @@ def test_cpu_chunk_policy_and_chunk_boundaries(monkeypatch):
     monkeypatch.setenv("AEPO_TORCH_COMPILE", "0")
     assert logits_ops.cpu_chunk_elems() == logits_ops._EAGER_CHUNK_ELEMS
     monkeypatch.delenv("AEPO_TORCH_COMPILE")
+    for bad in ("0", "-5", "1e6", "lots"):
+        monkeypatch.setenv("AEPO_CPU_CHUNK_ELEMS", bad)
+        with pytest.raises(ValueError, match="AEPO_CPU_CHUNK_ELEMS"):
+            logits_ops.cpu_chunk_elems()
+    monkeypatch.delenv("AEPO_CPU_CHUNK_ELEMS")
     logits, labels = _inputs((3, 7), 503, torch.float32, seed=9)
     g_lp, g_h = torch.randn(3, 7), torch.randn(3, 7)
     whole = _run(logits, labels, 1.1, "torch", g_lp, g_h, inplace_backward=True)
