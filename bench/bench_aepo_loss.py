@@ -9,11 +9,21 @@ Subjects (``--level``):
   ``policy_loss_from_logprobs``), ``one_pass_materialised`` (``logits = h @ W.T`` then the one-pass
   loss in place), ``two_stage_materialised`` (logits, then ``logprob_entropy`` with the in-place
   backward, then the loss), and the peer ``liger_grpo`` (Liger-Kernel's
-  ``LigerFusedLinearGRPOLoss``, its torch-chunked path; it computes no entropy).
+  ``LigerFusedLinearGRPOLoss``, its torch-chunked path; it computes no entropy). Floors, no loss:
+  ``gemm3`` (the 3 bare matmuls of every path: ``z = h W^T``, ``z W``, ``z^T h``, 3 x 2 N D V flops)
+  and ``gemm3_chunked`` (the same in the one-pass path's token chunks, ``d_W`` by ``addmm_``).
+  What a path spends beyond ``gemm3`` is its non-matmul work: the fused path can only beat the
+  materialised one by that part of the materialised path's time.
 - ``logits``: from logits ``[N, V]`` fp32: ``one_pass_inplace``, ``one_pass`` (dlogits in a new
   buffer), ``two_stage_inplace`` (the previous path), and the memory-bound floors ``read``
-  (``logits.sum()``: reads N V 4 bytes) and ``copy`` (``logits.clone()``: reads and writes N V 4
-  bytes). The one-pass loss reads the logits twice and writes dlogits once (3 N V 4 bytes).
+  (``logits.sum()``: reads N V 4 bytes), ``copy`` (``logits.clone()``: reads N V 4 bytes and writes
+  them to new memory) and ``copy_into`` (the same into a buffer touched before: no page faults). The
+  one-pass loss reads the logits twice and writes dlogits once (3 N V 4 bytes). The backward timed
+  is the loss's own: ``torch.autograd.grad`` to the logits (what the lm_head's backward would take),
+  not a further copy into a leaf's ``.grad``.
+- ``<impl>@16MiB``: the case with the CPU row chunks of before this change (16 MiB, 27 rows at
+  V=151,936) instead of one chunk per sequence: ``two_stage_inplace@16MiB`` is the previous path as
+  it ran.
 - ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
   ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
 Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,9 +56,15 @@ SHAPES = {
 }
 IMPLS = {
     "linear": ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
-               "liger_grpo", "one_pass_fused_linear_softcap"],
-    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "read", "copy", "one_pass_inplace_softcap"],
+               "liger_grpo", "one_pass_fused_linear_softcap", "gemm3", "gemm3_chunked"],
+    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "two_stage_inplace@16MiB", "read", "copy", "copy_into",
+               "one_pass_inplace_softcap"],
 }
+NO_GRAD = ("read", "copy", "copy_into", "gemm3", "gemm3_chunked")  # floors: no loss, no backward
+WARM_UP_TOKENS = {"linear": 256, "logits": 64}  # tokens of the untimed compile run (at the timed D, V)
+# An impl name + this suffix runs with the CPU row chunks of before (16 MiB, 27 rows at V=151,936)
+# instead of one chunk per sequence (logits_ops.cpu_chunk_elems), e.g. two_stage_inplace@16MiB.
+OLD_CHUNKS = "@16MiB"
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
 
 
@@ -105,7 +122,44 @@ def make_loss_fn(impl: str, inputs: dict):
         return lambda z: z.sum()
     if impl == "copy":
         return lambda z: z.clone()
+    if impl == "copy_into":
+        target = []
+
+        def copy_into(z):
+            if not target:
+                target.append(torch.zeros_like(z))
+            return target[0].copy_(z)
+
+        return copy_into
+    if impl == "gemm3":
+        return gemm3
+    if impl == "gemm3_chunked":
+        from aepo_kernels import DEFAULT_CHUNK_BYTES
+        from aepo_kernels.fused_linear import token_chunk_for_budget
+
+        return lambda h, w: gemm3_chunked(h, w, token_chunk_for_budget(w.shape[0], DEFAULT_CHUNK_BYTES))
     raise ValueError(f"impl {impl!r}")
+
+
+@torch.no_grad()
+def gemm3(h, w):
+    """The 3 matmuls of the loss's gradient, nothing else: ``z [N, V]``, ``d_h [N, D]``, ``d_W [V, D]``."""
+    z = h @ w.T
+    return z @ w, z.T @ h
+
+
+@torch.no_grad()
+def gemm3_chunked(h, w, token_chunk: int):
+    """:func:`gemm3` in token chunks, as the one-pass fused-linear loop does them (one reused block)."""
+    d_h, d_w = torch.empty_like(h), torch.zeros_like(w)
+    block = torch.empty(min(token_chunk, h.shape[0]), w.shape[0])
+    for i0 in range(0, h.shape[0], token_chunk):
+        rows = slice(i0, i0 + token_chunk)
+        z = block[: h[rows].shape[0]]
+        torch.mm(h[rows], w.T, out=z)
+        torch.mm(z, w, out=d_h[rows])
+        d_w.addmm_(z.T, h[rows])
+    return d_h, d_w
 
 
 def make_tensors(level: str, n: int, d: int, vocab: int, requires_grad: bool = True):
@@ -117,29 +171,44 @@ def make_tensors(level: str, n: int, d: int, vocab: int, requires_grad: bool = T
     return [torch.randn(n, vocab, generator=gen) * 2]
 
 
-def warm_up(level: str, impl: str) -> None:
-    """Compile the CPU kernels on a small problem, outside the timing."""
-    n, d, vocab = SHAPES[level]["small"]
-    tensors = make_tensors(level, n, d, vocab)
-    if level == "logits":
-        tensors[0].requires_grad_(impl not in ("read", "copy"))
-        tensors = [tensors[0] * 1.0]
-    out = make_loss_fn(impl, loss_inputs(n, vocab))(*tensors)
-    if out.dim() == 0 and out.requires_grad:
-        out.backward()
+def loss_backward(level: str, loss: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """The loss's own backward: into the leaves' ``.grad`` (linear: hidden and weight), or up to
+    the non-leaf logits only (logits: what the lm_head's backward would receive next)."""
+    if level == "linear":
+        loss.backward()
+    else:
+        torch.autograd.grad(loss, tensors)
 
 
-def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> dict:
+def warm_up(level: str, impl: str, base: list[torch.Tensor]) -> None:
+    """Compile the CPU kernels outside the timing, on the first WARM_UP_TOKENS rows of the timed
+    tensors (the timed D and V: no compile-time specialisation is left for the timed call)."""
+    if impl in NO_GRAD:
+        return
+    n, vocab = WARM_UP_TOKENS[level], base[-1].shape[0 if level == "linear" else -1]
+    if level == "linear":
+        tensors = [base[0][:n].detach().requires_grad_(), base[1]]
+    else:
+        tensors = [base[0][:n].clone().requires_grad_() * 1.0]
+    loss_backward(level, make_loss_fn(impl, loss_inputs(n, vocab))(*tensors), tensors)
+    if level == "linear":
+        base[1].grad = None
+
+
+def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> dict:
     n, d, vocab = SHAPES[level][shape]
+    impl = name.removesuffix(OLD_CHUNKS)  # the chunk setting itself travels in the environment
     fn = make_loss_fn(impl, loss_inputs(n, vocab))
     base = make_tensors(level, n, d, vocab)
-    needs_grad = impl not in ("read", "copy")
+    needs_grad = impl not in NO_GRAD
     if impl == "liger_grpo":
         # Liger's compiled chunk function fails to recompile for a second shape here (a dynamo
         # symbolic-shape assertion), so it is warmed up (compiled) at the timed shape instead.
         fn(*base).backward()
     else:
-        warm_up(level, impl)
+        warm_up(level, impl, base)
+    if impl == "copy_into":
+        fn(*base)  # its target buffer exists (and is touched) before the timing
 
     def setup():
         if level == "linear":
@@ -156,19 +225,20 @@ def run_case(level: str, impl: str, shape: str, warmup: int, repeats: int) -> di
         out = fn(*tensors)
         t1 = time.perf_counter()
         if needs_grad:
-            out.backward()
+            loss_backward(level, out, tensors)
         return {"fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}
 
     row = measure(setup, body, warmup=warmup, repeats=repeats)
     from aepo_kernels import DEFAULT_CHUNK_BYTES
 
-    row.update(level=level, impl=impl, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES,
+               cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"))
     if level == "linear":
-        matmuls = 4 if impl == "two_stage_fused_linear" else 3
+        matmuls = 4 if impl == "two_stage_fused_linear" else 3  # flops: matmuls x 2 N D V
         row["gflops"] = matmuls * 2 * n * d * vocab / row["total_s"] / 1e9
     else:
         # bytes: read + write for copy / in-place ... see module docstring
-        passes = {"read": 1, "copy": 2}.get(impl, 3)
+        passes = {"read": 1, "copy": 2, "copy_into": 2}.get(impl, 3)
         row["gb_per_s"] = passes * n * vocab * 4 / row["total_s"] / 1e9
     return row
 
@@ -189,7 +259,8 @@ def main() -> None:
     for impl in args.impl or IMPLS[args.level]:
         case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
                      "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-        row = run_case_subprocess(Path(__file__), case_args)
+        env = {"AEPO_CPU_CHUNK_ELEMS": str(1 << 22)} if impl.endswith(OLD_CHUNKS) else None
+        row = run_case_subprocess(Path(__file__), case_args, env=env)
         row.setdefault("impl", impl)
         row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])
         rows.append(row)

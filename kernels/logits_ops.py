@@ -14,8 +14,8 @@ with ``inplace_backward=True``, into the logits buffer itself (no second ``[N, V
 Backends behind one contract (``backend=``):
 - ``"triton"``: the kernels in :mod:`aepo_kernels.triton_kernels` (GPU; CPU tensors under
   ``TRITON_INTERPRET=1`` for tests).
-- ``"torch"``: the fast CPU path below, chunked over rows so the fp32 working set of a chunk stays
-  in cache and no full ``[N, V]`` fp32 temporary is ever made.
+- ``"torch"``: the fast CPU path below: compiled chunk functions over row chunks (whole sequences,
+  :func:`cpu_chunk_elems`); no ``[N, V]`` fp32 temporary is ever made.
 - ``"reference"``: :func:`aepo_kernels.reference.logprob_entropy_reference` (full fp32 autograd).
 - ``"auto"``: triton for CUDA tensors when triton imports, else torch.
 
@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
-from .compile import compiled
+from .compile import compile_enabled, compiled
 from .reference import logprob_entropy_reference
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 
-# Rows per CPU chunk: about this many elements (16 MiB of fp32) per chunk, so the chunk's
-# temporaries stay small next to [N, V] (size measured in bench/bench_logprob_entropy.py).
-_CPU_CHUNK_ELEMS = int(os.environ.get("AEPO_CPU_CHUNK_ELEMS", 1 << 22))
+# Elements per CPU row chunk when the chunk functions run in eager torch: each eager op makes
+# [R, V] temporaries, so about this many elements (16 MiB of fp32) per chunk keeps them small.
+_EAGER_CHUNK_ELEMS = 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,10 +149,33 @@ fast_chunk_grad_into = compiled(chunk_grad_into)
 fast_chunk_grad_inplace = compiled(chunk_grad_inplace)
 
 
+def cpu_chunk_elems() -> int | None:
+    """Elements per CPU row chunk; None: one chunk per sequence.
+
+    Compiled (the default), a chunk is a whole sequence: inductor's kernels make no ``[R, V]``
+    temporary (the stats kernel keeps one V-sized row buffer per thread; the gradient is stored in
+    the loop that computes it), so a chunk costs per-row vectors only, whatever R. Fewer, longer
+    calls measured 1.9-2.3x faster than the former 16 MiB chunks for the two-stage sweeps at
+    ``[1024 | 4096, 151936]`` on the loaded 2-core VM (bench/bench_aepo_loss.py --level logits,
+    ``two_stage_inplace`` vs ``two_stage_inplace@16MiB``): each compiled call pays its
+    Python/guard cost and two OpenMP regions whose barriers stall whenever another process holds
+    one of the cores.
+    Eager (``AEPO_TORCH_COMPILE=0``): :data:`_EAGER_CHUNK_ELEMS`. ``AEPO_CPU_CHUNK_ELEMS`` sets
+    the chunk for both (tests of chunk boundaries, experiments).
+    """
+    override = os.environ.get("AEPO_CPU_CHUNK_ELEMS")
+    if override is not None:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"AEPO_CPU_CHUNK_ELEMS={override!r}: must be a positive number of elements")
+        return int(override)
+    return None if compile_enabled() else _EAGER_CHUNK_ELEMS
+
+
 def _row_chunks(logits: torch.Tensor):
-    """Yields ``(b, slice)`` over ``[B, T, V]`` rows, a chunk of about _CPU_CHUNK_ELEMS elements."""
+    """Yields ``(b, slice)`` over ``[B, T, V]`` rows, in chunks of :func:`cpu_chunk_elems`."""
     batch, seq, vocab = logits.shape
-    rows = max(1, _CPU_CHUNK_ELEMS // vocab)
+    elems = cpu_chunk_elems()
+    rows = seq if elems is None else max(1, elems // vocab)
     for b in range(batch):
         for t0 in range(0, seq, rows):
             yield b, slice(t0, t0 + rows)

@@ -24,8 +24,9 @@ no host sync. The maths of the head is exactly :func:`aepo_kernels.policy_loss.c
 :mod:`aepo_kernels.reference`.
 
 Backends: the Triton kernel does all three steps in one program per row. The CPU path works per
-chunk of rows (~4M elements): the stats sweep, the head and the gradient sweep are three
-compiled functions run back to back on the same chunk (:func:`torch_one_pass`). A caller's
+chunk of rows (a whole sequence, :func:`aepo_kernels.logits_ops.cpu_chunk_elems`): the stats sweep,
+the head and the gradient sweep are three compiled functions run back to back on the chunk
+(:func:`torch_one_pass`). A caller's
 ``torch.compile(fullgraph=True)`` sees the op as the custom op ``aepo_kernels::one_pass_loss``
 (:func:`one_pass_loss_op`, never in place). With ``in_place`` the logits are overwritten during
 the forward call (their version counter is bumped, so a node that saved them earlier raises).
@@ -188,9 +189,9 @@ def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t:
     local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
     local = torch.where(local < vocab, local, torch.full_like(local, -1))
     rows_out = torch.empty(6, batch, seq, dtype=acc, device=logits.device)
-    # The row chunks of logprob_entropy's CPU path: a smaller chunk (to find it in cache for the
-    # second sweep) measured 3-4x slower per element at V=151,936 (6-row chunks: the compiled
-    # loops' per-call and per-thread overheads dominate).
+    # The row chunks of logprob_entropy's CPU path (whole sequences when compiled). Smaller chunks,
+    # to find a chunk in cache for the second sweep, measured slower: 3-4x per element with 6-row
+    # chunks at V=151,936 (the compiled calls' per-call and per-thread overheads dominate).
     for b, rows in _row_chunks(logits):
         part, z, labels_part = inputs.rows(b, rows), logits[b, rows], local[b, rows]
         stats = fast_chunk_stats(z, inv_t, tanh_scale)

@@ -1,5 +1,6 @@
 """The benchmark scripts keep working: the GPU check's --smoke mode runs its code on CPU tiny
-shapes; the default-run benchmark runs a shrunken default and its summary is hand-checked."""
+shapes; the AEPO-loss benchmark's cases run at its small shape and its matmul floors compute the
+loss's matmuls; the default-run benchmark runs a shrunken default and its summary is hand-checked."""
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -26,6 +28,24 @@ def test_gpu_check_smoke(tmp_path):
     assert fused["max_rel_dweight"] < 2e-2 and fused["abs_loss"] < 1e-3
     assert {r["impl"] for r in rows if r.get("bench") == "one_pass_loss" and "fwd_bwd_s" in r} >= {
         "one_pass_inplace", "one_pass", "two_stage_inplace", "reference_eager"}
+
+
+def test_aepo_loss_bench_cases_and_matmul_floor():
+    """gemm3 / gemm3_chunked (odd chunk) are the loss gradient's matmuls: with dlogits in place of
+    z they give the fused loss's d_hidden and d_weight; a case row has its time, memory and rate."""
+    sys.path.insert(0, str(BENCH))
+    from bench_aepo_loss import gemm3, gemm3_chunked, run_case
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(45, 16, generator=gen), torch.randn(301, 16, generator=gen)
+    z = h @ w.T
+    for d_h, d_w in (gemm3(h, w), gemm3_chunked(h, w, 7)):
+        torch.testing.assert_close(d_h, z @ w, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(d_w, z.T @ h, rtol=1e-5, atol=1e-4)
+    for level, impl in (("logits", "one_pass_inplace"), ("logits", "copy_into"), ("linear", "gemm3_chunked")):
+        row = run_case(level, impl, "small", warmup=0, repeats=1)
+        assert row["total_s"] > 0 and row["peak_bytes"] >= 0 and row["impl"] == impl
+        assert row["gflops" if level == "linear" else "gb_per_s"] > 0
 
 
 def test_default_run_bench_summary_hand_worked():

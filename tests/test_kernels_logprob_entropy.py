@@ -135,3 +135,29 @@ def test_eager_fallback_matches_compiled(monkeypatch):
         eager = _run(logits, labels, 0.8, "torch", g_lp, g_h, inplace_backward=inplace)
         for a, b in zip(compiled, eager):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_chunk_policy_and_chunk_boundaries(monkeypatch):
+    """Compiled: one chunk per sequence; eager: 16 MiB chunks; AEPO_CPU_CHUNK_ELEMS overrides both.
+    2-row chunks of 7-row sequences (a 1-row tail) give the same values and gradients as whole ones."""
+    from aepo_kernels import logits_ops
+
+    monkeypatch.delenv("AEPO_CPU_CHUNK_ELEMS", raising=False)
+    assert logits_ops.cpu_chunk_elems() is None
+    monkeypatch.setenv("AEPO_TORCH_COMPILE", "0")
+    assert logits_ops.cpu_chunk_elems() == logits_ops._EAGER_CHUNK_ELEMS
+    monkeypatch.delenv("AEPO_TORCH_COMPILE")
+    for bad in ("0", "-5", "1e6", "lots"):
+        monkeypatch.setenv("AEPO_CPU_CHUNK_ELEMS", bad)
+        with pytest.raises(ValueError, match="AEPO_CPU_CHUNK_ELEMS"):
+            logits_ops.cpu_chunk_elems()
+    monkeypatch.delenv("AEPO_CPU_CHUNK_ELEMS")
+    logits, labels = _inputs((3, 7), 503, torch.float32, seed=9)
+    g_lp, g_h = torch.randn(3, 7), torch.randn(3, 7)
+    whole = _run(logits, labels, 1.1, "torch", g_lp, g_h, inplace_backward=True)
+    monkeypatch.setenv("AEPO_CPU_CHUNK_ELEMS", str(2 * 503))
+    assert list(logits_ops._row_chunks(logits))[:4] == [(0, slice(0, 2)), (0, slice(2, 4)), (0, slice(4, 6)), (0, slice(6, 8))]
+    for inplace in (False, True):
+        chunked = _run(logits, labels, 1.1, "torch", g_lp, g_h, inplace_backward=inplace)
+        for a, b in zip(whole, chunked):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -134,6 +134,25 @@ def test_one_pass_bf16_and_supplied_statistics(backend, clip):
     torch.testing.assert_close(stats["entropy"], (entropy * mask).sum() / mask.sum(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows_per_chunk", [1, 4, None])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cpu_row_chunks_match_the_reference(monkeypatch, rows_per_chunk, in_place):
+    """The CPU path's row chunks (a whole sequence by default; AEPO_CPU_CHUNK_ELEMS for smaller
+    ones): 11-row sequences cut into 1-row and 4-row chunks (a 3-row tail) give the reference's
+    loss and gradient, with the masked sequence, an ignore_index label and odd V."""
+    if rows_per_chunk is not None:
+        monkeypatch.setenv("AEPO_CPU_CHUNK_ELEMS", str(rows_per_chunk * 1009))
+    cfg = LossConfig(kl_coef=0.1)
+    logits, labels, old, adv, mask, ref = _batch(seed=23 + (rows_per_chunk or 0), vocab=1009)
+    expected_loss, expected_grad = _reference(logits, labels, old, adv, mask, cfg, 0.9, ref)
+    leaf = logits.clone().requires_grad_()
+    loss, _ = aepo_policy_loss(leaf * 1.0, labels, old, adv, mask, config=cfg, temperature=0.9, backend="torch",
+                               inplace_backward=in_place, ref_logprobs=ref)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(leaf.grad, expected_grad, atol=1e-7, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_logits_and_flat_inputs(backend):
     """logits[:, :-1] (strided token dim, not copied), and [N, V] / [N] inputs."""
