@@ -172,6 +172,8 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
             raise ValueError("num_people must be >= 2 because arithmetic combines two people")
         if self.num_cities < 1:
             raise ValueError("num_cities must be >= 1")
+        if self.namesake_listing not in ("name_first", "value_first"):
+            raise ValueError(f"namesake_listing={self.namesake_listing!r} must be 'name_first' or 'value_first'")
         if self.namesake_weight > 0:
             if self.namesake_groups < 1:
                 raise ValueError("namesake_groups must be >= 1 when namesake_weight > 0")
