@@ -62,7 +62,28 @@ Whether that makes AEPO better than GRPO at an equal budget is the question the 
 harness measures; the task does not assume it. Measured (README, "The namesake task"): the
 uncertainty does sit after the first result, but the 800-step warm start of the preset leaves the
 pick near chance (it copies well-formed queries and answers but does not learn the match), and 30
-AEPO steps did not change that on seed 0. Left out of the family: skipping the
+AEPO steps did not change that on seed 0.
+
+Why the match was not learned, and the variant that makes it a copy: in "Zorva Tika city Tarunu."
+the surname comes *before* the value it must be matched by, so at the token that writes the
+surname no single causal attention can select it by the value (the surname's position has not
+seen the value yet); the model would have to move the surname forward onto the value's position
+first. ``namesake_listing = "value_first"`` writes the namesakes' city and colour pages as
+"Zorva city Tarunu Tika." (the surname right after its value), and ``namesake_note`` makes the
+gold response note its pick right after the listing:
+                <search> Zorva city</search> <result>
+                Page 1: Zorva city Kelimo Bemo.
+                Page 2: Zorva city Tarunu Tika.
+                Page 3: Zorva city Posaru Lusa.
+                </result>
+                <think> Tarunu Tika</think>
+                <search> Zorva Tika age</search> ...
+Writing " Tarunu" copies the question's value; the surname after it is then an induction copy
+(find the token just written earlier in the context, copy what followed it), the mechanism small
+transformers learn first; the second query copies the surname from the note. The wrong-pick
+teacher notes the question's value with another listed surname (it misreads the match) and
+follows that one. The ``namesakes_easy`` preset sets both; the world, questions, plans and
+answers are those of ``namesakes``. Left out of the family: skipping the
 disambiguating call (answering from the listing alone), chains of more than one disambiguation,
 namesakes in the other question kinds, more than one template, and questions whose description
 matches no one or several people.
