@@ -83,7 +83,9 @@ Writing " Tarunu" copies the question's value; the surname after it is then an i
 transformers learn first; the second query copies the surname from the note. The wrong-pick
 teacher notes the question's value with another listed surname (it misreads the match) and
 follows that one. The ``namesakes_easy`` preset sets both; the world, questions, plans and
-answers are those of ``namesakes``. Left out of the family: skipping the
+answers are those of ``namesakes``. Measured (README): it raises the warm start's pick from
+chance to p ~0.55 of the teacher's 0.7 (2400 warm-start steps), yet 20 GRPO steps still moved
+held-out accuracy by about one point only. Left out of the family: skipping the
 disambiguating call (answering from the listing alone), chains of more than one disambiguation,
 namesakes in the other question kinds, more than one template, and questions whose description
 matches no one or several people.
