@@ -72,7 +72,7 @@ def candidate_logprob(model, tokenizer, question, prefix_text: str, continuation
 
 def namesake_pick(model, tokenizer, question, demo: str) -> tuple[float, bool]:
     """The model's probability of the right namesake, normalized over the listed ones (the
-    surname of the second query after the first result, each candidate scored as a
+    first surname the response writes after the first result, each candidate scored as a
     continuation), and whether the right one is the most likely."""
     from aepo_engine.tasks.synthetic import namesake_candidates
 
@@ -81,7 +81,9 @@ def namesake_pick(model, tokenizer, question, demo: str) -> tuple[float, bool]:
     cut = demo.index("</result>") + len("</result>")
     listing = demo[demo.index("<result>\n") + len("<result>\n"):cut - len("\n</result>")]
     surnames = [surname for surname, _ in namesake_candidates(listing, first, key)]
-    prefix = demo[:cut] + f"\n<search> {first}"
+    # The first time the response writes the surname after the listing: in the second query
+    # ("<search> Zorva Tika") or, with task.synthetic.namesake_note, in the note ("<think> Tarunu Tika").
+    prefix = demo[:cut + demo[cut:].index(f" {right}")]
     scores = torch.tensor([candidate_logprob(model, tokenizer, question, prefix, f" {s}") for s in surnames])
     probs, index = torch.softmax(scores, dim=0), surnames.index(right)
     return probs[index].item(), bool(probs.argmax() == index)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 
+import msgspec
 import pytest
 
 from aepo_engine.config import TrainConfig, list_presets, load_train_config
@@ -56,6 +57,8 @@ EXPECTED = {
         "task.synthetic.namesakes_per_group": 3, "tools.search.topk": 3, "train.steps": 30,
         "run_dir": "runs/namesakes",
     },
+    "namesakes_easy": {"task.synthetic.namesake_listing": "value_first", "task.synthetic.namesake_note": True,
+                       "task.warm_start.steps": 2400, "run_dir": "runs/namesakes-easy"},
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
              "policy.loss.clip": "aepo", "policy.loss.entropy_adv_alpha": 0.2},
     "arpo": {"rollout.pre_monitoring": False, "rollout.branching": True, "rollout.branch_penalty": False,
@@ -100,6 +103,16 @@ def test_preset_resolves_to_its_run(name):
         wrong = {key: (value(cfg, key), want) for key, want in EXPECTED[name].items() if value(cfg, key) != want}
         assert not wrong, f"{argv}: {wrong}"
         assert loads_config(TrainConfig, dump_config(cfg)) == cfg
+
+
+def test_namesakes_easy_stacks_on_namesakes_and_changes_only_listing_note_and_warm_start():
+    base = load_train_config(["--preset", "embedded", "--preset", "namesakes"])
+    easy = load_train_config(["--preset", "embedded", "--preset", "namesakes", "--preset", "namesakes_easy"])
+    assert easy.task.synthetic.namesake_weight == 1.0 and easy.tools.search.topk == 3
+    assert easy == msgspec.structs.replace(base, run_dir="runs/namesakes-easy", task=msgspec.structs.replace(
+        base.task, synthetic=msgspec.structs.replace(base.task.synthetic, namesake_listing="value_first",
+                                                     namesake_note=True),
+        warm_start=msgspec.structs.replace(base.task.warm_start, steps=2400)))
 
 
 def test_paper_preset_never_cuts_a_response_short():

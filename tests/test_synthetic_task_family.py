@@ -258,3 +258,102 @@ def test_a_tiny_namesake_run_goes_through_the_trainer(tmp_path):
     assert summary["eval_before"]["questions/synthetic/namesake"] == 2
     corpus = [json.loads(line) for line in (tmp_path / "setup" / "corpus.jsonl").read_text().splitlines()]
     assert sum(" " in row["id"] for row in corpus) == 8 * 3 * 4  # the namesakes' facts are searchable
+
+
+# ---------------------------------------------------------------------------------------------
+# The value-first listing and the pick note (the namesakes_easy preset)
+
+EASY = SyntheticTaskConfig(**{**_fields(FAMILY), "namesake_listing": "value_first", "namesake_note": True})
+
+
+@pytest.fixture(scope="module")
+def easy_task():
+    return make_task(EASY)
+
+
+@pytest.fixture(scope="module")
+def easy_bm25_tool_fn(easy_task, tmp_path_factory):
+    search = pytest.importorskip("aepo_engine.tools.search")
+    path = easy_task.write_corpus(tmp_path_factory.mktemp("kb_easy") / "kb.jsonl")
+    backend = search.CorpusBackend.from_jsonl(path, topk=EASY.namesakes_per_group)
+    return lambda tool, payload: backend.search(f" {payload}")
+
+
+def test_value_first_documents_hand_worked():
+    from aepo_engine.tasks.synthetic import Entity, SyntheticTask
+    zorva = Entity("Zorva Tika", {"age": "34", "score": "51", "color": "red", "city": "Tarunu"})
+    kelmu = Entity("Kelmu", {"age": "20", "score": "11", "color": "blue", "city": "Tarunu"})
+    easy = SyntheticTask(entities=(kelmu, zorva), train=(), heldout=(), namesake_listing="value_first")
+    assert [row["contents"] for row in easy.corpus] == [
+        "Kelmu age 20.", "Kelmu score 11.", "Kelmu color blue.", "Kelmu city Tarunu.",  # not a namesake
+        "Zorva Tika age 34.", "Zorva Tika score 51.", "Zorva color red Tika.", "Zorva city Tarunu Tika."]
+    listing = "Page 1: Zorva city Tarunu Tika.\nPage 2: Zorva Bemo city Kelimo.\nPage 3: Zorva cityX Y."
+    assert namesake_candidates(listing, "Zorva", "city") == [("Tika", "Tarunu"), ("Bemo", "Kelimo")]
+
+
+def test_value_first_changes_only_the_namesakes_listing_pages(task, easy_task):
+    assert [(q.text, q.answer, q.plan) for q in easy_task.train + easy_task.heldout] == \
+        [(q.text, q.answer, q.plan) for q in task.train + task.heldout]
+    changed = [(a, b) for a, b in zip(task.corpus, easy_task.corpus) if a != b]
+    assert len(task.corpus) == len(easy_task.corpus) and len(changed) == 30 * 3 * 2  # city + colour pages
+    for old, new in changed:
+        first, surname, key, value = old["contents"].rstrip(".").split()
+        assert key in ("city", "color") and new == {"id": old["id"], "contents": f"{first} {key} {value} {surname}."}
+
+
+def test_value_first_listing_puts_each_surname_right_after_its_value(easy_task, easy_bm25_tool_fn, task,
+                                                                     bm25_tool_fn):
+    for question in easy_task.train[:80]:
+        person, attr, key = _solve(easy_task, question.text)
+        first, surname = person.name.split()
+        listing = easy_bm25_tool_fn("search", question.plan[0].payload)
+        assert sorted(namesake_candidates(listing, first, key)) == \
+            sorted(namesake_candidates(bm25_tool_fn("search", question.plan[0].payload), first, key))
+        value = person.attributes[key]
+        # the induction copy: the question's value occurs once in the listing, the surname after it
+        assert re.findall(rf"\b{value} (\w+)\.", listing) == [surname]
+        found = easy_bm25_tool_fn("search", question.plan[1].payload).splitlines()[0]
+        assert found == f"Page 1: {easy_task.document(person, attr)}" and question.answer in found.rstrip(".").split()[2:]
+        assert easy_bm25_tool_fn("search", question.plan[1].payload).splitlines()[0] == \
+            reference_tool_fn(easy_task)("search", question.plan[1].payload).splitlines()[0]
+
+
+def test_the_note_names_the_pick_right_after_the_listing(easy_task, easy_bm25_tool_fn):
+    from aepo_engine.rewards.deep_research import deep_research
+    questions = easy_task.train[:120]
+    gold = make_demonstrations(questions, easy_bm25_tool_fn, seed=4)
+    demos = make_demonstrations(questions, easy_bm25_tool_fn, seed=4, wrong_pick_rate=0.25)
+    assert sum(g != d for g, d in zip(gold, demos)) == 30
+    for question, demo, right in zip(questions, demos, gold):
+        person, attr, key = _solve(easy_task, question.text)
+        first, surname = person.name.split()
+        value = person.attributes[key]
+        (note,) = re.findall(r"</result>\n<think> (\w+) (\w+)</think>\n<search> ", demo)
+        assert demo.count("<think>") == 2 and note[0] == value  # the question's value, always
+        (_, _), (query2, _) = _calls(demo)
+        assert query2 == f"{first} {note[1]} {attr}"  # the second query copies the noted surname
+        result = deep_research(demo, [question.answer])
+        assert "format_error" not in result.details
+        if demo == right:
+            assert note[1] == surname and is_correct(demo, question) and result.correct
+        else:  # a wrong pick: the teacher misreads the match, notes another listed surname, follows it
+            assert note[1] != surname and note[1] in [s for s, _ in namesake_candidates(demo, first, key)]
+
+
+def test_value_first_without_the_note_differs_from_the_preset_only_in_the_listing(task, bm25_tool_fn,
+                                                                                  tmp_path):
+    search = pytest.importorskip("aepo_engine.tools.search")
+    plain = make_task(SyntheticTaskConfig(**{**_fields(FAMILY), "namesake_listing": "value_first"}))
+    backend = search.CorpusBackend.from_jsonl(plain.write_corpus(tmp_path / "kb.jsonl"), topk=3)
+    demos = make_demonstrations(plain.train[:40], lambda tool, payload: backend.search(f" {payload}"), seed=1,
+                                wrong_pick_rate=0.3)
+    before = make_demonstrations(task.train[:40], bm25_tool_fn, seed=1, wrong_pick_rate=0.3)
+    swap = lambda text: re.sub(r"^Page (\d+): (\w+) (\w+) (\w+) (\w+)\.$",  # noqa: E731
+                               lambda m: m.group(0) if m[3][0].isupper() else f"Page {m[1]}: {m[2]} {m[5]} {m[3]} {m[4]}.",
+                               text, flags=re.MULTILINE)
+    assert [swap(d) for d in demos] == before and demos != before and "<think> " not in "".join(demos)
+
+
+def test_config_rejects_an_unknown_listing():
+    with pytest.raises(ValueError, match="namesake_listing"):
+        SyntheticTaskConfig(namesake_listing="surname_last")

@@ -62,7 +62,30 @@ Whether that makes AEPO better than GRPO at an equal budget is the question the 
 harness measures; the task does not assume it. Measured (README, "The namesake task"): the
 uncertainty does sit after the first result, but the 800-step warm start of the preset leaves the
 pick near chance (it copies well-formed queries and answers but does not learn the match), and 30
-AEPO steps did not change that on seed 0. Left out of the family: skipping the
+AEPO steps did not change that on seed 0.
+
+Why the match was not learned, and the variant that makes it a copy: in "Zorva Tika city Tarunu."
+the surname comes *before* the value it must be matched by, so at the token that writes the
+surname no single causal attention can select it by the value (the surname's position has not
+seen the value yet); the model would have to move the surname forward onto the value's position
+first. ``namesake_listing = "value_first"`` writes the namesakes' city and colour pages as
+"Zorva city Tarunu Tika." (the surname right after its value), and ``namesake_note`` makes the
+gold response note its pick right after the listing:
+                <search> Zorva city</search> <result>
+                Page 1: Zorva city Kelimo Bemo.
+                Page 2: Zorva city Tarunu Tika.
+                Page 3: Zorva city Posaru Lusa.
+                </result>
+                <think> Tarunu Tika</think>
+                <search> Zorva Tika age</search> ...
+Writing " Tarunu" copies the question's value; the surname after it is then an induction copy
+(find the token just written earlier in the context, copy what followed it), the mechanism small
+transformers learn first; the second query copies the surname from the note. The wrong-pick
+teacher notes the question's value with another listed surname (it misreads the match) and
+follows that one. The ``namesakes_easy`` preset sets both; the world, questions, plans and
+answers are those of ``namesakes``. Measured (README): it raises the warm start's pick from
+chance to p ~0.55 of the teacher's 0.7 (2400 warm-start steps), yet 20 GRPO steps still moved
+held-out accuracy by about one point only. Left out of the family: skipping the
 disambiguating call (answering from the listing alone), chains of more than one disambiguation,
 namesakes in the other question kinds, more than one template, and questions whose description
 matches no one or several people.
@@ -89,6 +112,7 @@ from aepo_engine.seeding import section_seed
 from aepo_engine.tools.parsing import format_tool_result
 
 QuestionKind = Literal["lookup", "two_hop", "arithmetic", "namesake"]
+NamesakeListing = Literal["name_first", "value_first"]
 ToolFn = Callable[[str, str], str]
 
 # Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
@@ -130,6 +154,18 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
         demo_wrong_pick_rate: share of the (non-guessed) namesake demonstrations in which the
             teacher picks a wrong candidate from the search results and follows it through: the
             imperfect post-tool decision that RL has to improve on. 0 = a perfect teacher.
+        namesake_listing: how a namesake's city and colour documents read, i.e. the pages the
+            first search lists. "name_first" (the default, the ``namesakes`` preset):
+            "Zorva Tika city Tarunu." - the surname to copy comes *before* the value to match,
+            which a causal model cannot pick by one attention over the page. "value_first"
+            (the ``namesakes_easy`` preset): "Zorva city Tarunu Tika." - the surname follows
+            the value, so the pick is an induction copy (find the question's value in the
+            listing, copy the token after it). See the module docstring.
+        namesake_note: the gold response notes its pick right after the first result,
+            "<think> Tarunu Tika</think>" (the question's value, then the surname picked), before
+            the second search. With "value_first" this turns the pick into a plain induction
+            copy right after the model wrote the value; the second query then copies the
+            surname from the note. false (the default) = no note.
     """
 
     seed: int | None = None
@@ -145,6 +181,8 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     namesake_groups: int = 100
     namesakes_per_group: int = 3
     demo_wrong_pick_rate: float = 0.0
+    namesake_listing: NamesakeListing = "name_first"
+    namesake_note: bool = False
 
     def __post_init__(self) -> None:
         for name in ("demo_guess_rate", "demo_wrong_pick_rate"):
@@ -157,6 +195,8 @@ class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
             raise ValueError("num_people must be >= 2 because arithmetic combines two people")
         if self.num_cities < 1:
             raise ValueError("num_cities must be >= 1")
+        if self.namesake_listing not in ("name_first", "value_first"):
+            raise ValueError(f"namesake_listing={self.namesake_listing!r} must be 'name_first' or 'value_first'")
         if self.namesake_weight > 0:
             if self.namesake_groups < 1:
                 raise ValueError("namesake_groups must be >= 1 when namesake_weight > 0")
@@ -196,6 +236,9 @@ class Question:
     text: str
     answer: str
     plan: tuple[ToolCall, ...]
+    # Text the gold response thinks right after the first tool result ("Tarunu Tika": the
+    # namesake pick, SyntheticTaskConfig.namesake_note); "" = none.
+    note: str = ""
 
     def messages(self) -> list[dict[str, str]]:
         """The chat prompt: system message describing the tags, user = the question."""
@@ -212,12 +255,22 @@ class SyntheticTask:
     entities: tuple[Entity, ...]  # people first, then cities, then namesakes ("Zorva Tika")
     train: tuple[Question, ...]
     heldout: tuple[Question, ...]
+    namesake_listing: NamesakeListing = "name_first"  # SyntheticTaskConfig.namesake_listing
+
+    def document(self, entity: Entity, attr: str) -> str:
+        """The fact document of one attribute: ``fact_document``, except a namesake's city or
+        colour under ``namesake_listing = "value_first"``: "Zorva city Tarunu Tika."."""
+        value = entity.attributes[attr]
+        if self.namesake_listing == "value_first" and " " in entity.name and attr in DISAMBIGUATING_ATTRIBUTES:
+            first, surname = entity.name.split()
+            return f"{first} {attr} {value} {surname}."
+        return fact_document(entity.name, attr, value)
 
     @property
     def corpus(self) -> list[dict[str, str]]:
         """The knowledge base as search-corpus rows ``{"id", "contents"}``, one fact per row."""
-        return [{"id": f"{e.name}-{attr}", "contents": fact_document(e.name, attr, value)}
-                for e in self.entities for attr, value in e.attributes.items()]
+        return [{"id": f"{e.name}-{attr}", "contents": self.document(e, attr)}
+                for e in self.entities for attr in e.attributes]
 
     def write_corpus(self, path: str | Path) -> Path:
         path = Path(path)
@@ -283,6 +336,7 @@ def make_namesakes(config: SyntheticTaskConfig, taken: set[str], city_names: Seq
 
 
 _Draft = tuple[str, str, tuple[ToolCall, ...]]  # question text, answer, tool plan
+# The namesake maker adds a fourth item: the gold note after the first result (Question.note).
 
 
 @dataclass(frozen=True)
@@ -290,6 +344,7 @@ class _World:
     people: list[Entity]
     cities: dict[str, Entity]  # by name
     namesakes: list[list[Entity]]  # groups sharing a first name; empty unless namesake_weight > 0
+    namesake_note: bool = False  # SyntheticTaskConfig.namesake_note
 
 
 def _search(entity: Entity, attr: str) -> ToolCall:
@@ -334,10 +389,11 @@ def _namesake(world: _World, rng: random.Random) -> _Draft:
     target = rng.choice(rng.choice(world.namesakes))
     key = rng.choice(DISAMBIGUATING_ATTRIBUTES)
     attr = rng.choice([a for a in PERSON_ATTRIBUTES if a != key])
-    first = target.name.split()[0]
+    first, surname = target.name.split()
     text = f"What is the {attr} of the {first} whose {key} is {target.attributes[key]}?"
     plan = (ToolCall("search", f"{first} {key}"), ToolCall("search", f"{target.name} {attr}"))
-    return text, target.attributes[attr], plan
+    note = f"{target.attributes[key]} {surname}" if world.namesake_note else ""
+    return text, target.attributes[attr], plan, note
 
 
 _MAKERS = {"lookup": _lookup, "two_hop": _two_hop, "arithmetic": _arithmetic, "namesake": _namesake}
@@ -357,7 +413,7 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     if config.namesake_weight > 0:
         taken = {e.name for e in people + cities}
         namesakes = make_namesakes(config, taken, [c.name for c in cities], random.Random(f"namesakes-{seed}"))
-    world = _World(people, {c.name: c for c in cities}, namesakes)
+    world = _World(people, {c.name: c for c in cities}, namesakes, config.namesake_note)
     weights = {"lookup": config.lookup_weight, "two_hop": config.two_hop_weight,
                "arithmetic": config.arithmetic_weight, "namesake": config.namesake_weight}
     # A kind of weight 0 draws nothing (nor the rounding remainder of the last kind).
@@ -377,7 +433,8 @@ def make_task(config: SyntheticTaskConfig = SyntheticTaskConfig()) -> SyntheticT
     rng.shuffle(heldout)
     return SyntheticTask(entities=tuple(people + cities + [e for group in namesakes for e in group]),
                          train=tuple(_with_id(q, f"train-{i}") for i, q in enumerate(train)),
-                         heldout=tuple(_with_id(q, f"heldout-{i}") for i, q in enumerate(heldout)))
+                         heldout=tuple(_with_id(q, f"heldout-{i}") for i, q in enumerate(heldout)),
+                         namesake_listing=config.namesake_listing)
 
 
 def _distinct_questions(kind: QuestionKind, count: int, world: _World,
@@ -386,8 +443,9 @@ def _distinct_questions(kind: QuestionKind, count: int, world: _World,
     for _ in range(50 * count):
         if len(seen) == count:
             break
-        text, answer, plan = _MAKERS[kind](world, rng)
-        seen.setdefault(text, Question(qid="", kind=kind, text=text, answer=answer, plan=plan))
+        text, answer, plan, *note = _MAKERS[kind](world, rng)
+        seen.setdefault(text, Question(qid="", kind=kind, text=text, answer=answer, plan=plan,
+                                       note=note[0] if note else ""))
     if len(seen) < count:
         more = "namesake_groups" if kind == "namesake" else "num_people"
         raise ValueError(f"cannot draw {count} distinct {kind} questions from {len(world.people)} "
@@ -398,7 +456,7 @@ def _distinct_questions(kind: QuestionKind, count: int, world: _World,
 
 def _with_id(question: Question, qid: str) -> Question:
     return Question(qid=qid, kind=question.kind, text=question.text, answer=question.answer,
-                    plan=question.plan)
+                    plan=question.plan, note=question.note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,9 +526,19 @@ def make_demonstrations(questions: Sequence[Question], tool_fn: ToolFn, guess_ra
 
 def namesake_candidates(listing: str, first_name: str, key: str) -> list[tuple[str, str]]:
     """The ``(surname, value)`` pairs a namesake search result lists, in page order: the pages
-    ``"<first_name> <surname> <key> <value>."`` of ``listing`` (other pages are ignored)."""
-    pattern = rf"^Page \d+: {re.escape(first_name)} (\w+) {re.escape(key)} ([^\s.]+)\.$"
-    return re.findall(pattern, listing, flags=re.MULTILINE)
+    ``"<first_name> <surname> <key> <value>."`` (name first) or ``"<first_name> <key> <value>
+    <surname>."`` (value first) of ``listing``; other pages are ignored. The two forms cannot be
+    confused: a surname is capitalized, a key ("city", "color") is not."""
+    first, key = re.escape(first_name), re.escape(key)
+    name_first = rf"^Page \d+: {first} ([A-Z]\w*) {key} ([^\s.]+)\.$"
+    value_first = rf"^Page \d+: {first} {key} ([^\s.]+) ([A-Z]\w*)\.$"
+    pairs = []
+    for line in listing.splitlines():
+        if match := re.match(name_first, line):
+            pairs.append((match[1], match[2]))
+        elif match := re.match(value_first, line):
+            pairs.append((match[2], match[1]))
+    return pairs
 
 
 def _listed_candidates(question: Question, tool_fn: ToolFn) -> list[str]:
@@ -495,7 +563,9 @@ def _follow_candidate(question: Question, tool_fn: ToolFn, surname: str) -> Ques
     values = [value for listed, value in found if listed == surname]
     if not values:
         raise ValueError(f"{question.qid}: the search {call.payload!r} did not return its fact")
-    return Question(question.qid, question.kind, question.text, values[0], (question.plan[0], call))
+    # The note keeps the question's value and names the wrong pick: the teacher misreads the match.
+    note = f"{question.note.split()[0]} {surname}" if question.note else ""
+    return Question(question.qid, question.kind, question.text, values[0], (question.plan[0], call), note)
 
 
 def answer_type(question: Question) -> str:
@@ -525,6 +595,8 @@ def _demonstration(question: Question, tool_fn: ToolFn) -> str:
         results.append(output)
         parts.append(f"\n<{call.tool}>{render_payload(call)}</{call.tool}>")
         parts.append(format_tool_result(output))
+        if question.note and len(results) == 1:  # spaced like render_payload: copied tokens
+            parts.append(f"\n<think> {question.note}</think>")
     _check_grounded(question, results)
     # Copy the answer with the spacing it has in the last result: " 34" after "age" in a search
     # result, "61" alone on the python output line (see render_payload).
@@ -550,6 +622,7 @@ def _check_grounded(question: Question, results: list[str]) -> None:
               for word in call.payload.split()]
     needed += [(i, num) for i, call in enumerate(question.plan) if call.tool == "python"
                for num in re.findall(r"\d+", call.payload)]
+    needed += [(1, word) for word in question.note.split()]  # written after the first result
     needed.append((len(question.plan), question.answer))
     for step, value in needed:
         if not any(_contains_token(text, value) for text in [question.text, *results[:step]]):
@@ -580,9 +653,9 @@ def exact_search_pages(task: SyntheticTask, query: str) -> list[str]:
     pages = []
     for entity in task.entities:
         name = entity.name.lower().split()
-        for attr, value in entity.attributes.items():
+        for attr in entity.attributes:
             if words == [*name, attr] or (len(name) > 1 and words == [name[0], attr]):
-                pages.append(fact_document(entity.name, attr, value))
+                pages.append(task.document(entity, attr))
     return pages
 
 
