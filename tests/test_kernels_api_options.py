@@ -17,6 +17,7 @@ from aepo_kernels.logits_ops import logit_map
 from aepo_kernels.reference import aepo_loss_reference, logprob_entropy_reference, token_loss_reference
 
 from conftest import triton_available
+from fresh_process import in_fresh_process
 
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
 
@@ -394,6 +395,7 @@ def test_fused_linear_logprob_entropy_with_scale_and_softcap(scale, cap):
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
 
 
+@in_fresh_process
 def test_callers_torch_compile_traces_the_options():
     """torch.compile(fullgraph=True) of a step using softcap, logit_scale, shift_labels and
     return_token_loss (the custom op path) equals eager."""

@@ -10,6 +10,7 @@ from aepo_kernels.one_pass import aggregation_weights, hyper_params, token_head
 from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 
 from conftest import triton_available
+from fresh_process import in_fresh_process
 
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
 CLIPS = ["ppo", "aepo", "gppo", "cispo"]
@@ -350,6 +351,7 @@ def test_bad_inputs_say_what_is_wrong():
         aepo_policy_loss(logits, labels, old, adv, mask, temperature=0.0)
 
 
+@in_fresh_process
 def test_callers_torch_compile_fullgraph_traces_through_the_loss():
     """torch.compile(fullgraph=True) of a caller's step containing aepo_policy_loss: the custom op
     is opaque to the compiler; value and gradient equal the eager path (supplied statistics and
