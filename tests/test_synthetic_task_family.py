@@ -23,13 +23,18 @@ def task():
     return make_task(FAMILY)
 
 
-@pytest.fixture(scope="module")
-def bm25_tool_fn(task, tmp_path_factory):
-    """The engine's real BM25 search over the task's corpus, 3 pages (as the preset sets)."""
+def _bm25_tool_fn(task, folder):
+    """The engine's real BM25 search over the task's corpus, one page per namesake (as the preset
+    sets; EASY has FAMILY's group size)."""
     search = pytest.importorskip("aepo_engine.tools.search")
-    path = task.write_corpus(tmp_path_factory.mktemp("kb") / "kb.jsonl")
+    path = task.write_corpus(folder / "kb.jsonl")
     backend = search.CorpusBackend.from_jsonl(path, topk=FAMILY.namesakes_per_group)
     return lambda tool, payload: backend.search(f" {payload}")
+
+
+@pytest.fixture(scope="module")
+def bm25_tool_fn(task, tmp_path_factory):
+    return _bm25_tool_fn(task, tmp_path_factory.mktemp("kb"))
 
 
 def _digest(config):
@@ -273,10 +278,7 @@ def easy_task():
 
 @pytest.fixture(scope="module")
 def easy_bm25_tool_fn(easy_task, tmp_path_factory):
-    search = pytest.importorskip("aepo_engine.tools.search")
-    path = easy_task.write_corpus(tmp_path_factory.mktemp("kb_easy") / "kb.jsonl")
-    backend = search.CorpusBackend.from_jsonl(path, topk=EASY.namesakes_per_group)
-    return lambda tool, payload: backend.search(f" {payload}")
+    return _bm25_tool_fn(easy_task, tmp_path_factory.mktemp("kb_easy"))
 
 
 def test_value_first_documents_hand_worked():
