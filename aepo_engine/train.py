@@ -332,6 +332,9 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/malformed_calls": total("malformed_calls"),
         "rollout/tokens_generated": total("tokens_generated"),
         "rollout/discarded_tokens": total("discarded_tokens"),
+        "rollout/rounds": float(max(s.rounds for s in stats)),
+        "rollout/waited_decisions": total("waited_decisions"),
+        "rollout/fresh_global_samples": total("fresh_global_samples"),
         "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
     }

@@ -24,6 +24,9 @@ Subjects (``--level``):
 - ``<impl>@16MiB``: the case with the CPU row chunks of before this change (16 MiB, 27 rows at
   V=151,936) instead of one chunk per sequence: ``two_stage_inplace@16MiB`` is the previous path as
   it ran.
+- ``<impl>:<M>MiB`` (linear level): the fused-linear one-pass loss (or ``gemm3_chunked``) with
+  ``chunk_bytes = M MiB`` instead of :data:`aepo_kernels.DEFAULT_CHUNK_BYTES`, e.g.
+  ``one_pass_fused_linear:128MiB``: the memory budget's effect on time and peak, in the same run.
 - ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
   ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
 Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
@@ -65,6 +68,8 @@ WARM_UP_TOKENS = {"linear": 256, "logits": 64}  # tokens of the untimed compile 
 # An impl name + this suffix runs with the CPU row chunks of before (16 MiB, 27 rows at V=151,936)
 # instead of one chunk per sequence (logits_ops.cpu_chunk_elems), e.g. two_stage_inplace@16MiB.
 OLD_CHUNKS = "@16MiB"
+BUDGET_SEP = ":"  # one_pass_fused_linear:128MiB -> chunk_bytes = 128 MiB (linear level)
+BUDGETED = ("one_pass_fused_linear", "one_pass_fused_linear_softcap", "gemm3_chunked")
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
 
 
@@ -81,12 +86,24 @@ def loss_inputs(n: int, vocab: int, seed: int = 0) -> dict:
     )
 
 
-def make_loss_fn(impl: str, inputs: dict):
-    """A callable of the level's tensors returning the scalar loss (its backward is timed too)."""
-    from aepo_kernels import (LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss, fused_linear_logprob_entropy,
+def split_budget(name: str) -> tuple[str, int | None]:
+    """``"one_pass_fused_linear:128MiB"`` -> ``("one_pass_fused_linear", 128 << 20)``; no suffix -> None."""
+    impl, sep, budget = name.partition(BUDGET_SEP)
+    if not sep:
+        return impl, None
+    if not budget.endswith("MiB") or not budget[:-3].isdigit() or int(budget[:-3]) < 1:
+        raise ValueError(f"{name!r}: the budget suffix is ':<positive integer>MiB', e.g. ':128MiB'")
+    return impl, int(budget[:-3]) << 20
+
+
+def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
+    """A callable of the level's tensors returning the scalar loss (its backward is timed too).
+    ``chunk_bytes``: the fused-linear one-pass path's budget (None: the library default)."""
+    from aepo_kernels import (DEFAULT_CHUNK_BYTES, LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss, fused_linear_logprob_entropy,
                               logprob_entropy, policy_loss_from_logprobs)
 
     cfg = LossConfig()
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     labels, old, adv, mask = inputs["labels"], inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"]
     stats = dict(entropy_mean=torch.tensor(9.0), entropy_std=torch.tensor(0.5), global_token_count=mask.sum())
     shape = labels.shape
@@ -97,7 +114,7 @@ def make_loss_fn(impl: str, inputs: dict):
     if impl in ("one_pass_fused_linear", "one_pass_fused_linear_softcap"):
         head = dict(softcap=30.0, logit_scale=0.5) if impl.endswith("_softcap") else {}
         return lambda h, w: fused_linear_aepo_policy_loss(h.reshape(*shape, -1), w, labels, old, adv, mask, config=cfg,
-                                                          **stats, **head)[0]
+                                                          chunk_bytes=budget, **stats, **head)[0]
     if impl == "two_stage_fused_linear":  # the previous defaults: 1024 x 8192 blocks, recomputing backward
         return lambda h, w: two_stage(*fused_linear_logprob_entropy(h, w, labels.reshape(-1), token_chunk=1024, vocab_chunk=8192))
     if impl == "one_pass_materialised":
@@ -134,10 +151,9 @@ def make_loss_fn(impl: str, inputs: dict):
     if impl == "gemm3":
         return gemm3
     if impl == "gemm3_chunked":
-        from aepo_kernels import DEFAULT_CHUNK_BYTES
         from aepo_kernels.fused_linear import token_chunk_for_budget
 
-        return lambda h, w: gemm3_chunked(h, w, token_chunk_for_budget(w.shape[0], DEFAULT_CHUNK_BYTES))
+        return lambda h, w: gemm3_chunked(h, w, token_chunk_for_budget(w.shape[0], budget))
     raise ValueError(f"impl {impl!r}")
 
 
@@ -180,7 +196,7 @@ def loss_backward(level: str, loss: torch.Tensor, tensors: list[torch.Tensor]) -
         torch.autograd.grad(loss, tensors)
 
 
-def warm_up(level: str, impl: str, base: list[torch.Tensor]) -> None:
+def warm_up(level: str, impl: str, base: list[torch.Tensor], chunk_bytes: int | None = None) -> None:
     """Compile the CPU kernels outside the timing, on the first WARM_UP_TOKENS rows of the timed
     tensors (the timed D and V: no compile-time specialisation is left for the timed call)."""
     if impl in NO_GRAD:
@@ -190,15 +206,17 @@ def warm_up(level: str, impl: str, base: list[torch.Tensor]) -> None:
         tensors = [base[0][:n].detach().requires_grad_(), base[1]]
     else:
         tensors = [base[0][:n].clone().requires_grad_() * 1.0]
-    loss_backward(level, make_loss_fn(impl, loss_inputs(n, vocab))(*tensors), tensors)
+    loss_backward(level, make_loss_fn(impl, loss_inputs(n, vocab), chunk_bytes)(*tensors), tensors)
     if level == "linear":
         base[1].grad = None
 
 
 def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> dict:
     n, d, vocab = SHAPES[level][shape]
-    impl = name.removesuffix(OLD_CHUNKS)  # the chunk setting itself travels in the environment
-    fn = make_loss_fn(impl, loss_inputs(n, vocab))
+    impl, chunk_bytes = split_budget(name.removesuffix(OLD_CHUNKS))  # @16MiB travels in the environment
+    if chunk_bytes is not None and (level != "linear" or impl not in BUDGETED):
+        raise ValueError(f"{name!r}: a budget suffix applies to the linear level's {BUDGETED} only")
+    fn = make_loss_fn(impl, loss_inputs(n, vocab), chunk_bytes)
     base = make_tensors(level, n, d, vocab)
     needs_grad = impl not in NO_GRAD
     if impl == "liger_grpo":
@@ -206,7 +224,7 @@ def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> di
         # symbolic-shape assertion), so it is warmed up (compiled) at the timed shape instead.
         fn(*base).backward()
     else:
-        warm_up(level, impl, base)
+        warm_up(level, impl, base, chunk_bytes)
     if impl == "copy_into":
         fn(*base)  # its target buffer exists (and is touched) before the timing
 
@@ -231,7 +249,8 @@ def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> di
     row = measure(setup, body, warmup=warmup, repeats=repeats)
     from aepo_kernels import DEFAULT_CHUNK_BYTES
 
-    row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab, chunk_bytes=DEFAULT_CHUNK_BYTES,
+    row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab,
+               chunk_bytes=DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
                cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"))
     if level == "linear":
         matmuls = 4 if impl == "two_stage_fused_linear" else 3  # flops: matmuls x 2 N D V

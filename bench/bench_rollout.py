@@ -7,9 +7,11 @@ Modes (same backend, model, prompts, k, seeds and token limits; only the branchi
   online in the branch slots every m leaves, ``branch_before_m``), entropy branching at tool
   steps, consecutive-branch penalty.
 - ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False,
-  speculative_branches=0``: the
-  probe runs alone and takes its decisions once it has ended, before the other global samples
-  start (the spec's strict order; what ``aepo`` was before the overlap).
+  speculative_branches=0``: the probe runs alone and takes its decisions once it has ended,
+  before the other global samples start (the spec's strict order; what ``aepo`` was before the
+  overlap).
+- ``aepo_presample``: ``aepo`` with ``presample_children=True`` (a would-be child samples its
+  reaction beside its parent's; off by default): the option's effect alone.
 - ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
   tool result (a faster rule than the spec's, see ``RolloutConfig``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
@@ -83,7 +85,7 @@ if TYPE_CHECKING:
 # scan every loaded module at start-up and crash on an llvmlite object ("'_lib_fn_wrapper'
 # object has no attribute 'get'").
 
-MODES = ("plain", "aepo", "aepo_strict", "aepo_early", "arpo")
+MODES = ("plain", "aepo", "aepo_strict", "aepo_presample", "aepo_early", "arpo")
 BACKENDS = ("hf", "vllm")
 RESULTS_NAME = "rollout_throughput"
 WARM_START_INFO = "bench_warm_start.json"  # written next to a warm-started checkpoint
@@ -111,6 +113,8 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
     if mode == "aepo_strict":
         return RolloutConfig(speculative_global_samples=0, branch_before_m=False,
                              speculative_branches=0, **limits)
+    if mode == "aepo_presample":
+        return RolloutConfig(presample_children=True, **limits)
     if mode == "aepo_early":
         return RolloutConfig(monitor_tool_steps=1, **limits)
     if mode == "arpo":

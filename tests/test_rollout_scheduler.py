@@ -297,29 +297,31 @@ def test_strict_order_probe_decides_first_and_its_slots_are_certain():
 
 
 def test_default_decides_online_in_the_order_decisions_are_taken():
-    # Same set-up with the defaults: 2 speculative globals (k // 2 - 1) start beside the probe;
-    # after round 1 H_root gives m_max = 4, so global 3 is added (top-up to m_max - 1) and the 2
-    # certain slots are open. Round 2: probe, globals 1-2 react to tool 1 and decide in id order:
-    # the probe takes slot 1 (child 4), global 1 slot 2 (child 5), global 2 finds no certain
-    # slot and waits; it is the first waiting decision, so its child starts at once (tentative,
-    # id 6). Round 3: the 4 decisions (probe, globals 1-2 after tool 2, global 3 after tool 1)
-    # all wait: no certain slot is left (global 2 already waits anyway). The probe ends ->
-    # m = 4: globals 1-3 are kept, the 6 slots are full, the waiting decisions are
-    # budget-blocked, child 6 is discarded (its reaction, "think1 <search>q1</search>": 26
-    # tokens). Round 4: global 3 and the children answer. 4 rounds (strict: 6).
+    # Same set-up with the defaults but no pre-sampled children: 3 speculative globals (k // 2)
+    # start beside the probe; after round 1 H_root gives m_max = 4 (the top-up to m_max - 1 = 3
+    # adds none) and the 2 certain slots are open. Round 2: the probe and globals 1-3 react to
+    # tool 1 and decide in id order: the probe takes slot 1 (child 4), global 1 slot 2 (child
+    # 5), global 2 finds no certain slot and waits; it is the first waiting decision, so its
+    # child starts at once (tentative, id 6); global 3 waits too. Round 3: the probe and
+    # globals 1-3 answer (their decisions after tool 2 wait: no certain slot is left), the
+    # children react to tool 1. The probe ends -> m = 4: globals 1-3 are kept, the 6 slots are
+    # full, the waiting decisions are budget-blocked, child 6 is discarded (its reaction,
+    # "think1 <search>q1</search>": 26 tokens). Round 4: the children answer. 4 rounds
+    # (strict: 6).
     scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
-                                 branch_alpha=1.0, branch_penalty=False)
+                                 branch_alpha=1.0, branch_penalty=False,
+                                 speculative_branches=1)
     result = scheduler.rollout([[50]], step=0)
     by_id = {t.traj_id: t for t in result.trajectories}
     assert result.stats.m == [4] and result.stats.rounds == 4
-    assert [len(b) for b in backend.batches] == [3, 4, 7, 3]
+    assert [len(b) for b in backend.batches] == [4, 4, 7, 2]
     assert sorted(by_id) == [0, 1, 2, 3, 4, 5]
     assert (by_id[4].parent_id, by_id[5].parent_id) == (0, 1)
     assert [d.branched for d in by_id[0].decisions] == [True, False]
     assert [d.branched for d in by_id[1].decisions] == [True, False]
     for tid in (2, 3):
         assert [d.budget_blocked for d in by_id[tid].decisions] == [True, True]
-    assert result.stats.branches == 2 and result.stats.waited_decisions == 5
+    assert result.stats.branches == 2 and result.stats.waited_decisions == 6
     assert (result.stats.discarded_speculative, result.stats.discarded_tokens) == (1, 26)
 
 
@@ -329,6 +331,7 @@ def test_tentative_child_kept_when_m_leaves_its_slot():
     # the third when m is known after round 3; its child (id 6) started in round 3, so it
     # answers in round 4 beside the others: 4 rounds. Without the tentative start
     # (speculative_branches=0) the same child is forked after round 3 and needs rounds 4-5.
+    # (No pre-sampled children here: they would start children 4 and 5 a round earlier.)
     # Same trees, ids and decisions either way; global 3 (beyond m) is discarded in both.
     policy = _stepwise_entropy_agent({0: 1.0, 1: 2.0, 2: 2.0})
     runs = {}
@@ -337,7 +340,7 @@ def test_tentative_child_kept_when_m_leaves_its_slot():
                                      branch_alpha=1.0, branch_penalty=False,
                                      speculative_branches=tentative)
         runs[tentative] = (scheduler.rollout([[50]], step=0), backend)
-    for tentative, batches in ((1, [3, 4, 7, 3]), (0, [3, 4, 6, 3, 1])):
+    for tentative, batches in ((1, [4, 4, 7, 3]), (0, [4, 4, 6, 3, 1])):
         result, backend = runs[tentative]
         assert result.stats.m == [3] and [len(b) for b in backend.batches] == batches
         assert {t.traj_id: t.parent_id for t in result.trajectories} == {
@@ -415,7 +418,7 @@ def test_speculative_globals_wait_for_m_without_branch_before_m():
         scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=6,
                                branch_alpha_mode="constant", branch_alpha=1.0,
                                branch_penalty=False, speculative_global_samples=spec,
-                               branch_before_m=False)
+                               branch_before_m=False, speculative_branches=1)
         runs.append(scheduler.rollout([[50]], step=0))
     strict, overlap = runs
     assert (strict.stats.rounds, overlap.stats.rounds) == (6, 5)
@@ -431,7 +434,8 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
     # As above but 5 speculative: globals 4-5 wait in reserve, the probe's two children take the
     # slots, so no refill needs them: discarded, and their tokens counted apart.
     scheduler, _, _ = make(tool_agent(2, seed_in_text=True), k=6, branch_alpha_mode="constant",
-                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
+                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5,
+                           speculative_branches=1)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     # discarded: globals 4-5 and the tentative child of global 2's waiting decision
@@ -490,7 +494,7 @@ def test_branch_before_m_is_m_known_from_the_start():
     for step in range(60):
         m = _one_call(step, **STRICT).stats.m[0]
         known = _one_call(step, pre_monitoring=False, fixed_global_samples=m)
-        early = _one_call(step, speculative_global_samples=m - 1)
+        early = _one_call(step, speculative_global_samples=m - 1, speculative_branches=1)
         assert early.stats.m == [m]
         assert signature(early.trajectories)[1:] == signature(known.trajectories)[1:]
         assert [t.decisions for t in early.trajectories] == [t.decisions for t in known.trajectories]
@@ -509,24 +513,91 @@ def test_branching_statistics_unchanged_in_distribution():
     # while the tree shape does not (branch tool steps z = -6.5, depth-1 z = +5): there the
     # reused probe claims the budget first, so its later tool steps win slots. That is why the
     # tree shape is compared with m known from the start, the order the docstring promises.
-    features = {"strict": [], "known": [], "default": []}
+    # Pre-sampled children (presample_children) change when a child starts, not the tree: the
+    # default is compared with itself with them on, on every feature; and they save rounds.
+    features = {"strict": [], "known": [], "default": [], "presample": []}
+    rounds = {"default": 0, "presample": 0}
     for step in range(240):
         strict = _one_call(step, **STRICT)
         m = strict.stats.m[0]
         features["strict"].append(_tree_features(strict))
         features["known"].append(_tree_features(
             _one_call(step, pre_monitoring=False, fixed_global_samples=m)))
-        features["default"].append(_tree_features(_one_call(step)))
+        for name, extra in (("default", {}), ("presample", {"presample_children": True})):
+            result = _one_call(step, **extra)
+            features[name].append(_tree_features(result))
+            rounds[name] += result.stats.rounds
     assert [f["m"] for f in features["default"]] == [f["m"] for f in features["strict"]]
     assert sum(f["branches"] for f in features["default"]) > 500  # budgets were contested
-    checks = {"strict": ("branches", "mean_p"),
-              "known": ("branches", "mean_p", "blocked", "depth_1", "depth_2+", "branch_steps")}
+    assert rounds["presample"] < 0.95 * rounds["default"], rounds
+    every = ("branches", "mean_p", "blocked", "depth_1", "depth_2+", "branch_steps")
+    checks = {"strict": ("branches", "mean_p"), "known": every, "presample": every}
     for reference, keys in checks.items():
         for key in keys:
             diffs = [a[key] - b[key] for a, b in zip(features["default"], features[reference])]
             mean = sum(diffs) / len(diffs)
             std_err = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
             assert abs(mean) <= 4 * std_err + 1e-9, (reference, key, mean, std_err)
+
+
+def test_presampled_children_same_tree_fewer_rounds():
+    # m fixed at 2 of k = 4 (no pre-monitoring), always branch, 2 tool calls each. Without
+    # pre-sampling: round 1 globals 0-1 search; round 2 they react to tool 1 and branch (children
+    # 2, 3); round 3 they answer while the children react to tool 1; round 4 the children answer.
+    # Pre-sampled: before round 2 both slots are free, so children 2 and 3 (same ids, hence the
+    # same seeds) react to tool 1 beside their parents and are taken by the decisions: 3 rounds,
+    # the same trajectories token for token.
+    runs = {}
+    for presample in (False, True):
+        scheduler, backend, runner = make(tool_agent(2, seed_in_text=True), PureRunner(), k=4,
+                                          pre_monitoring=False, fixed_global_samples=2,
+                                          branch_alpha_mode="constant", branch_alpha=1.0,
+                                          branch_penalty=False, presample_children=presample)
+        runs[presample] = (scheduler.rollout([[50]], step=0), backend, runner)
+    (off, off_backend, _), (on, on_backend, _) = runs[False], runs[True]
+    assert [len(b) for b in off_backend.batches] == [2, 2, 4, 2]
+    assert [len(b) for b in on_backend.batches] == [2, 4, 4]
+    assert _signature(on.trajectories) == _signature(off.trajectories)
+    assert [t.decisions for t in on.trajectories] == [t.decisions for t in off.trajectories]
+    assert {t.traj_id: t.parent_id for t in on.trajectories} == {0: None, 1: None, 2: 0, 3: 1}
+    assert all(t.inherited_branches == 1 for t in on.trajectories if t.parent_id is not None)
+    assert on.stats.discarded_speculative == on.stats.discarded_tokens == 0
+    assert on.stats.tool_calls_executed == off.stats.tool_calls_executed == 6
+
+
+def test_presampled_children_not_taken_are_discarded_before_their_calls():
+    # Never branch (alpha 0, gamma 0): every pre-sampled child is discarded after its reaction,
+    # and its tool call is never run. k = 4, m = 2: before round 2 two slots are free -> two
+    # would-be children react to tool 1 ("think1 <search>q1</search>", 26 tokens each) and are
+    # dropped; before round 3 the same again, reacting to tool 2 ("<answer>q</answer>" + EOS, 19
+    # tokens each): 4 discarded, 90 tokens. Then the refill (2 fresh globals: the budget is
+    # spent, so no slot is free and nothing is pre-sampled) runs 3 rounds.
+    scheduler, backend, runner = make(tool_agent(2), PureRunner(), k=4, pre_monitoring=False,
+                                      fixed_global_samples=2, branch_alpha_mode="constant",
+                                      branch_alpha=0.0, gamma=0.0, presample_children=True)
+    result = scheduler.rollout([[50]], step=0)
+    stats = result.stats
+    assert [len(b) for b in backend.batches] == [2, 4, 4, 2, 2, 2]
+    assert (stats.discarded_speculative, stats.discarded_tokens) == (4, 2 * 26 + 2 * 19)
+    assert stats.branches == 0 and stats.fresh_global_samples == 2
+    executed = sum(len(b) for b in runner.batches)
+    assert executed == stats.tool_calls_executed == 4 * 2  # 4 trajectories x 2 calls, no more
+    sampled = sum(sum(t.loss_mask) for t in result.trajectories)
+    assert stats.tokens_generated - stats.discarded_tokens == sampled
+
+
+def test_presampled_children_run_only_kept_calls_on_random_trees():
+    # Random trees, no reserve or probe (pre-monitoring off): every tool call that ran belongs to
+    # a returned trajectory (inherited calls not counted twice), so no discarded would-be child's
+    # call ran; the token accounting holds.
+    for step in range(30):
+        scheduler, _, runner = make(random_tool_agent(), PureRunner(), k=8, pre_monitoring=False,
+                                    presample_children=True)
+        result = scheduler.rollout(PROMPTS, step=step)
+        own_calls = sum(t.tool_calls - (t.branch_tool_step or 0) for t in result.trajectories)
+        assert sum(len(b) for b in runner.batches) == result.stats.tool_calls_executed == own_calls
+        sampled = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in result.trajectories)
+        assert result.stats.tokens_generated - result.stats.discarded_tokens == sampled
 
 
 def test_speculative_beyond_m_drops_its_early_branches():
@@ -543,7 +614,8 @@ def test_speculative_beyond_m_drops_its_early_branches():
     policy = _stepwise_entropy_agent({0: 0.0, 1: 6.0, 2: 6.0})
     scheduler, backend, _ = make(policy, PureRunner(), k=8, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False,
-                                 speculative_global_samples=7)
+                                 speculative_global_samples=7,
+                                 speculative_branches=1)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 12, 2, 1]
@@ -609,12 +681,15 @@ def test_monitor_tool_steps_sets_m_from_the_first_reaction():
     # Probe entropies: first segment 2.0 (H_root), after tool 1: 1.0, after tool 2: 3.0. k = 12.
     # Spec: H_tool = (1 + 3) / 2 = 2 -> m = floor(12 * 0.5) + 1 = 7.
     # monitor_tool_steps=1: H_tool = 1 -> floor(12 * sigmoid(0.5)) + 1 = floor(7.47) + 1 = 8, set
-    # after round 2 (the probe's first reaction), while the probe still runs.
+    # after round 2 (the probe's first reaction), while the probe still runs. (One tentative
+    # child, no pre-sampled ones: with the defaults both rules take 4 rounds here, the children
+    # of the waiting decisions having started early either way.)
     policy = _stepwise_entropy_agent({0: 2.0, 1: 1.0, 2: 3.0})
     results = {}
     for steps in (None, 1):
         scheduler, _, _ = make(policy, PureRunner(), k=12, branch_alpha_mode="constant",
-                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps)
+                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps,
+                               speculative_branches=1)
         results[steps] = scheduler.rollout([[50]], step=0)
     spec, early = results[None].stats, results[1].stats
     assert (spec.h_tool, spec.m) == ([2.0], [7]) and (early.h_tool, early.m) == ([1.0], [8])
@@ -634,7 +709,7 @@ def test_monitor_tool_steps_with_a_discarded_probe_stops_it():
 
 
 def test_speculative_config():
-    assert RolloutConfig(k=8).speculative_globals == 3
+    assert RolloutConfig(k=8).speculative_globals == 4
     assert RolloutConfig(k=1).speculative_globals == 0
     assert RolloutConfig(k=8, pre_monitoring=False).speculative_globals == 0
     assert RolloutConfig(k=8, branching=False).speculative_globals == 0
@@ -642,6 +717,12 @@ def test_speculative_config():
     assert RolloutConfig(k=8).speculative_top_up
     assert not RolloutConfig(k=8, speculative_global_samples=3).speculative_top_up
     assert not RolloutConfig(k=8, pre_monitoring=False).speculative_top_up
+    # the default start (k // 2) never exceeds what the top-up adds after round 1: m_max - 1
+    for k in range(1, 17):
+        for beta in (0.0, 0.5, 3.0):
+            for h_root in (0.0, 1e-9, 0.7, 12.0):
+                m_max = global_sample_count(k, beta, h_root, -1e-3)
+                assert RolloutConfig(k=k, beta=beta).speculative_globals <= m_max - 1, (k, beta, h_root)
     with pytest.raises(ValueError, match="speculative_global_samples must be in"):
         RolloutConfig(k=8, speculative_global_samples=8)
     with pytest.raises(ValueError, match="monitor_tool_steps must be >= 1"):

@@ -58,8 +58,10 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
         assert any(key.startswith("accuracy/synthetic/") for key in summary[phase])
     rows = _metrics(uninterrupted)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reward/mean", "loss/entropy", "loss/clipfrac_high", "rollout/branches", "loss/grad_norm"):
+    for key in ("reward/mean", "loss/entropy", "loss/clipfrac_high", "rollout/branches", "loss/grad_norm",
+                "rollout/rounds", "rollout/waited_decisions", "rollout/fresh_global_samples"):
         assert all(key in r for r in rows), key
+    assert all(r["rollout/rounds"] >= 1 for r in rows)
     # the HF backend samples with the very weights the policy holds: same log-probs up to fp32 noise
     assert all(r["rollout/logprob_gap"] < 1e-4 for r in rows)
     # ... so the mismatch correction's ratios are 1 and its KL estimate 0 (metrics logged every step)

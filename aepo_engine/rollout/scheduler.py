@@ -13,7 +13,7 @@ Per prompt:
    budget is refilled with global samples anyway, so nothing is wasted). Then
    m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
    reused probe counts as one of them.
-   Overlap (``speculative_global_samples``, default k // 2 - 1, then topped up, see below): that
+   Overlap (``speculative_global_samples``, default k // 2, then topped up, see below): that
    many global samples start beside the probe instead of after it, so the probe's sequential
    rounds are not spent on one trajectory per prompt. They are the trajectories the strict
    order would start after the probe (trajectory ids 1, 2, ... and seeds derive from the id),
@@ -73,6 +73,16 @@ Per prompt:
    P > tau (and budget left) a child copies the trajectory up to and including the tool result
    and samples its own reaction next round; the parent keeps its reaction. One decision per tool
    result, taken by the trajectory that received it (a child never re-decides the inherited one).
+   Pre-sampled children (``presample_children``, off by default): a child started after the
+   decision would run one round behind its parent. So before a round, while a branch slot is
+   certainly free (m known: fewer than k trajectories; before m: certain slots left), the
+   trajectories about to react to a tool result they received themselves each get a would-be
+   child, in id order, one per free slot; it samples its own reaction in the same round. A
+   decision that branches takes it as its child (the same prefix, its reaction sampled from the
+   same policy independently of the parent's, so the same distribution as a child started
+   next round); one that does not branch discards it before its tool call runs (its tokens are
+   counted as discarded); one that waits for m keeps it as its tentative child while
+   ``speculative_branches`` allows. Decisions and their outcomes do not depend on it.
    Lineage counter l: the number of consecutive decisions along this trajectory's own history
    that branched. A branch sets l <- l + 1 for the parent and the child (the branch is part of
    both histories); a decision that does not branch (P <= tau, or no budget left) resets l to 0.
@@ -170,6 +180,8 @@ class _PromptState:
     roots: dict[int, int] = field(default_factory=dict)  # branch id -> id of its root trajectory
     # children started for waiting decisions, keyed by (parent id, segment index)
     tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
+    # would-be children sampling beside their parent's reaction this round (same key)
+    presampled: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -186,7 +198,7 @@ class _PromptState:
         """What the next round samples: ``running`` and the unfinished reserve, in id order
         (creation order): within a round, decisions claim the budget in this order."""
         pool = self.running() + [t for t in self.reserve if not t.done] + \
-            [t for t in self.tentative.values() if not t.done]
+            [t for t in self.tentative.values() if not t.done] + list(self.presampled.values())
         return sorted(pool, key=lambda t: t.traj_id)
 
 
@@ -315,6 +327,9 @@ class EntropyBalancedRollout:
         for state in states:
             self._start(state, step)
         while True:
+            if self.config.branching and self.config.presample_children:
+                for state in states:
+                    self._presample(state)
             batch = [t for state in states for t in state.generating()]
             if not batch:
                 break
@@ -460,8 +475,17 @@ class EntropyBalancedRollout:
             if cfg.branching and self._decision_due(traj) and self._samples(state, traj):
                 self._take_decision(state, traj, len(traj.segments) - 1,
                                     traj.segment_entropies[-1], step)
+        dropped: set[int] = set()  # pre-sampled children no decision took: their calls never run
+        for state in states:
+            for child in state.presampled.values():
+                dropped.add(id(child))
+                stats.discarded_speculative += 1
+                stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+            state.presampled = {}
         calls, callers = [], []
         for traj, output in zip(batch, outputs):
+            if id(traj) in dropped:
+                continue
             call = self._classify(traj, output, stats)
             if call is not None:
                 calls.append(call)
@@ -545,15 +569,18 @@ class EntropyBalancedRollout:
         elif not self._decide(state, traj, seg_index, h_now, step):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
-            if len(state.tentative) < self.config.speculative_branches:
+            limit = self.config.speculative_branches
+            if limit is None or len(state.tentative) < limit:
                 self._start_tentative(state, traj, seg_index)
 
     def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
         """Start now the child a waiting decision (it wants a branch) gets if m leaves it a slot,
         so that it does not start rounds late; it takes no decision of its own before that."""
-        child = traj.fork(seg_index, state.new_id())
+        child = state.presampled.pop((traj.traj_id, seg_index), None)
+        if child is None:
+            child = traj.fork(seg_index, state.new_id())
+            state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
         child.consecutive_branches = child.inherited_branches = traj.consecutive_branches + 1
-        state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
         state.waiting.add(child.traj_id)
         state.tentative[(traj.traj_id, seg_index)] = child
 
@@ -577,10 +604,12 @@ class EntropyBalancedRollout:
             return False
         if slot:
             traj.consecutive_branches = l_before + 1
-            child = state.tentative.pop((traj.traj_id, seg_index), None)
+            key = (traj.traj_id, seg_index)
+            child = state.tentative.pop(key, None) or state.presampled.pop(key, None)
             if child is None:
                 child = traj.fork(seg_index, state.new_id())
                 state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+            child.consecutive_branches = child.inherited_branches = l_before + 1
             state.members.append(child)
             state.early_branches += int(state.m is None)
         else:
@@ -590,6 +619,25 @@ class EntropyBalancedRollout:
             consecutive_branches=l_before, probability=p, branched=slot,
             budget_blocked=wants and not slot))
         return True
+
+    def _presample(self, state: _PromptState) -> None:
+        """Start the would-be children of this round's decisions, one per certainly free slot
+        (module doc, "Pre-sampled children")."""
+        if state.m is not None:
+            free = self.config.k - len(state.members)
+        else:
+            free = (state.certain_slots or 0) - state.early_branches
+        for traj in sorted(state.running(), key=lambda t: t.traj_id):
+            if free <= 0:
+                return
+            segs = traj.segments
+            if (traj.traj_id in state.waiting or not segs or segs[-1].kind != "tool"
+                    or segs[-1].end == traj.branch_position or not self._samples(state, traj)):
+                continue  # no decision of its own follows this round, or it waits for m
+            child = traj.fork(len(segs), state.new_id())
+            state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+            state.presampled[(traj.traj_id, len(segs))] = child
+            free -= 1
 
     def _slot_left(self, state: _PromptState) -> bool | None:
         """A branch slot is free (True), taken (False), or depends on the unknown m (None)."""
