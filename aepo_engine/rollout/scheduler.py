@@ -236,7 +236,8 @@ class RolloutStats:
             discarded_speculative: speculative samples beyond m that no refill needed, thrown
             away (branches used the budget), the branches that speculative samples beyond m
             took before m was known, and children started early for waiting decisions that got
-            no slot (``speculative_branches``);
+            no slot (``speculative_branches``), and pre-sampled children no decision took
+            (``presample_children``);
             waited_decisions: branch decisions that waited for m (``branch_before_m``);
             discarded_tokens: model tokens sampled in discarded trajectories (part of
             tokens_generated; the rest is what the returned trajectories hold).
