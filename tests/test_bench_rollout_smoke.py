@@ -69,11 +69,11 @@ def test_modes_differ_only_in_the_branching_rule():
         for m in ("plain", "aepo", "aepo_strict", "aepo_presample", "aepo_early", "arpo"))
     assert not plain.branching
     assert aepo.branching and aepo.pre_monitoring and aepo.branch_penalty
-    assert aepo.speculative_globals == 3 and strict.speculative_globals == 0
+    assert aepo.speculative_globals == 2 and strict.speculative_globals == 0
     assert not strict.branch_before_m and strict.speculative_branches == 0
     assert presample.presample_children and not aepo.presample_children
     assert msgspec.structs.replace(strict, speculative_global_samples=None, branch_before_m=True,
-                                   speculative_branches=None) == aepo
+                                   speculative_branches=1) == aepo
     assert msgspec.structs.replace(presample, presample_children=False) == aepo
     assert msgspec.structs.replace(early, monitor_tool_steps=None) == aepo
     assert arpo.branching and not arpo.pre_monitoring and not arpo.branch_penalty

@@ -297,31 +297,29 @@ def test_strict_order_probe_decides_first_and_its_slots_are_certain():
 
 
 def test_default_decides_online_in_the_order_decisions_are_taken():
-    # Same set-up with the defaults but no pre-sampled children: 3 speculative globals (k // 2)
-    # start beside the probe; after round 1 H_root gives m_max = 4 (the top-up to m_max - 1 = 3
-    # adds none) and the 2 certain slots are open. Round 2: the probe and globals 1-3 react to
-    # tool 1 and decide in id order: the probe takes slot 1 (child 4), global 1 slot 2 (child
-    # 5), global 2 finds no certain slot and waits; it is the first waiting decision, so its
-    # child starts at once (tentative, id 6); global 3 waits too. Round 3: the probe and
-    # globals 1-3 answer (their decisions after tool 2 wait: no certain slot is left), the
-    # children react to tool 1. The probe ends -> m = 4: globals 1-3 are kept, the 6 slots are
-    # full, the waiting decisions are budget-blocked, child 6 is discarded (its reaction,
-    # "think1 <search>q1</search>": 26 tokens). Round 4: the children answer. 4 rounds
-    # (strict: 6).
+    # Same set-up with the defaults: 2 speculative globals (k // 2 - 1) start beside the probe;
+    # after round 1 H_root gives m_max = 4, so global 3 is added (top-up to m_max - 1) and the 2
+    # certain slots are open. Round 2: probe, globals 1-2 react to tool 1 and decide in id order:
+    # the probe takes slot 1 (child 4), global 1 slot 2 (child 5), global 2 finds no certain
+    # slot and waits; it is the first waiting decision, so its child starts at once (tentative,
+    # id 6). Round 3: the 4 decisions (probe, globals 1-2 after tool 2, global 3 after tool 1)
+    # all wait: no certain slot is left (global 2 already waits anyway). The probe ends ->
+    # m = 4: globals 1-3 are kept, the 6 slots are full, the waiting decisions are
+    # budget-blocked, child 6 is discarded (its reaction, "think1 <search>q1</search>": 26
+    # tokens). Round 4: global 3 and the children answer. 4 rounds (strict: 6).
     scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
-                                 branch_alpha=1.0, branch_penalty=False,
-                                 speculative_branches=1)
+                                 branch_alpha=1.0, branch_penalty=False)
     result = scheduler.rollout([[50]], step=0)
     by_id = {t.traj_id: t for t in result.trajectories}
     assert result.stats.m == [4] and result.stats.rounds == 4
-    assert [len(b) for b in backend.batches] == [4, 4, 7, 2]
+    assert [len(b) for b in backend.batches] == [3, 4, 7, 3]
     assert sorted(by_id) == [0, 1, 2, 3, 4, 5]
     assert (by_id[4].parent_id, by_id[5].parent_id) == (0, 1)
     assert [d.branched for d in by_id[0].decisions] == [True, False]
     assert [d.branched for d in by_id[1].decisions] == [True, False]
     for tid in (2, 3):
         assert [d.budget_blocked for d in by_id[tid].decisions] == [True, True]
-    assert result.stats.branches == 2 and result.stats.waited_decisions == 6
+    assert result.stats.branches == 2 and result.stats.waited_decisions == 5
     assert (result.stats.discarded_speculative, result.stats.discarded_tokens) == (1, 26)
 
 
@@ -331,7 +329,6 @@ def test_tentative_child_kept_when_m_leaves_its_slot():
     # the third when m is known after round 3; its child (id 6) started in round 3, so it
     # answers in round 4 beside the others: 4 rounds. Without the tentative start
     # (speculative_branches=0) the same child is forked after round 3 and needs rounds 4-5.
-    # (No pre-sampled children here: they would start children 4 and 5 a round earlier.)
     # Same trees, ids and decisions either way; global 3 (beyond m) is discarded in both.
     policy = _stepwise_entropy_agent({0: 1.0, 1: 2.0, 2: 2.0})
     runs = {}
@@ -340,7 +337,7 @@ def test_tentative_child_kept_when_m_leaves_its_slot():
                                      branch_alpha=1.0, branch_penalty=False,
                                      speculative_branches=tentative)
         runs[tentative] = (scheduler.rollout([[50]], step=0), backend)
-    for tentative, batches in ((1, [4, 4, 7, 3]), (0, [4, 4, 6, 3, 1])):
+    for tentative, batches in ((1, [3, 4, 7, 3]), (0, [3, 4, 6, 3, 1])):
         result, backend = runs[tentative]
         assert result.stats.m == [3] and [len(b) for b in backend.batches] == batches
         assert {t.traj_id: t.parent_id for t in result.trajectories} == {
@@ -418,7 +415,7 @@ def test_speculative_globals_wait_for_m_without_branch_before_m():
         scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=6,
                                branch_alpha_mode="constant", branch_alpha=1.0,
                                branch_penalty=False, speculative_global_samples=spec,
-                               branch_before_m=False, speculative_branches=1)
+                               branch_before_m=False)
         runs.append(scheduler.rollout([[50]], step=0))
     strict, overlap = runs
     assert (strict.stats.rounds, overlap.stats.rounds) == (6, 5)
@@ -434,8 +431,7 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
     # As above but 5 speculative: globals 4-5 wait in reserve, the probe's two children take the
     # slots, so no refill needs them: discarded, and their tokens counted apart.
     scheduler, _, _ = make(tool_agent(2, seed_in_text=True), k=6, branch_alpha_mode="constant",
-                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5,
-                           speculative_branches=1)
+                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     # discarded: globals 4-5 and the tentative child of global 2's waiting decision
@@ -494,7 +490,7 @@ def test_branch_before_m_is_m_known_from_the_start():
     for step in range(60):
         m = _one_call(step, **STRICT).stats.m[0]
         known = _one_call(step, pre_monitoring=False, fixed_global_samples=m)
-        early = _one_call(step, speculative_global_samples=m - 1, speculative_branches=1)
+        early = _one_call(step, speculative_global_samples=m - 1)
         assert early.stats.m == [m]
         assert signature(early.trajectories)[1:] == signature(known.trajectories)[1:]
         assert [t.decisions for t in early.trajectories] == [t.decisions for t in known.trajectories]
@@ -614,8 +610,7 @@ def test_speculative_beyond_m_drops_its_early_branches():
     policy = _stepwise_entropy_agent({0: 0.0, 1: 6.0, 2: 6.0})
     scheduler, backend, _ = make(policy, PureRunner(), k=8, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False,
-                                 speculative_global_samples=7,
-                                 speculative_branches=1)
+                                 speculative_global_samples=7)
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 12, 2, 1]
@@ -681,15 +676,12 @@ def test_monitor_tool_steps_sets_m_from_the_first_reaction():
     # Probe entropies: first segment 2.0 (H_root), after tool 1: 1.0, after tool 2: 3.0. k = 12.
     # Spec: H_tool = (1 + 3) / 2 = 2 -> m = floor(12 * 0.5) + 1 = 7.
     # monitor_tool_steps=1: H_tool = 1 -> floor(12 * sigmoid(0.5)) + 1 = floor(7.47) + 1 = 8, set
-    # after round 2 (the probe's first reaction), while the probe still runs. (One tentative
-    # child, no pre-sampled ones: with the defaults both rules take 4 rounds here, the children
-    # of the waiting decisions having started early either way.)
+    # after round 2 (the probe's first reaction), while the probe still runs.
     policy = _stepwise_entropy_agent({0: 2.0, 1: 1.0, 2: 3.0})
     results = {}
     for steps in (None, 1):
         scheduler, _, _ = make(policy, PureRunner(), k=12, branch_alpha_mode="constant",
-                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps,
-                               speculative_branches=1)
+                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps)
         results[steps] = scheduler.rollout([[50]], step=0)
     spec, early = results[None].stats, results[1].stats
     assert (spec.h_tool, spec.m) == ([2.0], [7]) and (early.h_tool, early.m) == ([1.0], [8])
@@ -709,7 +701,7 @@ def test_monitor_tool_steps_with_a_discarded_probe_stops_it():
 
 
 def test_speculative_config():
-    assert RolloutConfig(k=8).speculative_globals == 4
+    assert RolloutConfig(k=8).speculative_globals == 3
     assert RolloutConfig(k=1).speculative_globals == 0
     assert RolloutConfig(k=8, pre_monitoring=False).speculative_globals == 0
     assert RolloutConfig(k=8, branching=False).speculative_globals == 0
@@ -717,7 +709,7 @@ def test_speculative_config():
     assert RolloutConfig(k=8).speculative_top_up
     assert not RolloutConfig(k=8, speculative_global_samples=3).speculative_top_up
     assert not RolloutConfig(k=8, pre_monitoring=False).speculative_top_up
-    # the default start (k // 2) never exceeds what the top-up adds after round 1: m_max - 1
+    # the default start never exceeds what the top-up adds after round 1: m_max - 1
     for k in range(1, 17):
         for beta in (0.0, 0.5, 3.0):
             for h_root in (0.0, 1e-9, 0.7, 12.0):

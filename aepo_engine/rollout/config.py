@@ -28,12 +28,13 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             sets go to the reserve (the branches they took are dropped; they go on sampling while
             the prompt has fewer than k trajectories) and fill unused branch slots first; the
             rest is discarded (their tokens counted as discarded).
-            None = k // 2 from the start, then topped up to m_max - 1 once H_root is known after
-            the probe's first round (m_max = the m of H_tool = 0, the most any probe can set;
-            m_max >= k // 2 + 1 for every H_root >= 0, so the first k // 2 are started by the
-            top-up in any case, and starting them with the probe only starts them a round
-            earlier); a number = exactly that many, no top-up; 0 = the probe first, alone (with
-            branch_before_m=False and speculative_branches=0: the spec's strict order).
+            None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
+            probe, then topped up to m_max - 1 once H_root is known after the probe's first round
+            (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that
+            many, no top-up; 0 = the probe first, alone (with branch_before_m=False and
+            speculative_branches=0: the spec's strict order). Starting k // 2 (the top-up always
+            reaches that many) would start one of them a round earlier, but in the rollout
+            benchmark it only added discarded tokens (README).
             Ignored without pre-monitoring.
         branch_before_m: Trajectories that run before m is known (the probe, speculative globals,
             their branches) take their branch decisions online, while the k - m_max branch slots
@@ -50,8 +51,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             whose P is known): if m leaves it a slot when the decision's turn comes, the child is
             kept, further along than a child started then; if not, it is discarded (its tokens
             counted as discarded). The decisions and their outcomes are unchanged; only the ids
-            (hence seeds) of later trajectories can shift by the discarded children's. None = no
-            limit (every trajectory's first waiting decision that wants a branch); 0 = off.
+            (hence seeds) of later trajectories can shift by the discarded children's. 0 = off; k
+            or more = every trajectory's first waiting decision that wants a branch (fewer rounds,
+            more discarded tokens: README).
         presample_children: A trajectory that has just received a tool result samples its
             reaction, and the branch decision (spec 1c) needs that reaction's entropy, so a child
             started after the decision runs one round behind its parent. With this on, while a
@@ -98,7 +100,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     reuse_probe_as_sample: bool = True
     speculative_global_samples: int | None = None
     branch_before_m: bool = True
-    speculative_branches: int | None = None
+    speculative_branches: int = 1
     presample_children: bool = False
     monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
@@ -129,7 +131,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(0 <= self.speculative_global_samples <= self.k - 1,
                    f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
                    f"probe is one of the k trajectories, got {self.speculative_global_samples}")
-        _check(self.speculative_branches is None or self.speculative_branches >= 0,
+        _check(self.speculative_branches >= 0,
                f"speculative_branches must be >= 0, got {self.speculative_branches}")
         if self.monitor_tool_steps is not None:
             _check(self.monitor_tool_steps >= 1,
@@ -167,7 +169,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             return 0
         if self.speculative_global_samples is not None:
             return self.speculative_global_samples
-        return self.k // 2
+        return max(0, self.k // 2 - 1)
 
     @property
     def speculative_top_up(self) -> bool:

@@ -13,7 +13,7 @@ Per prompt:
    budget is refilled with global samples anyway, so nothing is wasted). Then
    m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
    reused probe counts as one of them.
-   Overlap (``speculative_global_samples``, default k // 2, then topped up, see below): that
+   Overlap (``speculative_global_samples``, default k // 2 - 1, then topped up, see below): that
    many global samples start beside the probe instead of after it, so the probe's sequential
    rounds are not spent on one trajectory per prompt. They are the trajectories the strict
    order would start after the probe (trajectory ids 1, 2, ... and seeds derive from the id),
@@ -570,8 +570,7 @@ class EntropyBalancedRollout:
         elif not self._decide(state, traj, seg_index, h_now, step):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
-            limit = self.config.speculative_branches
-            if limit is None or len(state.tentative) < limit:
+            if len(state.tentative) < self.config.speculative_branches:
                 self._start_tentative(state, traj, seg_index)
 
     def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
