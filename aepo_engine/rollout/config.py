@@ -64,9 +64,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             in trajectory-id order. The decisions, their P and outcomes and every kept token's
             distribution are unchanged (the child's reaction does not depend on the parent's);
             trajectory ids, hence seeds, of later trajectories shift by the discarded ones. Off by
-            default: on the rollout benchmark's workload (1-3 tool calls per trajectory) it saved
-            0.08 rounds per call for 60 more discarded tokens (README); it pays where tool chains
-            are long and slots are known early.
+            default: in the rollout benchmark (1-3 tool calls per trajectory, CPU) it left rounds,
+            wall time and kept tokens/s as they were and only added discarded tokens (README); it
+            can pay where tool chains are long and a round's latency, not its tokens, dominates.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
             the whole probe has ended); 1 = m from the probe's first reaction to a tool result
