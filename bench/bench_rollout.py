@@ -195,7 +195,7 @@ class CaseSpec:
     seed: int = 0
     warmup: int = 1
     repeats: int = 3
-    threads: int = 2
+    threads: int = 1
 
 
 class _TimedBackend:
@@ -422,7 +422,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the sweep of modes this many times, interleaved, so that a "
                              "change of machine load hits every mode alike")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=CaseSpec.threads,
+                        help="torch threads per case (1: two threads on a busy 2-core machine slowed the HF backend up to 30x at random)")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: one case, print its row
     args = parser.parse_args()
     if args.case_json:
