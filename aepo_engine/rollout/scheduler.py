@@ -576,10 +576,8 @@ class EntropyBalancedRollout:
     def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
         """Start now the child a waiting decision (it wants a branch) gets if m leaves it a slot,
         so that it does not start rounds late; it takes no decision of its own before that."""
-        child = state.presampled.pop((traj.traj_id, seg_index), None)
-        if child is None:
-            child = traj.fork(seg_index, state.new_id())
-            state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+        child = state.presampled.pop((traj.traj_id, seg_index), None) or \
+            self._fork(state, traj, seg_index)
         child.consecutive_branches = child.inherited_branches = traj.consecutive_branches + 1
         state.waiting.add(child.traj_id)
         state.tentative[(traj.traj_id, seg_index)] = child
@@ -605,10 +603,8 @@ class EntropyBalancedRollout:
         if slot:
             traj.consecutive_branches = l_before + 1
             key = (traj.traj_id, seg_index)
-            child = state.tentative.pop(key, None) or state.presampled.pop(key, None)
-            if child is None:
-                child = traj.fork(seg_index, state.new_id())
-                state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+            child = (state.tentative.pop(key, None) or state.presampled.pop(key, None)
+                     or self._fork(state, traj, seg_index))
             child.consecutive_branches = child.inherited_branches = l_before + 1
             state.members.append(child)
             state.early_branches += int(state.m is None)
@@ -619,6 +615,14 @@ class EntropyBalancedRollout:
             consecutive_branches=l_before, probability=p, branched=slot,
             budget_blocked=wants and not slot))
         return True
+
+    @staticmethod
+    def _fork(state: _PromptState, traj: Trajectory, seg_index: int) -> Trajectory:
+        """A child of ``traj`` at ``seg_index`` with a new id, recorded under its root trajectory
+        (so that dropping a speculative global drops its descendants)."""
+        child = traj.fork(seg_index, state.new_id())
+        state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
+        return child
 
     def _presample(self, state: _PromptState) -> None:
         """Start the would-be children of this round's decisions, one per certainly free slot
@@ -634,9 +638,7 @@ class EntropyBalancedRollout:
             if (traj.traj_id in state.waiting or not segs or segs[-1].kind != "tool"
                     or segs[-1].end == traj.branch_position or not self._samples(state, traj)):
                 continue  # no decision of its own follows this round, or it waits for m
-            child = traj.fork(len(segs), state.new_id())
-            state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
-            state.presampled[(traj.traj_id, len(segs))] = child
+            state.presampled[(traj.traj_id, len(segs))] = self._fork(state, traj, len(segs))
             free -= 1
 
     def _slot_left(self, state: _PromptState) -> bool | None:
