@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=["aepo_kernels", "aepo_kernels.integrations"] + engine_packages,
     package_dir={"aepo_kernels": "kernels"},
-    package_data={"aepo_engine": ["presets/*.toml"]},
+    package_data={"aepo_engine": ["presets/*.toml"], "aepo_kernels": ["native/*.c"]},
     install_requires=[
         "torch>=2.13",
         "numpy",

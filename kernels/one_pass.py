@@ -23,8 +23,10 @@ no host sync. The maths of the head is exactly :func:`aepo_kernels.policy_loss.c
 (values and autograd gradients), written with explicit derivatives; the oracle for both is
 :mod:`aepo_kernels.reference`.
 
-Backends: the Triton kernel does all three steps in one program per row. The CPU path works per
-chunk of rows (a whole sequence, :func:`aepo_kernels.logits_ops.cpu_chunk_elems`): the stats sweep,
+Backends: the Triton kernel does all three steps in one program per row; so does the native C
+kernel (:mod:`aepo_kernels.native`), which takes fp32 CPU logits without a soft cap, one row at a
+time while it sits in the core's cache, with one ``exp`` per element. The compiled torch path
+(every other CPU case, or all of them with ``AEPO_CPU_NATIVE=0``) works per chunk of rows (a whole sequence, :func:`aepo_kernels.logits_ops.cpu_chunk_elems`): the stats sweep,
 the head and the gradient sweep are three compiled functions run back to back on the chunk
 (:func:`torch_one_pass`). A caller's
 ``torch.compile(fullgraph=True)`` sees the op as the custom op ``aepo_kernels::one_pass_loss``
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import increment_version
 
+from . import native
 from .compile import compiled
 from .config import CLIP_RULES, LossConfig
 from .logits_ops import (
@@ -213,8 +216,15 @@ def _triton_one_pass():
 
 def one_pass_rows(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out, backend: str,
                   tanh_scale: float | None = None):
-    """Dispatch to the ``"torch"`` or ``"triton"`` row pass (same contract as :func:`torch_one_pass`)."""
-    impl = _triton_one_pass() if backend == "triton" else torch_one_pass
+    """Dispatch the row pass (same contract as :func:`torch_one_pass`): ``"triton"`` -> the Triton
+    kernel; ``"torch"`` -> the native C kernel (:mod:`aepo_kernels.native`) for fp32 CPU logits
+    without a soft cap, else the compiled torch path."""
+    if backend == "triton":
+        impl = _triton_one_pass()
+    elif native.supports(logits, out, tanh_scale):
+        impl = native.native_one_pass
+    else:
+        impl = torch_one_pass
     return impl(logits, labels, inputs, config, inv_t, ignore_index, out, tanh_scale)
 
 

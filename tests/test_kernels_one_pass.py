@@ -12,9 +12,19 @@ from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 from conftest import triton_available
 from fresh_process import in_fresh_process
 
-BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
+# "torch" runs the native C row kernel for fp32 CPU logits (aepo_kernels.native); "torch-compiled"
+# is the same backend with it switched off, so the compiled torch path is checked as well.
+BACKENDS = ["torch", "torch-compiled"] + (["triton"] if triton_available() else [])
 CLIPS = ["ppo", "aepo", "gppo", "cispo"]
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    if request.param == "torch-compiled":
+        monkeypatch.setenv("AEPO_CPU_NATIVE", "0")
+        return "torch"
+    return request.param
 
 
 def _batch(seed, batch=3, seq=11, vocab=997, dtype=torch.float32, per_token_adv=False):
@@ -89,7 +99,7 @@ def test_aggregation_weights_reproduce_aggregate(aggregation):
 # --- logits-level one pass -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("clip", CLIPS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_one_pass_matches_reference(backend, clip, aggregation):
@@ -108,7 +118,7 @@ def test_one_pass_matches_reference(backend, clip, aggregation):
         assert (leaf.grad[1] == 0).all()  # the fully masked sequence gets no gradient
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("clip", CLIPS)
 def test_one_pass_bf16_and_supplied_statistics(backend, clip):
     """bf16 logits, T != 1, global statistics supplied (the trainer's path): against the reference
@@ -141,6 +151,7 @@ def test_cpu_row_chunks_match_the_reference(monkeypatch, rows_per_chunk, in_plac
     """The CPU path's row chunks (a whole sequence by default; AEPO_CPU_CHUNK_ELEMS for smaller
     ones): 11-row sequences cut into 1-row and 4-row chunks (a 3-row tail) give the reference's
     loss and gradient, with the masked sequence, an ignore_index label and odd V."""
+    monkeypatch.setenv("AEPO_CPU_NATIVE", "0")  # the compiled path's chunks (the native kernel works per row)
     if rows_per_chunk is not None:
         monkeypatch.setenv("AEPO_CPU_CHUNK_ELEMS", str(rows_per_chunk * 1009))
     cfg = LossConfig(kl_coef=0.1)
@@ -154,7 +165,7 @@ def test_cpu_row_chunks_match_the_reference(monkeypatch, rows_per_chunk, in_plac
     torch.testing.assert_close(leaf.grad, expected_grad, atol=1e-7, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_strided_logits_and_flat_inputs(backend):
     """logits[:, :-1] (strided token dim, not copied), and [N, V] / [N] inputs."""
     cfg = LossConfig()
@@ -174,7 +185,7 @@ def test_strided_logits_and_flat_inputs(backend):
     torch.testing.assert_close(loss_flat.detach(), expected_flat, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_fully_masked_micro_batch(backend):
     logits, labels, old, adv, mask, _ = _batch(seed=8)
     leaf = logits.clone().requires_grad_()
@@ -231,7 +242,7 @@ def _linear_inputs(n, d, vocab, dtype, seed):
     return hidden, weight, bias
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clip,aggregation", [("aepo", "token-mean"), ("ppo", "seq-mean-token-mean"),
                                               ("gppo", "seq-mean-token-sum-norm"), ("cispo", "token-mean")])

@@ -1,0 +1,162 @@
+/* The one-pass AEPO loss over fp32 logit rows, for the CPU: aepo_kernels/native.py builds this
+ * file with the machine's C compiler (-O3 -march=native -fopenmp-simd) and calls it through
+ * ctypes, one call per thread on a contiguous range of rows (ctypes releases the GIL).
+ *
+ * Per row, with u = z * inv_t and the row held in the core's L2 cache between sweeps:
+ *   1. max sweep:    m = max_j u_j                                (reads the row from memory)
+ *   2. exp sweep:    e_j = exp(u_j - m) into `ebuf`; s = sum e_j, t = sum e_j (u_j - m)
+ *                    -> lse = m + log s, Eu = m + t / s, H = log s - t / s
+ *   3. head:         the per-token loss and dL/dlogp (token_head below)
+ *   4. grad sweep:   out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t, + g_lp inv_t at the target
+ * exp is evaluated once per element (sweep 2); sweep 4 reads e back from the cache. `ebuf` is the
+ * output row itself when it does not alias the logits, else a per-thread scratch row.
+ * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
+ * the tests compare all of them with aepo_kernels.reference.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 1024
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+
+/* exp(x) for x <= 0 (u - max), vectorisable: Cody-Waite reduction, degree-6 polynomial (Cephes
+ * expf coefficients, ~1 ulp); 0 below -87.3 (including -inf); NaN stays NaN. */
+static inline float exp_nonpos(float x) {
+    const float xc = x < -87.33654f ? -87.33654f : x;
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;  /* 2^n, built in the exponent bits */
+    scale.i = ((int32_t)n + 127) << 23;
+    const float y = p * scale.f;
+    return x < -87.33654f ? 0.0f : y;
+}
+
+/* Hyper-parameters, in the order of aepo_kernels.one_pass.HYPER_PARAMS, then rule and has_ref. */
+typedef struct {
+    float eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref;
+} hyper_t;
+
+static inline float minf(float a, float b) { return a < b ? a : b; }
+static inline float maxf(float a, float b) { return a > b ? a : b; }
+
+/* The per-token head: returns L_t; writes dL/dlogp, the ratio, A_t and the k3 KL. */
+static float token_head(float logp, float entropy, float old, float adv, float ref, float mean, float std,
+                        const hyper_t *h, float *d_logp, float *ratio_out, float *shaped_out, float *kl_out) {
+    const int rule = (int)h->rule;
+    const float sd = std > 0 ? std : 1.0f;
+    const float shaped = adv * (1 + h->alpha * (entropy - mean) / sd);
+    const float diff = logp - old;
+    const int in_clamp = diff >= -h->clamp_c && diff <= h->clamp_c;
+    const float ratio = expf(minf(maxf(diff, -h->clamp_c), h->clamp_c));
+    const float low = 1 - h->eps_low, high = 1 + h->eps_high;
+    const int is_high = ratio > high, is_low = ratio < low;
+    const float pg_plain = -shaped * ratio;
+    const float pg_clipped = -shaped * (is_high ? high : (is_low ? low : ratio));
+    const float d_plain = in_clamp ? pg_plain : 0.0f;
+    const float high_grad = (rule == 1 || rule == 2) ? -shaped * high : 0.0f;
+    const float low_grad = rule == 2 ? -shaped * low : 0.0f;
+    const float d_clipped = is_high ? (in_clamp ? high_grad : 0.0f) : (is_low ? (in_clamp ? low_grad : 0.0f) : d_plain);
+    const int take_clipped = pg_clipped > pg_plain;
+    float loss = take_clipped ? pg_clipped : pg_plain;
+    float d = take_clipped ? d_clipped : d_plain;
+    const float dual_value = -shaped * h->dual_clip;
+    if (h->dual_clip != 0 && shaped < 0 && loss > dual_value) {
+        loss = dual_value;
+        d = 0.0f;
+    }
+    if (rule == 3) {  /* cispo */
+        const float w = minf(maxf(ratio, low), high);
+        loss = -shaped * w * logp;
+        d = -shaped * w;
+    }
+    float kl = 0.0f;
+    if (h->has_ref != 0) {
+        const float delta = ref - logp, e_delta = expf(delta);
+        kl = e_delta - delta - 1;
+        if (h->kl_coef != 0) {
+            loss += h->kl_coef * kl;
+            d += h->kl_coef * (1 - e_delta);
+        }
+    }
+    *d_logp = d;
+    *ratio_out = ratio;
+    *shaped_out = shaped;
+    *kl_out = kl;
+    return loss - h->entropy_coef * entropy;
+}
+
+/* Rows [r0, r1) of n_rows = batch * seq_len rows. logits/out: row i = (b, t) = (i / seq_len,
+ * i % seq_len) at b * stride_b + t * stride_t (elements; unit stride along the vocab); `out` may
+ * equal `logits`. Per-token inputs: flat [n_rows] (labels int64, the rest fp32); rows_out:
+ * [6, n_rows] = logp, H, L_t, ratio, A_t, kl. scratch: `vocab` floats owned by this call. */
+void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
+                        float *out, int64_t ostride_b, int64_t ostride_t,
+                        const int64_t *labels, const float *old, const float *adv, const float *weight,
+                        const float *ref, const float *mean_std, float *rows_out,
+                        int64_t r0, int64_t r1, int64_t n_rows, int64_t seq_len, int64_t vocab,
+                        float inv_t, int64_t ignore_index, const float *hp, float *scratch) {
+    hyper_t h;
+    memcpy(&h, hp, sizeof h);
+    const float mean = mean_std[0], std = mean_std[1];
+    for (int64_t i = r0; i < r1; ++i) {
+        const int64_t b = i / seq_len, t = i % seq_len;
+        const float *z = logits + b * stride_b + t * stride_t;
+        float *o = out + b * ostride_b + t * ostride_t;
+        float *e = (o == z) ? scratch : o;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < vocab; ++j) m = maxf(m, z[j] * inv_t);
+        /* While this row is computed from the cache, the next one is fetched into L2 (one line,
+         * 16 floats, per prefetch): the max sweep of the next row then reads from the cache. */
+        const float *next = i + 1 < r1 ? logits + (i + 1) / seq_len * stride_b + (i + 1) % seq_len * stride_t : NULL;
+        float s = 0.0f, tt = 0.0f;
+        for (int64_t j0 = 0; j0 < vocab; j0 += BLOCK) {
+            const int64_t j1 = j0 + BLOCK < vocab ? j0 + BLOCK : vocab;
+            if (PREFETCH && next != NULL)
+                for (int64_t j = j0; j < j1; j += 16) __builtin_prefetch(next + j, 0, 2);
+#pragma omp simd reduction(+ : s, tt)
+            for (int64_t j = j0; j < j1; ++j) {
+                const float d = z[j] * inv_t - m, ej = exp_nonpos(d);
+                e[j] = ej;
+                s += ej;
+                tt += ej * d;
+            }
+        }
+        const float log_s = logf(s), eu_rel = tt / s;
+        const float lse = m + log_s, eu = m + eu_rel, entropy = log_s - eu_rel;
+        const int64_t y = labels[i];
+        const int valid = y != ignore_index && y >= 0 && y < vocab;
+        const float logp = valid ? z[y] * inv_t - lse : 0.0f;
+        float d_logp, ratio, shaped, kl;
+        const float loss = token_head(logp, entropy, old[i], adv[i], ref[i], mean, std, &h, &d_logp, &ratio, &shaped, &kl);
+        rows_out[i] = logp;
+        rows_out[n_rows + i] = entropy;
+        rows_out[2 * n_rows + i] = loss;
+        rows_out[3 * n_rows + i] = ratio;
+        rows_out[4 * n_rows + i] = shaped;
+        rows_out[5 * n_rows + i] = kl;
+        const float w = weight[i];
+        const float g_lp = valid ? d_logp * w : 0.0f, g_h = -h.entropy_coef * w;
+        const float a = inv_t / s, c = g_h * eu - g_lp;
+        /* out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t; in place, z_j is read before o_j is written. */
+#pragma omp simd
+        for (int64_t j = 0; j < vocab; ++j) o[j] = e[j] * a * (c - g_h * (z[j] * inv_t));
+        if (valid) o[y] += g_lp * inv_t;
+    }
+}
+
+/* exp_nonpos over an array (the tests measure its error against float64 exp). */
+void aepo_exp_nonpos(const float *x, float *y, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(x[j]);
+}
