@@ -24,6 +24,11 @@ Subjects (``--level``):
 - ``<impl>@16MiB``: the case with the CPU row chunks of before this change (16 MiB, 27 rows at
   V=151,936) instead of one chunk per sequence: ``two_stage_inplace@16MiB`` is the previous path as
   it ran.
+- ``<impl>@compiled``: the case with the native C row kernel switched off (``AEPO_CPU_NATIVE=0``),
+  i.e. the compiled torch path that every fp32 CPU call took before it: ``one_pass@compiled``
+  against ``one_pass`` is the kernel's gain in the same run. The native kernel keeps each row in
+  cache between its sweeps, so its memory traffic is that of a copy (2 N V 4 bytes); the compiled
+  path's is 3 N V 4 bytes (``gb_per_s`` uses each path's own count).
 - ``<impl>:<M>MiB`` (linear level): the fused-linear one-pass loss (or ``gemm3_chunked``) with
   ``chunk_bytes = M MiB`` instead of :data:`aepo_kernels.DEFAULT_CHUNK_BYTES`, e.g.
   ``one_pass_fused_linear:128MiB``: the memory budget's effect on time and peak, in the same run.
@@ -58,16 +63,18 @@ SHAPES = {
     "logits": {"big": (4096, 0, 151936), "mid": (1024, 0, 151936), "small": (64, 0, 32003)},
 }
 IMPLS = {
-    "linear": ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
+    "linear": ["one_pass_fused_linear", "one_pass_fused_linear@compiled", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
                "liger_grpo", "one_pass_fused_linear_softcap", "gemm3", "gemm3_chunked"],
-    "logits": ["one_pass_inplace", "one_pass", "two_stage_inplace", "two_stage_inplace@16MiB", "read", "copy", "copy_into",
-               "one_pass_inplace_softcap"],
+    "logits": ["one_pass_inplace", "one_pass", "one_pass_inplace@compiled", "one_pass@compiled", "two_stage_inplace",
+               "two_stage_inplace@16MiB", "read", "copy", "copy_into", "one_pass_inplace_softcap"],
 }
 NO_GRAD = ("read", "copy", "copy_into", "gemm3", "gemm3_chunked")  # floors: no loss, no backward
 WARM_UP_TOKENS = {"linear": 256, "logits": 64}  # tokens of the untimed compile run (at the timed D, V)
-# An impl name + this suffix runs with the CPU row chunks of before (16 MiB, 27 rows at V=151,936)
-# instead of one chunk per sequence (logits_ops.cpu_chunk_elems), e.g. two_stage_inplace@16MiB.
-OLD_CHUNKS = "@16MiB"
+# An impl name + one of these suffixes runs with the environment given (see the module docstring):
+# @16MiB: the CPU row chunks of before (16 MiB, 27 rows at V=151,936) instead of one chunk per
+# sequence (logits_ops.cpu_chunk_elems), on the compiled path; @compiled: the native kernel off.
+ENV_SUFFIXES = {"@16MiB": {"AEPO_CPU_CHUNK_ELEMS": str(1 << 22), "AEPO_CPU_NATIVE": "0"},
+                "@compiled": {"AEPO_CPU_NATIVE": "0"}}
 BUDGET_SEP = ":"  # one_pass_fused_linear:128MiB -> chunk_bytes = 128 MiB (linear level)
 BUDGETED = ("one_pass_fused_linear", "one_pass_fused_linear_softcap", "gemm3_chunked")
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
@@ -94,6 +101,12 @@ def split_budget(name: str) -> tuple[str, int | None]:
     if not budget.endswith("MiB") or not budget[:-3].isdigit() or int(budget[:-3]) < 1:
         raise ValueError(f"{name!r}: the budget suffix is ':<positive integer>MiB', e.g. ':128MiB'")
     return impl, int(budget[:-3]) << 20
+
+
+def strip_env_suffix(name: str) -> str:
+    for suffix in ENV_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
@@ -213,7 +226,7 @@ def warm_up(level: str, impl: str, base: list[torch.Tensor], chunk_bytes: int | 
 
 def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> dict:
     n, d, vocab = SHAPES[level][shape]
-    impl, chunk_bytes = split_budget(name.removesuffix(OLD_CHUNKS))  # @16MiB travels in the environment
+    impl, chunk_bytes = split_budget(strip_env_suffix(name))  # the suffix travels in the environment
     if chunk_bytes is not None and (level != "linear" or impl not in BUDGETED):
         raise ValueError(f"{name!r}: a budget suffix applies to the linear level's {BUDGETED} only")
     fn = make_loss_fn(impl, loss_inputs(n, vocab), chunk_bytes)
@@ -247,17 +260,19 @@ def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> di
         return {"fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}
 
     row = measure(setup, body, warmup=warmup, repeats=repeats)
-    from aepo_kernels import DEFAULT_CHUNK_BYTES
+    from aepo_kernels import DEFAULT_CHUNK_BYTES, native
 
     row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab,
                chunk_bytes=DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
-               cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"))
+               cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"),
+               cpu_native=native.enabled())
     if level == "linear":
         matmuls = 4 if impl == "two_stage_fused_linear" else 3  # flops: matmuls x 2 N D V
         row["gflops"] = matmuls * 2 * n * d * vocab / row["total_s"] / 1e9
     else:
         # bytes: read + write for copy / in-place ... see module docstring
-        passes = {"read": 1, "copy": 2, "copy_into": 2}.get(impl, 3)
+        native_row_kernel = native.enabled() and impl in ("one_pass", "one_pass_inplace")
+        passes = {"read": 1, "copy": 2, "copy_into": 2}.get(impl, 2 if native_row_kernel else 3)
         row["gb_per_s"] = passes * n * vocab * 4 / row["total_s"] / 1e9
     return row
 
@@ -278,7 +293,7 @@ def main() -> None:
     for impl in args.impl or IMPLS[args.level]:
         case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
                      "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-        env = {"AEPO_CPU_CHUNK_ELEMS": str(1 << 22)} if impl.endswith(OLD_CHUNKS) else None
+        env = next((v for suffix, v in ENV_SUFFIXES.items() if impl.endswith(suffix)), None)
         row = run_case_subprocess(Path(__file__), case_args, env=env)
         row.setdefault("impl", impl)
         row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])

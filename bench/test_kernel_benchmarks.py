@@ -18,18 +18,25 @@ import pytest
 
 pytest.importorskip("pytest_benchmark")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aepo_loss import SHAPES, loss_backward, loss_inputs, make_loss_fn, make_tensors, warm_up  # noqa: E402
+from bench_aepo_loss import (  # noqa: E402
+    ENV_SUFFIXES, SHAPES, loss_backward, loss_inputs, make_loss_fn, make_tensors, strip_env_suffix, warm_up,
+)
 from harness import PeakMemory  # noqa: E402
 
 pytestmark = pytest.mark.skipif("not config.getoption('benchmark_only', False)",
                                 reason="kernel benchmarks: python -m pytest bench/ --benchmark-only")
 
 LINEAR = ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised"]
-LOGITS = ["one_pass_inplace", "one_pass", "two_stage_inplace", "copy"]
+LOGITS = ["one_pass_inplace", "one_pass", "one_pass@compiled", "two_stage_inplace", "copy"]
 ROUNDS = {"small": 5, "mid": 3}
 
 
-def _run(benchmark, level: str, impl: str, shape: str) -> None:
+def _run(benchmark, monkeypatch, level: str, name: str, shape: str) -> None:
+    for suffix, env in ENV_SUFFIXES.items():  # e.g. one_pass@compiled: the native kernel off
+        if name.endswith(suffix):
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+    impl = strip_env_suffix(name)
     n, d, vocab = SHAPES[level][shape]
     fn = make_loss_fn(impl, loss_inputs(n, vocab))
     base = make_tensors(level, n, d, vocab)
@@ -57,11 +64,11 @@ def _run(benchmark, level: str, impl: str, shape: str) -> None:
 
 @pytest.mark.parametrize("shape", ["small", "mid"])
 @pytest.mark.parametrize("impl", LINEAR)
-def test_linear_loss(benchmark, impl, shape):
-    _run(benchmark, "linear", impl, shape)
+def test_linear_loss(benchmark, monkeypatch, impl, shape):
+    _run(benchmark, monkeypatch, "linear", impl, shape)
 
 
 @pytest.mark.parametrize("shape", ["small", "mid"])
 @pytest.mark.parametrize("impl", LOGITS)
-def test_logits_loss(benchmark, impl, shape):
-    _run(benchmark, "logits", impl, shape)
+def test_logits_loss(benchmark, monkeypatch, impl, shape):
+    _run(benchmark, monkeypatch, "logits", impl, shape)
