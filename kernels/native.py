@@ -51,7 +51,7 @@ _ARGTYPES = (
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_key = (0, 0)  # (threads, pid): a forked child gets its own pool (the parent's threads are gone)
 
 
 def enabled() -> bool:
@@ -121,12 +121,13 @@ def library() -> ctypes.CDLL:
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    global _pool, _pool_key
     with _lock:
-        if _pool is None or _pool_size != threads:
-            if _pool is not None:
+        key = (threads, os.getpid())
+        if _pool is None or _pool_key != key:
+            if _pool is not None and _pool_key[1] == key[1]:
                 _pool.shutdown(wait=True)
-            _pool, _pool_size = ThreadPoolExecutor(threads, thread_name_prefix="aepo-native"), threads
+            _pool, _pool_key = ThreadPoolExecutor(threads, thread_name_prefix="aepo-native"), key
     return _pool
 
 

@@ -4,6 +4,7 @@ threads, extreme rows (underflowing exp, NaN), its dispatch and its build's fail
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -158,3 +159,34 @@ def test_build_is_cached_and_shared_by_concurrent_processes(tmp_path):
     mtime = next(tmp_path.iterdir()).stat().st_mtime_ns
     third = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0 and next(tmp_path.iterdir()).stat().st_mtime_ns == mtime
+
+
+def test_a_forked_child_gets_its_own_threads(monkeypatch):
+    """After os.fork the parent's pool threads do not exist in the child: the child's call must
+    not wait on them forever (it would hang without the per-pid pool)."""
+    monkeypatch.setattr(native, "_MIN_ELEMS_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits, labels, old, adv, mask, _ = _inputs(1, 6, 50, seed=4)
+        inputs = RowInputs(old, adv.unsqueeze(-1).expand_as(old), aggregation_weights(mask, LossConfig()),
+                           torch.tensor(0.0), torch.tensor(0.0))
+        expected = native.native_one_pass(logits, labels, inputs, LossConfig(), 1.0, -100, torch.empty_like(logits))
+        time.sleep(0.2)  # the pool's threads are idle (and counted so) when the fork happens
+        pid = os.fork()
+        if pid == 0:  # child: exit code 0 only if the result is right
+            got = native.native_one_pass(logits, labels, inputs, LossConfig(), 1.0, -100, torch.empty_like(logits))
+            os._exit(0 if torch.equal(got, expected) else 1)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung in native_one_pass")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
