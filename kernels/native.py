@@ -91,8 +91,12 @@ def build() -> Path:
     target = cache / f"one_pass_rows-{_cache_key()}.so"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
+    except OSError as exc:
+        raise RuntimeError(f"aepo_kernels: cannot write the native kernel's cache {cache} ({exc}); set "
+                           "AEPO_NATIVE_CACHE to a writable folder, or AEPO_CPU_NATIVE=0") from exc
     os.close(fd)
     try:
         result = subprocess.run([*_compiler(), *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,

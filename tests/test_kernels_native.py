@@ -144,6 +144,11 @@ def test_build_errors_name_the_switch(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="no C compiler.*AEPO_CPU_NATIVE=0"):
         native.build()
     assert not list((tmp_path / "cache").glob("*.tmp"))  # no half-written library left behind
+    monkeypatch.delenv("CC")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("AEPO_NATIVE_CACHE", str(tmp_path / "file" / "cache"))  # under a file: not creatable
+    with pytest.raises(RuntimeError, match="AEPO_NATIVE_CACHE"):
+        native.build()
 
 
 def test_build_is_cached_and_shared_by_concurrent_processes(tmp_path):
