@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CLIP_RULES, LossConfig
+from .config import LossConfig
 
 SOURCE = Path(__file__).with_name("native") / "one_pass_rows.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
@@ -163,10 +163,9 @@ def native_one_pass(logits, labels, inputs, config: LossConfig, inv_t: float, ig
     keep = [labels.reshape(n_rows).to(torch.int64).contiguous(), flat(inputs.old_logprobs),
             flat(inputs.advantages), flat(inputs.weight), flat(inputs.ref_or_old),
             torch.stack([inputs.entropy_mean.reshape(()), inputs.entropy_std.reshape(())]).to(torch.float32)]
-    hp = torch.tensor([float(config.eps_low), float(config.eps_high), float(config.dual_clip),
-                       float(config.log_ratio_clamp), float(config.entropy_adv_alpha), float(config.kl_coef),
-                       float(config.entropy_coef), float(CLIP_RULES.index(config.clip)),
-                       float(inputs.ref_logprobs is not None)], dtype=torch.float32)
+    from .one_pass import hyper_params  # the C struct hyper_t has its order (one_pass imports this module)
+
+    hp = hyper_params(config, inputs.ref_logprobs is not None, torch.float32, "cpu")
     threads = max(1, min(torch.get_num_threads(), n_rows, (n_rows * vocab) // _MIN_ELEMS_PER_THREAD or 1))
     scratch = torch.empty(threads, vocab, dtype=torch.float32) if out.data_ptr() == logits.data_ptr() else None
     common = (logits.data_ptr(), logits.stride(0), logits.stride(1), out.data_ptr(), out.stride(0), out.stride(1),

@@ -26,8 +26,9 @@ no host sync. The maths of the head is exactly :func:`aepo_kernels.policy_loss.c
 Backends: the Triton kernel does all three steps in one program per row; so does the native C
 kernel (:mod:`aepo_kernels.native`), which takes fp32 CPU logits without a soft cap, one row at a
 time while it sits in the core's cache, with one ``exp`` per element. The compiled torch path
-(every other CPU case, or all of them with ``AEPO_CPU_NATIVE=0``) works per chunk of rows (a whole sequence, :func:`aepo_kernels.logits_ops.cpu_chunk_elems`): the stats sweep,
-the head and the gradient sweep are three compiled functions run back to back on the chunk
+(every other CPU case, or all of them with ``AEPO_CPU_NATIVE=0``) works per chunk of rows (a
+whole sequence, :func:`aepo_kernels.logits_ops.cpu_chunk_elems`): the stats sweep, the head and
+the gradient sweep are three compiled functions run back to back on the chunk
 (:func:`torch_one_pass`). A caller's
 ``torch.compile(fullgraph=True)`` sees the op as the custom op ``aepo_kernels::one_pass_loss``
 (:func:`one_pass_loss_op`, never in place). With ``in_place`` the logits are overwritten during
