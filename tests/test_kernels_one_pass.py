@@ -73,9 +73,13 @@ def test_token_head_matches_autograd_of_the_reference(clip, dual_clip, clamp):
     g_logp, g_h = torch.autograd.grad(expected.sum(), (logp, entropy))
     hp = hyper_params(cfg, True, torch.float64, "cpu")
     loss, d_logp, d_h, ratio, shaped, kl = token_head(logp.detach(), entropy.detach(), old, adv, ref, mean, std, hp)
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(d_logp, g_logp, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(d_h, g_h, rtol=1e-12, atol=1e-12)
+    # float64, so any wrong term is off by far more than 1e-7; not tighter because in about one
+    # fresh process in six on this VM torch's float64 exp is only ~3e-9 accurate (measured against
+    # math.exp: 3.3e-9 vs 2.2e-16 in the others; the CPU kernel picked at start-up differs), and
+    # the two sides take exp of differently clamped inputs.
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(d_logp, g_logp, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(d_h, g_h, rtol=1e-7, atol=1e-9)
     delta = ref - logp.detach()
     torch.testing.assert_close(kl, delta.exp() - delta - 1)
     # every branch was visited: both bounds, and (with dual clip on) the dual clip
