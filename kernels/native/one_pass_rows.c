@@ -1,14 +1,15 @@
 /* The one-pass AEPO loss over fp32 logit rows, for the CPU: aepo_kernels/native.py builds this
- * file with the machine's C compiler (-O3 -march=native -fopenmp-simd) and calls it through
+ * file with the machine's C compiler (-O3 -march=native -fopenmp-simd -fno-trapping-math: without the last, GCC leaves the exp sweep
+ * scalar) and calls it through
  * ctypes, one call per thread on a contiguous range of rows (ctypes releases the GIL).
  *
  * Per row, with u = z * inv_t and the row held in the core's L2 cache between sweeps:
  *   1. max sweep:    m = max_j u_j                                (reads the row from memory)
- *   2. exp sweep:    e_j = exp(u_j - m) into `ebuf`; s = sum e_j, t = sum e_j (u_j - m)
+ *   2. exp sweep:    e_j = exp(u_j - m) into `e`; s = sum e_j, t = sum e_j (u_j - m)
  *                    -> lse = m + log s, Eu = m + t / s, H = log s - t / s
  *   3. head:         the per-token loss and dL/dlogp (token_head below)
  *   4. grad sweep:   out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t, + g_lp inv_t at the target
- * exp is evaluated once per element (sweep 2); sweep 4 reads e back from the cache. `ebuf` is the
+ * exp is evaluated once per element (sweep 2); sweep 4 reads e back from the cache. `e` is the
  * output row itself when it does not alias the logits, else a per-thread scratch row.
  * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
  * the tests compare all of them with aepo_kernels.reference.
@@ -16,7 +17,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
 
 /* exp(x) for x <= 0 (u - max), vectorisable: Cody-Waite reduction, degree-6 polynomial (Cephes
  * expf coefficients, ~1 ulp); 0 below -87.3 (including -inf); NaN stays NaN. */
