@@ -109,6 +109,11 @@ def strip_env_suffix(name: str) -> str:
     return name
 
 
+def case_env(name: str) -> dict[str, str]:
+    """The environment a case name's suffix asks for (empty without one)."""
+    return next((env for suffix, env in ENV_SUFFIXES.items() if name.endswith(suffix)), {})
+
+
 def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
     """A callable of the level's tensors returning the scalar loss (its backward is timed too).
     ``chunk_bytes``: the fused-linear one-pass path's budget (None: the library default)."""
@@ -293,7 +298,7 @@ def main() -> None:
     for impl in args.impl or IMPLS[args.level]:
         case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
                      "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-        env = next((v for suffix, v in ENV_SUFFIXES.items() if impl.endswith(suffix)), None)
+        env = case_env(impl) or None
         row = run_case_subprocess(Path(__file__), case_args, env=env)
         row.setdefault("impl", impl)
         row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("pytest_benchmark")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_aepo_loss import (  # noqa: E402
-    ENV_SUFFIXES, SHAPES, loss_backward, loss_inputs, make_loss_fn, make_tensors, strip_env_suffix, warm_up,
+    SHAPES, case_env, loss_backward, loss_inputs, make_loss_fn, make_tensors, strip_env_suffix, warm_up,
 )
 from harness import PeakMemory  # noqa: E402
 
@@ -32,10 +32,8 @@ ROUNDS = {"small": 5, "mid": 3}
 
 
 def _run(benchmark, monkeypatch, level: str, name: str, shape: str) -> None:
-    for suffix, env in ENV_SUFFIXES.items():  # e.g. one_pass@compiled: the native kernel off
-        if name.endswith(suffix):
-            for key, value in env.items():
-                monkeypatch.setenv(key, value)
+    for key, value in case_env(name).items():  # e.g. one_pass@compiled: the native kernel off
+        monkeypatch.setenv(key, value)
     impl = strip_env_suffix(name)
     n, d, vocab = SHAPES[level][shape]
     fn = make_loss_fn(impl, loss_inputs(n, vocab))

@@ -1,7 +1,7 @@
 /* The one-pass AEPO loss over fp32 logit rows, for the CPU: aepo_kernels/native.py builds this
- * file with the machine's C compiler (-O3 -march=native -fopenmp-simd -fno-trapping-math: without the last, GCC leaves the exp sweep
- * scalar) and calls it through
- * ctypes, one call per thread on a contiguous range of rows (ctypes releases the GIL).
+ * file with the machine's C compiler (-O3 -march=native -fopenmp-simd -fno-trapping-math; without
+ * the last flag GCC leaves the exp sweep scalar) and calls it through ctypes, one call per thread
+ * on a contiguous range of rows (ctypes releases the GIL).
  *
  * Per row, with u = z * inv_t and the row held in the core's L2 cache between sweeps:
  *   1. max sweep:    m = max_j u_j                                (reads the row from memory)
