@@ -10,13 +10,22 @@
  *   3. head:         the per-token loss and dL/dlogp (token_head below)
  *   4. grad sweep:   out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t, + g_lp inv_t at the target
  * exp is evaluated once per element (sweep 2); sweep 4 reads e back from the cache. `e` is the
- * output row itself when it does not alias the logits, else a per-thread scratch row.
+ * output row itself when it does not alias the logits, else a per-thread scratch row. A separate
+ * output's pages are faulted in before the sweeps (prefault_output).
  * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
  * the tests compare all of them with aepo_kernels.reference.
  */
+#define _GNU_SOURCE /* madvise */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux >= 5.14; older kernels return EINVAL, which is ignored */
+#endif
+#endif
 
 /* exp(x) for x <= 0 (u - max), vectorisable: Cody-Waite reduction, degree-6 polynomial (Cephes
  * expf coefficients, ~1 ulp); 0 below -87.3 (including -inf); NaN stays NaN. */
@@ -92,6 +101,29 @@ static float token_head(float logp, float entropy, float old, float adv, float r
     return loss - h->entropy_coef * entropy;
 }
 
+/* A new output buffer (fresh pages from the OS) would take one page fault per 4 KiB page inside
+ * the sweeps; faulting this call's range in with one madvise(MADV_POPULATE_WRITE) first costs less
+ * (measured at [4096, 151936] fp32 on 2 threads: 0.94 s median vs 1.31 s for the whole call).
+ * Only for a dense range (rows back to back, all of it written below) that is not the logits: it
+ * never touches bytes this call does not write. Pages already present cost a page-table walk. */
+static void prefault_output(const float *logits, float *out, int64_t ostride_b, int64_t ostride_t, int64_t r0,
+                            int64_t r1, int64_t seq_len, int64_t vocab) {
+#ifdef __linux__
+    if (out == logits || r1 <= r0) return;
+    const int64_t b0 = r0 / seq_len, t0 = r0 % seq_len;
+    const int dense = ostride_t == vocab && (b0 == (r1 - 1) / seq_len || ostride_b == seq_len * vocab);
+    const long page_size = sysconf(_SC_PAGESIZE);
+    if (!dense || page_size <= 0) return;
+    const uintptr_t page = (uintptr_t)page_size;
+    const uintptr_t first = (uintptr_t)(out + b0 * ostride_b + t0 * ostride_t);
+    const uintptr_t end = first + (uintptr_t)((r1 - r0) * vocab) * sizeof(float);
+    const uintptr_t start = (first + page - 1) & ~(page - 1), stop = end & ~(page - 1);
+    if (stop > start) (void)madvise((void *)start, stop - start, MADV_POPULATE_WRITE);
+#else
+    (void)logits, (void)out, (void)ostride_b, (void)ostride_t, (void)r0, (void)r1, (void)seq_len, (void)vocab;
+#endif
+}
+
 /* Rows [r0, r1) of n_rows = batch * seq_len rows. logits/out: row i = (b, t) = (i / seq_len,
  * i % seq_len) at b * stride_b + t * stride_t (elements; unit stride along the vocab); `out` may
  * equal `logits`. Per-token inputs: flat [n_rows] (labels int64, the rest fp32); rows_out:
@@ -105,6 +137,7 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
     hyper_t h;
     memcpy(&h, hp, sizeof h);
     const float mean = mean_std[0], std = mean_std[1];
+    prefault_output(logits, out, ostride_b, ostride_t, r0, r1, seq_len, vocab);
     for (int64_t i = r0; i < r1; ++i) {
         const int64_t b = i / seq_len, t = i % seq_len;
         const float *z = logits + b * stride_b + t * stride_t;
