@@ -34,12 +34,20 @@ Subjects (``--level``):
   ``one_pass_fused_linear:128MiB``: the memory budget's effect on time and peak, in the same run.
 - ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
   ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
+Rows keep every timed sample (``samples``) and the minimum beside the median. ``--interleave``
+runs the listed cases in one subprocess, one call of each in turn (no ``@`` suffixes): the fair
+way to compare cases that allocate a new [N, V] buffer on this VM, where a fresh buffer's cost
+depends on what the host did with freed memory meanwhile (:func:`run_interleaved`).
+``--hot-pages`` frees a written buffer of the logits' size just before each logits-level call
+(:func:`touch_and_free`: why, and what it changes at each shape).
 Every loss case runs the AEPO defaults (aepo clip, entropy-aware advantage with supplied global
 statistics, token-mean over a supplied token count) -- the trainer's call.
 
     python bench/bench_aepo_loss.py --level linear --shape big      # N=8192 D=2048 V=151936
     python bench/bench_aepo_loss.py --level linear --shape mid      # N=2048 (B=2 x T=1024) D=1024 V=32000
     python bench/bench_aepo_loss.py --level logits --shape big      # [4096, 151936]
+    python bench/bench_aepo_loss.py --level logits --shape big --repeats 9 --interleave --hot-pages \
+        --impl one_pass copy one_pass_inplace two_stage_inplace copy_into
 
 The shapes live in SHAPES (also used by the pytest-benchmark cases in test_kernel_benchmarks.py).
 """
@@ -55,7 +63,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import measure, print_table, run_case_subprocess, write_rows  # noqa: E402
+from harness import measure, print_table, run_case_subprocess, summarize_samples, write_rows  # noqa: E402
 
 # One source of truth for the benchmark shapes: name -> (N tokens, D hidden, V vocab).
 SHAPES = {
@@ -229,13 +237,67 @@ def warm_up(level: str, impl: str, base: list[torch.Tensor], chunk_bytes: int | 
         base[1].grad = None
 
 
-def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> dict:
+def touch_and_free(like: torch.Tensor) -> None:
+    """``--hot-pages``: allocate a buffer like ``like``, write it and free it just before a timed
+    logits-level call.
+
+    The cases that return a new [N, V] buffer (``one_pass``, ``copy``) fault its pages in inside
+    the timing. On this VM the balloon device reports freed guest memory to the host (virtio-balloon
+    free page reporting, feature bit 5), which takes the pages back: a later first touch then faults
+    in the host too. Measured at [4096, 151936] fp32 (2.3 GiB), one call each in turn, 6 times:
+    ``one_pass`` 7.2-8.0 s and ``copy`` 1.2-1.6 s without this, 0.88-1.09 s and 0.69-0.95 s with it
+    (the pages freed last are the ones the guest hands out next: those a trainer's steady state
+    reuses, and all that bare metal has). The faults inside the guest stay in the timing. At
+    [1024, 151936] it adds noise instead (``one_pass`` 0.23-0.49 s against 0.19-0.27 s without;
+    the host's reclaim of the freed buffer then overlaps the call), so it is off by default."""
+    torch.empty_like(like).zero_()
+
+
+def run_case(level: str, name: str, shape: str, warmup: int, repeats: int, hot_pages: bool = False) -> dict:
+    """One case in this process: ``warmup + repeats`` timed calls; returns its row."""
+    n, d, vocab = SHAPES[level][shape]
+    setup, body, describe = prepare_case(level, name, shape, make_tensors(level, n, d, vocab), hot_pages)
+    return describe(measure(setup, body, warmup=warmup, repeats=repeats))
+
+
+def run_interleaved(level: str, names: list[str], shape: str, warmup: int, repeats: int,
+                    hot_pages: bool = False) -> list[dict]:
+    """Every case in this one process, one call of each in turn, ``warmup + repeats`` times;
+    one row per case. For the cases that allocate a new [N, V] buffer per call (``one_pass``,
+    ``copy``): this VM's balloon device reports freed memory to the host (virtio-balloon free page
+    reporting), so a fresh 2.3 GiB buffer costs 0.6-8 s depending on whether its pages were
+    handed back meanwhile: with a subprocess per case that luck can differ between cases, taking
+    turns spreads it over all of them alike. The cases share the input tensors; environment suffixes are not allowed here."""
+    suffixed = [name for name in names if case_env(name)]
+    if suffixed:
+        raise ValueError(f"--interleave runs every case in one process: no environment suffixes ({suffixed})")
+    n, d, vocab = SHAPES[level][shape]
+    base = make_tensors(level, n, d, vocab)
+    cases = [prepare_case(level, name, shape, base, hot_pages) for name in names]
+    samples: list[dict[str, list[float]]] = [{} for _ in names]
+    peaks: list[list[int]] = [[] for _ in names]
+    for i in range(warmup + repeats):
+        for k, (setup, body, _) in enumerate(cases):
+            row = measure(setup, body, warmup=0, repeats=1)
+            if i < warmup:
+                continue
+            peaks[k].append(row["peak_bytes"])
+            for key, values in row["samples"].items():
+                samples[k].setdefault(key, []).extend(values)
+    return [describe(dict(summarize_samples(samples[k], peaks[k]), interleaved=names))
+            for k, (_, _, describe) in enumerate(cases)]
+
+
+def prepare_case(level: str, name: str, shape: str, base: list[torch.Tensor], hot_pages: bool = False):
+    """``(setup, body, describe)`` of a case for :func:`harness.measure`, warmed up (compiled) on
+    ``base`` (the level's tensors from :func:`make_tensors`); ``describe(row)`` adds the case's
+    fields and rate to a measured row. ``hot_pages``: :func:`touch_and_free` before each call
+    (logits level)."""
     n, d, vocab = SHAPES[level][shape]
     impl, chunk_bytes = split_budget(strip_env_suffix(name))  # the suffix travels in the environment
     if chunk_bytes is not None and (level != "linear" or impl not in BUDGETED):
         raise ValueError(f"{name!r}: a budget suffix applies to the linear level's {BUDGETED} only")
     fn = make_loss_fn(impl, loss_inputs(n, vocab), chunk_bytes)
-    base = make_tensors(level, n, d, vocab)
     needs_grad = impl not in NO_GRAD
     if impl == "liger_grpo":
         # Liger's compiled chunk function fails to recompile for a second shape here (a dynamo
@@ -254,7 +316,10 @@ def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> di
         # logits: a fresh non-leaf each repeat (the in-place variants overwrite it); made before
         # the memory window opens, like a model's output would be.
         leaf = base[0].clone().requires_grad_(needs_grad)
-        return [leaf * 1.0 if needs_grad else leaf]
+        tensors = [leaf * 1.0 if needs_grad else leaf]
+        if hot_pages:
+            touch_and_free(base[0])
+        return tensors
 
     def body(tensors):
         t0 = time.perf_counter()
@@ -264,9 +329,14 @@ def run_case(level: str, name: str, shape: str, warmup: int, repeats: int) -> di
             loss_backward(level, out, tensors)
         return {"fwd_s": t1 - t0, "bwd_s": time.perf_counter() - t1}
 
-    row = measure(setup, body, warmup=warmup, repeats=repeats)
+    return setup, body, lambda row: describe_row(dict(row, hot_pages=hot_pages), level, name, impl, shape, chunk_bytes)
+
+
+def describe_row(row: dict, level: str, name: str, impl: str, shape: str, chunk_bytes: int | None) -> dict:
+    """A measured row with the case's fields and its rate (GFLOP/s or GB/s, see the module doc)."""
     from aepo_kernels import DEFAULT_CHUNK_BYTES, native
 
+    n, d, vocab = SHAPES[level][shape]
     row.update(level=level, impl=name, shape=shape, n=n, d=d, vocab=vocab,
                chunk_bytes=DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
                cpu_chunk_elems=os.environ.get("AEPO_CPU_CHUNK_ELEMS", "sequence"),
@@ -289,15 +359,35 @@ def main() -> None:
     parser.add_argument("--impl", nargs="+")
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--hot-pages", action="store_true", help="see touch_and_free (logits level)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the cases in one subprocess, one call of each in turn (see run_interleaved)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--cases-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.level, args.case, args.shape, args.warmup, args.repeats)))
+        print(json.dumps(run_case(args.level, args.case, args.shape, args.warmup, args.repeats, args.hot_pages)))
+        return
+    if args.cases_json:
+        print(json.dumps({"rows": run_interleaved(args.level, json.loads(args.cases_json), args.shape, args.warmup,
+                                                  args.repeats, args.hot_pages)}))
         return
     rows = []
-    for impl in args.impl or IMPLS[args.level]:
+    if args.interleave:
+        names = args.impl or IMPLS[args.level]
+        if any(case_env(name) for name in names):
+            parser.error("--interleave runs every case in one process: environment suffixes (@...) need their own")
+        case_args = ["--cases-json", json.dumps(names), "--level", args.level, "--shape", args.shape,
+                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
+        result = run_case_subprocess(Path(__file__), case_args)
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+        rows = [{**row, "loadavg_1m": load} for row in result["rows"]] if "rows" in result else \
+            [{"impl": name, **result, "loadavg_1m": load} for name in names]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    for impl in [] if args.interleave else (args.impl or IMPLS[args.level]):
         case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
-                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
         env = case_env(impl) or None
         row = run_case_subprocess(Path(__file__), case_args, env=env)
         row.setdefault("impl", impl)
@@ -308,7 +398,7 @@ def main() -> None:
     print(f"\nrows appended to {path}; {args.level} {args.shape} {SHAPES[args.level][args.shape]}, fp32, "
           f"median of {args.repeats}")
     rate = "gflops" if args.level == "linear" else "gb_per_s"
-    print_table(rows, ["impl", "fwd_s", "bwd_s", "total_s", "peak_bytes", rate, "loadavg_1m", "error"])
+    print_table(rows, ["impl", "fwd_s", "bwd_s", "total_s", "total_min_s", "peak_bytes", rate, "loadavg_1m", "error"])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,10 @@ def measure(setup: Callable[[], Any], body: Callable[[Any], dict[str, float] | N
     """Run ``body(setup())`` warmup + repeats times; returns medians/spreads of time and memory.
 
     ``body`` may return named phase times (e.g. ``{"fwd_s": .., "bwd_s": ..}``); the whole body
-    time is ``total_s``.
+    time is ``total_s``. Per key the row has the median (``total_s``), the spread (max - min,
+    ``total_spread_s``), the minimum (``total_min_s``) and every timed sample (``samples``): on
+    this VM a fresh multi-GiB buffer costs 0.5-8 s at random (host page faults), so a median of a
+    few repeats can hide what the code does.
     """
     memory = PeakMemory(device)
     samples: dict[str, list[float]] = {}
@@ -103,10 +106,17 @@ def measure(setup: Callable[[], Any], body: Callable[[Any], dict[str, float] | N
         peaks.append(peak)
         for key, value in {**phases, "total_s": total}.items():
             samples.setdefault(key, []).append(value)
-    row: dict[str, Any] = {"repeats": repeats, "peak_bytes": max(peaks)}
+    return summarize_samples(samples, peaks)
+
+
+def summarize_samples(samples: dict[str, list[float]], peaks: list[int]) -> dict[str, Any]:
+    """The row of :func:`measure` from its timed samples (key -> seconds per repeat) and peaks."""
+    row: dict[str, Any] = {"repeats": len(peaks), "peak_bytes": max(peaks)}
     for key, values in samples.items():
         row[key] = statistics.median(values)
         row[key.replace("_s", "_spread_s")] = max(values) - min(values)
+        row[key.replace("_s", "_min_s")] = min(values)
+    row["samples"] = samples
     return row
 
 
