@@ -88,6 +88,35 @@ def test_rows_split_across_threads_strided_and_out_of_range_labels(monkeypatch):
         torch.set_num_threads(threads)
 
 
+def _rss_bytes() -> int:
+    status = open("/proc/self/status").read()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def test_prefault_covers_a_dense_output_only():
+    """The kernel faults a new output in with madvise(MADV_POPULATE_WRITE) before its sweeps, but
+    only when the output rows are back to back (all of the range is written). Into every other
+    row of a fresh 64 MiB buffer it must fault in just the rows it writes: the resident set grows
+    by about half the buffer, not all of it (a populate over the whole span would take all)."""
+    cfg = LossConfig()
+    rows, vocab = 32, 1 << 18  # a 1 MiB row; the buffer below is 64 MiB (mmap'd, untouched)
+    logits, labels, old, adv, mask, _ = _inputs(1, rows, 64, seed=5)
+    logits = torch.randn(1, rows, vocab)
+    labels = labels.clamp(min=0)
+    inputs = RowInputs(old, adv.unsqueeze(-1).expand(1, rows).contiguous(), aggregation_weights(mask, cfg),
+                       torch.tensor(1.0), torch.tensor(0.5))
+    buffer = torch.empty(1, 2 * rows, vocab)
+    before = _rss_bytes()
+    rows_sparse = native.native_one_pass(logits, labels, inputs, cfg, 1.0, -100, buffer[:, ::2])
+    grown = _rss_bytes() - before
+    assert 0.4 * buffer.nbytes < grown < 0.75 * buffer.nbytes, (grown, buffer.nbytes)
+    dense = torch.empty(1, rows, vocab)
+    rows_dense = native.native_one_pass(logits, labels, inputs, cfg, 1.0, -100, dense)
+    torch.testing.assert_close(rows_dense, rows_sparse, atol=0, rtol=0)
+    torch.testing.assert_close(dense, buffer[:, ::2], atol=0, rtol=0)
+
+
 def test_peaked_rows_underflow_to_zero_and_nan_stays_in_its_row():
     """A row whose mass sits on one logit (every other exp underflows below 2^-126 -> 0, not a
     denormal or garbage) and a row with a NaN logit: the first matches the reference, the NaN row
