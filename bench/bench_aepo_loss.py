@@ -267,10 +267,9 @@ def run_interleaved(level: str, names: list[str], shape: str, warmup: int, repea
     ``copy``): this VM's balloon device reports freed memory to the host (virtio-balloon free page
     reporting), so a fresh 2.3 GiB buffer costs 0.6-8 s depending on whether its pages were
     handed back meanwhile: with a subprocess per case that luck can differ between cases, taking
-    turns spreads it over all of them alike. The cases share the input tensors; environment suffixes are not allowed here."""
-    suffixed = [name for name in names if case_env(name)]
-    if suffixed:
-        raise ValueError(f"--interleave runs every case in one process: no environment suffixes ({suffixed})")
+    turns spreads it over all of them alike. The cases share the input tensors."""
+    if (problem := interleave_problem(names)) is not None:
+        raise ValueError(problem)
     n, d, vocab = SHAPES[level][shape]
     base = make_tensors(level, n, d, vocab)
     cases = [prepare_case(level, name, shape, base, hot_pages) for name in names]
@@ -286,6 +285,12 @@ def run_interleaved(level: str, names: list[str], shape: str, warmup: int, repea
                 samples[k].setdefault(key, []).extend(values)
     return [describe(dict(summarize_samples(samples[k], peaks[k]), interleaved=names))
             for k, (_, _, describe) in enumerate(cases)]
+
+
+def interleave_problem(names: list[str]) -> str | None:
+    """Why these cases cannot share one process (an environment suffix needs its own), or None."""
+    suffixed = [name for name in names if case_env(name)]
+    return f"--interleave runs every case in one process: {suffixed} need their own environment" if suffixed else None
 
 
 def prepare_case(level: str, name: str, shape: str, base: list[torch.Tensor], hot_pages: bool = False):
@@ -375,8 +380,8 @@ def main() -> None:
     rows = []
     if args.interleave:
         names = args.impl or IMPLS[args.level]
-        if any(case_env(name) for name in names):
-            parser.error("--interleave runs every case in one process: environment suffixes (@...) need their own")
+        if (problem := interleave_problem(names)) is not None:
+            parser.error(problem)
         case_args = ["--cases-json", json.dumps(names), "--level", args.level, "--shape", args.shape,
                      "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
         result = run_case_subprocess(Path(__file__), case_args)

@@ -89,3 +89,17 @@ def test_harness_measure_keeps_every_sample_and_the_minimum():
     assert row["samples"]["fwd_s"] == [3.0, 1.0, 2.0]
     assert (row["fwd_s"], row["fwd_min_s"], row["fwd_spread_s"]) == (2.0, 1.0, 2.0)
     assert len(row["samples"]["total_s"]) == 3 and row["total_min_s"] <= row["total_s"]
+
+
+def test_aepo_loss_bench_interleaved_cases_take_turns():
+    """--interleave: one row per case with all its samples; cases needing their own environment
+    (an @ suffix) are refused with the reason."""
+    sys.path.insert(0, str(BENCH))
+    from bench_aepo_loss import interleave_problem, run_interleaved
+
+    rows = run_interleaved("logits", ["one_pass_inplace", "copy"], "small", warmup=1, repeats=2, hot_pages=True)
+    assert [r["impl"] for r in rows] == ["one_pass_inplace", "copy"]
+    assert all(len(r["samples"]["total_s"]) == 2 and r["hot_pages"] and r["total_min_s"] > 0 for r in rows)
+    assert interleave_problem(["copy"]) is None and "one_pass@compiled" in interleave_problem(["copy", "one_pass@compiled"])
+    with pytest.raises(ValueError, match="own environment"):
+        run_interleaved("logits", ["one_pass@compiled"], "small", warmup=0, repeats=1)

@@ -101,9 +101,8 @@ def test_prefault_covers_a_dense_output_only():
     by about half the buffer, not all of it (a populate over the whole span would take all)."""
     cfg = LossConfig()
     rows, vocab = 32, 1 << 18  # a 1 MiB row; the buffer below is 64 MiB (mmap'd, untouched)
-    logits, labels, old, adv, mask, _ = _inputs(1, rows, 64, seed=5)
+    _, labels, old, adv, mask, _ = _inputs(1, rows, 64, seed=5)  # labels < 64 <= vocab
     logits = torch.randn(1, rows, vocab)
-    labels = labels.clamp(min=0)
     inputs = RowInputs(old, adv.unsqueeze(-1).expand(1, rows).contiguous(), aggregation_weights(mask, cfg),
                        torch.tensor(1.0), torch.tensor(0.5))
     buffer = torch.empty(1, 2 * rows, vocab)
