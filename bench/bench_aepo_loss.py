@@ -377,26 +377,20 @@ def main() -> None:
         print(json.dumps({"rows": run_interleaved(args.level, json.loads(args.cases_json), args.shape, args.warmup,
                                                   args.repeats, args.hot_pages)}))
         return
+    names = args.impl or IMPLS[args.level]
+    common = ["--level", args.level, "--shape", args.shape, "--warmup", str(args.warmup),
+              "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
     rows = []
     if args.interleave:
-        names = args.impl or IMPLS[args.level]
         if (problem := interleave_problem(names)) is not None:
             parser.error(problem)
-        case_args = ["--cases-json", json.dumps(names), "--level", args.level, "--shape", args.shape,
-                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
-        result = run_case_subprocess(Path(__file__), case_args)
-        load = float(Path("/proc/loadavg").read_text().split()[0])
-        rows = [{**row, "loadavg_1m": load} for row in result["rows"]] if "rows" in result else \
-            [{"impl": name, **result, "loadavg_1m": load} for name in names]
-        for row in rows:
-            print(json.dumps(row), flush=True)
-    for impl in [] if args.interleave else (args.impl or IMPLS[args.level]):
-        case_args = ["--case", impl, "--level", args.level, "--shape", args.shape,
-                     "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + ["--hot-pages"] * args.hot_pages
-        env = case_env(impl) or None
-        row = run_case_subprocess(Path(__file__), case_args, env=env)
-        row.setdefault("impl", impl)
-        row["loadavg_1m"] = float(Path("/proc/loadavg").read_text().split()[0])
+        result = run_case_subprocess(Path(__file__), ["--cases-json", json.dumps(names), *common])
+        cases = result["rows"] if "rows" in result else [result] * len(names)  # else: the error, for each
+    else:
+        cases = (run_case_subprocess(Path(__file__), ["--case", impl, *common], env=case_env(impl) or None)
+                 for impl in names)
+    for impl, row in zip(names, cases):
+        row = {"impl": impl, **row, "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0])}
         rows.append(row)
         print(json.dumps(row), flush=True)
     path = write_rows(f"aepo_loss_{args.level}_cpu", rows)
