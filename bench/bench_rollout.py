@@ -37,7 +37,10 @@ times, interleaved, so that a change of machine load hits every mode alike. Per 
     tokens_per_cpu_s  the same tokens / CPU time of the case process (robust to machine load;
                       meaningful for the HF backend only, see ``summarize_calls``)
     context_tokens    prompt + response tokens sent with every backend request: the prefill
-                      work when nothing is cached (the HF backend caches nothing across calls)
+                      work when nothing is cached
+    reused_context_tokens  of those, the tokens the HF backend took from its prefix store instead
+                      of prefilling them (the store is emptied before every call, as a training
+                      step's weight sync empties it; ``--prefix-cache-gib 0``: no reuse)
     rounds, tool_calls, branches, mean_m, model/response tokens per returned trajectory
 and per case the peak memory (``harness.PeakMemory``: RSS above the loaded-model baseline; for
 vLLM the engine-core and worker processes are not included). Each case row keeps its calls and
@@ -196,6 +199,7 @@ class CaseSpec:
     warmup: int = 1
     repeats: int = 3
     threads: int = 1
+    prefix_cache_gib: float | None = None  # HF backend's prefix store; None: the backend's default
 
 
 class _TimedBackend:
@@ -239,13 +243,14 @@ class _TimedRunner:
 
 
 def make_backend(spec: CaseSpec) -> Any:
-    """HF: one forward pass for all requests of a round; it re-prefills the whole context at
-    every backend call (no KV reuse across rounds). vLLM: prefix caching on (branches share
-    their prefix with the parent)."""
+    """HF: one forward pass for all requests of a round, reusing the KV of earlier rounds'
+    contexts through its prefix store (``--prefix-cache-gib 0``: re-prefill every context).
+    vLLM: prefix caching on (branches share their prefix with the parent)."""
     if spec.backend == "hf":
         from aepo_engine.rollout.backends.hf import HFBackend
 
-        return HFBackend(spec.model_dir, device="cpu", max_batch_size=spec.prompts * spec.k)
+        extra = {} if spec.prefix_cache_gib is None else {"prefix_cache_gib": spec.prefix_cache_gib}
+        return HFBackend(spec.model_dir, device="cpu", max_batch_size=spec.prompts * spec.k, **extra)
     if spec.backend == "vllm":
         from aepo_engine.rollout.backends.vllm import VLLMBackend
 
@@ -274,13 +279,19 @@ def run_case(spec: CaseSpec) -> dict[str, Any]:
         tools = _TimedRunner(runner)
         scheduler = EntropyBalancedRollout(backend, tools, config)
 
+        store = getattr(backend.inner, "prefix_store", None)
+
         def body(step: int) -> dict[str, float]:
             backend.seconds, backend.context_tokens, tools.seconds = 0.0, 0, 0.0
+            if store is not None:  # as after a training step's weight sync: nothing reusable yet
+                store.clear()
+                store.reused_tokens = 0
             start, start_cpu = time.perf_counter(), time.process_time()
             result = scheduler.rollout(prompts, step=step)
             calls.append({"wall_s": time.perf_counter() - start,
                           "cpu_s": time.process_time() - start_cpu, "gen_s": backend.seconds,
                           "context_tokens": backend.context_tokens,
+                          "reused_context_tokens": store.reused_tokens if store is not None else 0,
                           **_call_stats(result.stats, result.trajectories)})
             return {"gen_s": backend.seconds, "tool_s": tools.seconds}
 
@@ -307,7 +318,7 @@ def summarize_calls(calls: Sequence[dict[str, float]]) -> dict[str, float]:
                for key in ("tokens_generated", "kept_tokens", "context_tokens",
                            "model_tokens_per_traj", "response_tokens_per_traj", "tool_calls",
                            "rounds", "branches", "branch_decisions", "mean_branch_probability",
-                           "mean_m") if all(key in c for c in calls)}
+                           "mean_m", "reused_context_tokens") if all(key in c for c in calls)}
     for name, tokens, seconds in (("tokens_per_s", "tokens_generated", "wall_s"),
                                   ("kept_tokens_per_s", "kept_tokens", "wall_s"),
                                   ("gen_tokens_per_s", "tokens_generated", "gen_s"),
@@ -424,6 +435,9 @@ def main() -> None:
                              "change of machine load hits every mode alike")
     parser.add_argument("--threads", type=int, default=CaseSpec.threads,
                         help="torch threads per case (1: two threads on a busy 2-core machine slowed the HF backend up to 30x at random)")
+    parser.add_argument("--prefix-cache-gib", type=float, default=None,
+                        help="HF backend: GiB of keys/values kept for prefix reuse across rounds "
+                             "(0: none; default: the backend's)")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: one case, print its row
     args = parser.parse_args()
     if args.case_json:
@@ -447,7 +461,8 @@ def main() -> None:
                                     max_tokens_per_segment=args.max_tokens_per_segment,
                                     max_tool_calls=args.max_tool_calls,
                                     temperature=args.temperature, seed=args.seed,
-                                    warmup=args.warmup, repeats=args.repeats, threads=args.threads)
+                                    warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+                                    prefix_cache_gib=args.prefix_cache_gib)
                     rows.append(run_one(spec, skip, round_index, model_info))
                     if skip:
                         break
@@ -458,7 +473,8 @@ def main() -> None:
     print_table(summary, ["backend", "mode", "calls", "tokens_per_s", "tokens_per_s_min",
                           "tokens_per_s_max", "vs_plain", "best_vs_plain", "kept_vs_plain",
                           "tokens_per_cpu_s", "cpu_vs_plain", "wall_s", "gen_s", "rounds",
-                          "context_tokens", "tool_calls", "branches", "branch_decisions",
+                          "context_tokens", "reused_context_tokens", "tool_calls", "branches",
+                          "branch_decisions",
                           "mean_branch_probability", "mean_m", "model_tokens_per_traj",
                           "peak_bytes", "load_1m", "error", "skipped"])
 

@@ -1,4 +1,4 @@
-"""HFBackend on a tiny Qwen3: finish reasons, exact logprobs/entropies, seeds, batching, weight push."""
+"""HFBackend on a tiny Qwen3: finish reasons, exact logprobs/entropies, seeds, batching, weight push, prefix reuse."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aepo_engine.models import build_tiny_qwen3
-from aepo_engine.rollout.backends.hf import HFBackend, sampling_logprobs
+from aepo_engine.rollout.backends.hf import HFBackend, PrefixStore, sampling_logprobs
 from aepo_engine.rollout.protocol import GenRequest
 
 
@@ -142,3 +142,127 @@ def test_greedy_and_zero_budget(backend):
     assert a.token_ids == logp.argmax(-1).tolist()
     empty = backend.generate([GenRequest(p, 0)])[0]
     assert empty.token_ids == [] and empty.finish_reason == "length"
+
+
+# --- prefix reuse -----------------------------------------------------------------------------
+def _kv(length: int, layers: int = 2, fill: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer keys/values of ``length`` tokens, 2 heads x 4 dims of float32: 2 layers x 2
+    tensors x 32 bytes = 128 bytes a token."""
+    return [(torch.full((2, length, 4), fill, dtype=torch.float32), torch.full((2, length, 4), fill, dtype=torch.float32))
+            for _ in range(layers)]
+
+
+def test_prefix_store_longest_proper_prefix_and_lru_budget():
+    store = PrefixStore(max_bytes=128 * 10)  # ten tokens' worth
+    store.add((1, 2), _kv(2, fill=1))
+    store.add((1, 2, 3, 4), _kv(4, fill=2))
+    store.add((7,), _kv(1, fill=3))
+    assert len(store) == 3 and store.bytes == 128 * 7
+    n, kv = store.longest_prefix((1, 2, 3, 4, 5))
+    assert n == 4 and float(kv[0][0][0, 0, 0]) == 2
+    n, kv = store.longest_prefix((1, 2, 3))
+    assert n == 2 and float(kv[1][1][0, 0, 0]) == 1
+    n, kv = store.longest_prefix((1, 2, 3, 4))  # stored itself: all but the last token, to feed it
+    assert n == 3 and kv[0][0].shape == (2, 3, 4) and float(kv[0][1][1, 2, 3]) == 2
+    assert store.longest_prefix((1, 3)) == (0, None) and store.longest_prefix((7,)) == (0, None)
+    assert (store.hits, store.misses, store.reused_tokens) == (3, 2, 9)
+    store.longest_prefix((1, 2, 5))
+    # (1, 2) was used last, (7,) is the oldest untouched entry, then (1, 2, 3, 4)
+    store.add((9, 9, 9, 9), _kv(4))  # needs 1 more token of room: (7,) goes
+    assert store.bytes == 128 * 10 and store.longest_prefix((7, 0)) == (0, None)
+    store.add((5, 5), _kv(2))  # needs 2 more: (1, 2, 3, 4) goes, (1, 2) stays
+    assert store.longest_prefix((1, 2, 3, 4, 5))[0] == 2 and store.bytes == 128 * 8
+    store.add((8,) * 11, _kv(11))  # larger than the whole budget: not stored, nothing evicted
+    assert len(store) == 3 and store.bytes == 128 * 8
+    store.clear()
+    assert len(store) == 0 and store.bytes == 0 and store.longest_prefix((1, 2, 3)) == (0, None)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixStore(-1)
+
+
+def _rounds(backend, prompts, rounds: int, tool_text: str, group: int = 1):
+    """Multi-round requests as a rollout sends them: each round extends the previous context by
+    the sampled tokens and a tool result; ``group`` requests per prompt share each context."""
+    tok = backend.tokenizer
+    suffix = tuple(tok(tool_text)["input_ids"])
+    reqs = [GenRequest(p, 14, seed=10 * i + j, temperature=1.2) for i, p in enumerate(prompts) for j in range(group)]
+    history = []
+    for r in range(rounds):
+        outs = backend.generate(reqs)
+        history.append((reqs, outs))
+        reqs = [GenRequest(q.prompt_ids + tuple(o.token_ids) + suffix, 14, seed=q.seed + 1000, temperature=1.2)
+                for q, o in zip(reqs, outs)]
+    return history
+
+
+def test_prefix_reuse_matches_full_recompute_over_rounds(model_dir):
+    """Three rounds with reuse against a backend that re-prefills everything and against one full
+    forward pass per request: same tokens, logprobs and entropies to float rounding, and most
+    of the context of rounds 2-3 taken from the store."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    reuse = HFBackend(model, tok, max_batch_size=16)
+    fresh = HFBackend(model, tok, max_batch_size=16, prefix_cache_gib=0)
+    assert fresh.prefix_store.max_bytes == 0 and reuse.prefix_store.max_bytes == 2**30
+    prompts = [_prompt(tok, t) for t in ("hello", "a much longer question about France and Paris?", "x")]
+    a = _rounds(reuse, prompts, 3, "<result> 42 </result>", group=3)
+    b = _rounds(fresh, prompts, 3, "<result> 42 </result>", group=3)
+    assert len(fresh.prefix_store) == 0 and reuse.prefix_store.hits > 0
+    later_context = sum(len(q.prompt_ids) for reqs, _ in a[1:] for q in reqs)
+    assert reuse.prefix_store.reused_tokens > 0.6 * later_context
+    for (reqs, outs), (_, ref_outs) in zip(a, b):
+        for req, out, ref in zip(reqs, outs, ref_outs):
+            assert out.token_ids == ref.token_ids
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=2e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(out.entropies), torch.tensor(ref.entropies), atol=2e-5, rtol=0)
+    for req, out in zip(*a[-1]):  # the independent reference: one forward pass, no cache, no padding
+        logp = _recompute(model, req.prompt_ids, out.token_ids, 1.2)
+        picked = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=2e-5, rtol=0)
+
+
+def test_identical_contexts_prefill_once_and_sample_alone(backend):
+    """Rows with the same context share one prefill row, yet each samples as it would alone."""
+    tok = backend.tokenizer
+    backend.clear_prefix_cache()
+    p = _prompt(tok, "same context")
+    reqs = [GenRequest(p, 12, seed=s) for s in range(5)] + [GenRequest(_prompt(tok, "other"), 12, seed=0)]
+    batched = backend.generate(reqs)
+    backend.clear_prefix_cache()
+    alone = [backend.generate([r])[0] for r in reqs]
+    assert len({tuple(o.token_ids) for o in batched[:5]}) > 1  # different seeds, different samples
+    for x, y in zip(batched, alone):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0)
+
+
+def test_weight_update_empties_the_store(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    backend = HFBackend(model_dir)
+    first = _rounds(backend, [_prompt(tok, "hello")], 1, "<result> 1 </result>")
+    assert len(backend.prefix_store) > 0
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in backend.model.state_dict().items()}
+    backend.load_weight_buckets([dict(list(new.items())[:3]), dict(list(new.items())[3:])])
+    assert len(backend.prefix_store) == 0
+    req, out = first[0][0][0], first[0][1][0]
+    follow = GenRequest(req.prompt_ids + tuple(out.token_ids), 10, seed=3)
+    got = backend.generate([follow])[0]  # nothing stale to reuse: computed with the new weights
+    logp = _recompute(backend.model, follow.prompt_ids, got.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(got.logprobs), logp.gather(-1, torch.tensor(got.token_ids)[:, None])[:, 0],
+                               atol=2e-5, rtol=0)
+
+
+def test_sliding_window_model_does_not_reuse(tmp_path):
+    """A cache that is not plain full attention (here a sliding-window layer) keeps the store off."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1,
+                         layer_types=["full_attention", "sliding_attention"])
+    tok = AutoTokenizer.from_pretrained(build_tiny_qwen3(tmp_path / "m", seed=0))
+    backend = HFBackend(Qwen3ForCausalLM(config), tok)
+    assert backend.prefix_store.max_bytes == 0
+    out = backend.generate([GenRequest((1, 2, 3), 5, seed=0)])[0]
+    assert len(out.token_ids) == 5 and len(backend.prefix_store) == 0

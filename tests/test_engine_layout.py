@@ -78,3 +78,19 @@ def test_build_backend_passes_every_engine_option(monkeypatch):
     backends.build_backend(BackendConfig(kind="vllm"), "/m", None, seed=0)
     assert "max_num_seqs" not in seen and "kv_cache_memory_bytes" not in seen  # vLLM's defaults
     assert seen["enforce_eager"] is None  # resolved by the backend: eager on CPU only
+
+
+def test_build_backend_hf_prefix_store_from_the_config(tmp_path):
+    """The HF backend's prefix store follows enable_prefix_caching and kv_cache_gib."""
+    from aepo_engine.models import build_tiny_qwen3
+    from aepo_engine.rollout.backends.hf import HFBackend
+
+    model_dir = build_tiny_qwen3(tmp_path / "m", seed=0)
+    default = backends.build_backend(BackendConfig(kind="hf", device="cpu"), model_dir, None, seed=0)
+    assert isinstance(default, HFBackend)
+    assert default.prefix_store.max_bytes == HFBackend(default.model, default.tokenizer).prefix_store.max_bytes > 0
+    sized = backends.build_backend(BackendConfig(kind="hf", device="cpu", kv_cache_gib=0.25), model_dir, None, seed=0)
+    assert sized.prefix_store.max_bytes == 2**28
+    off = backends.build_backend(BackendConfig(kind="hf", device="cpu", enable_prefix_caching=False,
+                                               kv_cache_gib=0.25), model_dir, None, seed=0)
+    assert off.prefix_store.max_bytes == 0

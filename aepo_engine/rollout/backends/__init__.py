@@ -43,9 +43,11 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         max_num_seqs: most sequences one vLLM engine schedules at once; none = vLLM's default.
         kv_cache_gib: KV-cache budget of one engine in GiB (vLLM's kv_cache_memory_bytes, which
             then replaces gpu_memory_utilization's share); none = from gpu_memory_utilization.
-            vLLM-CPU sizes its cache from VLLM_CPU_KVCACHE_SPACE instead.
-        enable_prefix_caching: reuse the KV blocks of shared prefixes (branches share their
-            parent's context, so AEPO gains from it).
+            vLLM-CPU sizes its cache from VLLM_CPU_KVCACHE_SPACE instead. For the HF backend:
+            the keys/values it keeps across calls for prefix reuse; none = ``HFBackend``'s default.
+        enable_prefix_caching: reuse the KV of shared prefixes (branches share their parent's
+            context, and every round extends the previous one's, so AEPO gains from it); vLLM's
+            prefix caching, or the HF backend's prefix store (``hf.PrefixStore``).
         weight_sync_bucket_mb: after each update the trainer streams its weights into the
             engine in buckets of about this many MiB (each sharded parameter gathered when its
             bucket is sent): the extra memory of a sync is one bucket, not the model.
@@ -170,4 +172,9 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
     device = cfg.device
     if device == "auto":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.max_batch_size)
+    extra = {}
+    if not cfg.enable_prefix_caching:
+        extra["prefix_cache_gib"] = 0.0
+    elif cfg.kv_cache_gib is not None:
+        extra["prefix_cache_gib"] = cfg.kv_cache_gib
+    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.max_batch_size, **extra)

@@ -20,9 +20,28 @@ would have to fall right on a CDF boundary). Finished rows are dropped from the 
 
 Stop strings: after each token the decoded tail of the row's output is checked; the output ends
 with the token that completes a stop string (the string's tokens are part of ``token_ids``).
+
+Prefix reuse (``prefix_cache_gib`` > 0, the default): a multi-turn rollout sends, round after
+round, the previous round's context plus the sampled tokens plus a tool result, and branches send
+their parent's context again. So the backend keeps, after each call, the keys and values of every
+finished row (its context plus all but the last sampled token, which was never fed) in a
+least-recently-used store bounded in bytes, keyed by the token ids they encode. A later request
+whose ``prompt_ids`` start with a stored sequence prefills only the rest; requests of one batch
+with identical ``prompt_ids`` are prefilled once. The prefill then lays each row out as
+``[pad | reused KV | pad | new tokens]`` with an attention mask over it and positions that count
+real tokens only, which is the same computation as a full prefill up to float rounding (the
+matmuls run over other shapes: logprobs agree to ~1e-6 in float32, and a sampled token can change
+only where a uniform falls within that distance of a CDF boundary). Set ``prefix_cache_gib=0`` for
+a backend whose every call recomputes its whole context. Weight updates through
+``update_weights``/``load_weight_buckets`` empty the store; code that changes the model's weights
+in some other way must call ``clear_prefix_cache()``. Only models whose HF cache is a plain
+full-attention ``DynamicCache`` (no sliding windows, no recurrent state) reuse prefixes; for others
+the store stays off.
 """
 from __future__ import annotations
 
+import inspect
+from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -74,6 +93,81 @@ def sample_inverse_cdf(logp: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     return idx.clamp(max=logp.shape[-1] - 1)
 
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, T, head_dim]
+
+
+class PrefixStore:
+    """Keys and values of token sequences, least recently used first out, within a byte budget.
+
+    Args:
+        max_bytes: the most bytes the stored tensors may hold together; 0 stores nothing.
+    """
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # stored sequence length -> how many entries have it
+        self.hits = self.misses = self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _size(kv: KV) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+    def add(self, ids: Sequence[int], kv: KV) -> None:
+        """Store ``kv`` (per layer, [kv_heads, len(ids), head_dim]) as the encoding of ``ids``."""
+        key = tuple(ids)
+        if not key or key in self._entries:
+            return
+        size = self._size(kv)
+        if size > self.max_bytes:
+            return
+        while self.bytes + size > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = kv
+        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
+        self.bytes += size
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.bytes -= self._size(self._entries.pop(key))
+        self._lengths[len(key)] -= 1
+        if not self._lengths[len(key)]:
+            del self._lengths[len(key)]
+
+    def longest_prefix(self, ids: Sequence[int]) -> tuple[int, KV | None]:
+        """The longest reusable stored prefix of ``ids``: (its length n, its KV [.., n, ..]), or
+        (0, None). At least one token of ``ids`` is left to feed (its logits are needed), so a
+        stored ``ids`` itself serves its first len(ids) - 1 positions."""
+        key = tuple(ids)
+        kv = self._entries.get(key)
+        if kv is not None and len(key) > 1:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            self.reused_tokens += len(key) - 1
+            return len(key) - 1, [(k[:, :-1], v[:, :-1]) for k, v in kv]
+        for n in sorted(self._lengths, reverse=True):
+            if n < len(ids):
+                key = tuple(ids[:n])
+                kv = self._entries.get(key)
+                if kv is not None:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    self.reused_tokens += n
+                    return n, kv
+        self.misses += 1
+        return 0, None
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.bytes = 0
+
+
 class _Row:
     """Book-keeping for one request while it is generated."""
 
@@ -99,12 +193,14 @@ class HFBackend:
         dtype: model dtype when loading from a path (default float32 on CPU, bfloat16 on GPU);
             sampling maths always runs in float32.
         max_batch_size: at most this many requests share one forward pass.
+        prefix_cache_gib: bytes (in GiB) of keys and values kept across calls for prefix reuse
+            (module docstring); 0 turns reuse off.
     """
 
     entropy_is_exact = True
 
     def __init__(self, model_or_path, tokenizer=None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, max_batch_size: int = 32):
+                 dtype: torch.dtype | None = None, max_batch_size: int = 32, prefix_cache_gib: float = 1.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
@@ -122,6 +218,15 @@ class HFBackend:
         self.max_batch_size = max_batch_size
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._eos = self._collect_eos_ids()
+        if prefix_cache_gib < 0:
+            raise ValueError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
+        reusable = _plain_dynamic_cache(self.model)
+        self.prefix_store = PrefixStore(int(prefix_cache_gib * 2**30) if reusable else 0)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every stored prefix (needed after the model's weights change)."""
+        self.prefix_store.clear()
 
     def _collect_eos_ids(self) -> tuple[int, ...]:
         ids = set()
@@ -157,22 +262,13 @@ class HFBackend:
         return [self._output(row) for row in rows]
 
     def _run(self, rows: list[_Row], live: list[int]) -> None:
-        # Prefill: left-padded prompts, positions count real tokens only.
-        width = max(len(rows[i].req.prompt_ids) for i in live)
-        input_ids = torch.full((len(live), width), self._pad_id, dtype=torch.long)  # [B, L]
-        mask = torch.zeros((len(live), width), dtype=torch.long)  # [B, L]
-        for b, i in enumerate(live):
-            ids = rows[i].req.prompt_ids
-            input_ids[b, width - len(ids):] = torch.tensor(ids)
-            mask[b, width - len(ids):] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1, :]  # logits: [B, V]
-        next_pos = positions[:, -1:] + 1  # [B, 1]
+        cache, mask, next_pos, logits = self._prefill([rows[i].req.prompt_ids for i in live])
         while True:
             new_tokens = self._sample_step([rows[i] for i in live], logits)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
+            if len(keep) < len(live):
+                self._store_finished(cache, mask, [(b, rows[i]) for b, i in enumerate(live)
+                                                   if rows[i].finish is not None])
             if not keep:
                 return
             if len(keep) < len(live):  # drop finished rows from the cache and all row tensors
@@ -186,6 +282,79 @@ class HFBackend:
                              past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             next_pos = next_pos + 1
+
+    def _prefill(self, prompts: list[tuple[int, ...]]):
+        """One forward pass over the contexts of a batch; returns (cache, mask [B, L], next
+        positions [B, 1], last logits [B, V]) for the rows in ``prompts`` order.
+
+        Identical contexts are computed once. Each distinct context reuses the longest stored
+        prefix; row u is laid out as ``[pad | reused n_u | pad | new s_u]`` over P + S slots
+        (P = max n_u, S = max s_u), positions counting real tokens only."""
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = torch.tensor([unique.setdefault(p, len(unique)) for p in prompts])  # [B] -> unique
+        contexts = list(unique)
+        found = [self.prefix_store.longest_prefix(p) if self.prefix_store.max_bytes else (0, None)
+                 for p in contexts]
+        reused = max(n for n, _ in found)  # P
+        width = max(len(p) - n for p, (n, _) in zip(contexts, found))  # S
+        U = len(contexts)
+        input_ids = torch.full((U, width), self._pad_id, dtype=torch.long)  # [U, S]
+        mask = torch.zeros((U, reused + width), dtype=torch.long)  # [U, P + S]
+        for u, (ids, (n, _)) in enumerate(zip(contexts, found)):
+            new = ids[n:]
+            input_ids[u, width - len(new):] = torch.tensor(new)
+            mask[u, reused - n : reused] = 1
+            mask[u, reused + width - len(new):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, reused:]  # [U, S]
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        if reused:
+            kwargs["past_key_values"] = self._stack_prefixes(found, reused)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, **kwargs)
+        cache, logits = out.past_key_values, out.logits[:, -1, :]  # logits: [U, V]
+        next_pos = positions[:, -1:] + 1  # [U, 1]
+        if self.prefix_store.max_bytes:  # a branch resends its parent's context next round
+            for u, ids in enumerate(contexts):
+                self.prefix_store.add(ids, self._row_kv(cache, mask, u))
+        if U < len(prompts):  # rows with the same context share its prefill
+            cache.batch_select_indices(row_of.to(self.device))
+            mask, next_pos, logits = mask[row_of], next_pos[row_of], logits[row_of]
+        return cache, mask, next_pos, logits
+
+    def _stack_prefixes(self, found: list[tuple[int, KV | None]], reused: int):
+        """A DynamicCache of the stored prefixes, right-aligned in ``reused`` slots (zeros before)."""
+        from transformers import DynamicCache
+
+        layers = []
+        for layer in range(len(next(kv for _, kv in found if kv is not None))):
+            k0, v0 = next(kv for _, kv in found if kv is not None)[layer]
+            keys = k0.new_zeros((len(found), k0.shape[0], reused, k0.shape[2]))  # [U, H, P, D]
+            values = v0.new_zeros((len(found), v0.shape[0], reused, v0.shape[2]))
+            for u, (n, kv) in enumerate(found):
+                if n:
+                    keys[u, :, reused - n :] = kv[layer][0]
+                    values[u, :, reused - n :] = kv[layer][1]
+            layers.append((keys, values))
+        return DynamicCache(layers, config=self.model.config)
+
+    def _store_finished(self, cache, mask: torch.Tensor, finished: list[tuple[int, _Row]]) -> None:
+        """Store the KV of each finished row: its context and all but its last sampled token."""
+        if not self.prefix_store.max_bytes:
+            return
+        for b, row in finished:
+            ids = row.req.prompt_ids + tuple(row.tokens[:-1])
+            kv = self._row_kv(cache, mask, b)
+            if kv[0][0].shape[1] != len(ids):
+                raise RuntimeError(f"prefix store: row has {kv[0][0].shape[1]} cached slots for {len(ids)} tokens")
+            self.prefix_store.add(ids, kv)
+
+    @staticmethod
+    def _row_kv(cache, mask: torch.Tensor, b: int) -> KV:
+        """Row ``b``'s keys and values at its real (unpadded) slots, in order (copies)."""
+        where = mask[b].nonzero().squeeze(-1)
+        return [(layer.keys[b].index_select(1, where), layer.values[b].index_select(1, where))
+                for layer in cache.layers]
 
     def _sample_step(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
         """Sample one token per row from logits [B, V]; records logprob/entropy/finish per row."""
@@ -250,10 +419,25 @@ class HFBackend:
             self.update_weights(bucket)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy new weights (HF parameter names, any subset) into the model in place."""
+        """Copy new weights (HF parameter names, any subset) into the model in place; stored
+        prefixes were computed with the old weights and are dropped."""
+        self.clear_prefix_cache()
         params = dict(self.model.state_dict())
         unknown = [name for name in state_dict if name not in params]
         if unknown:
             raise KeyError(f"update_weights: unknown parameter names {unknown[:5]}")
         for name, value in state_dict.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+
+
+def _plain_dynamic_cache(model) -> bool:
+    """Whether the model's HF cache is one plain full-attention ``DynamicLayer`` per layer (what
+    prefix reuse needs: keys and values of every position, nothing else)."""
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - an unusual config: no reuse
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
