@@ -219,6 +219,19 @@ def test_prefix_reuse_matches_full_recompute_over_rounds(model_dir):
         logp = _recompute(model, req.prompt_ids, out.token_ids, 1.2)
         picked = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), picked, atol=2e-5, rtol=0)
+    # one batch mixing rows that reuse a long prefix, a stored context sent again (a branch), a
+    # context never seen (no reuse: pads in front of all its new tokens) and a one-token prompt
+    last_reqs, last_outs = a[-1]
+    mixed = [GenRequest(last_reqs[0].prompt_ids + tuple(last_outs[0].token_ids), 10, seed=1),
+             GenRequest(last_reqs[4].prompt_ids, 10, seed=2),
+             GenRequest(_prompt(tok, "never seen before, and long enough to be the widest suffix"), 10, seed=3),
+             GenRequest((5,), 10, seed=4)]
+    hits = reuse.prefix_store.hits
+    got, ref = reuse.generate(mixed), fresh.generate(mixed)
+    assert reuse.prefix_store.hits == hits + 2
+    for x, y in zip(got, ref):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0)
 
 
 def test_identical_contexts_prefill_once_and_sample_alone(backend):
