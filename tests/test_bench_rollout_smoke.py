@@ -81,3 +81,30 @@ def test_modes_differ_only_in_the_branching_rule():
         assert (config.k, config.max_response_tokens, config.seed) == (6, 100, 3)
     with pytest.raises(ValueError, match="unknown mode"):
         bench_rollout.mode_config("grpo", **limits)
+
+
+def test_prefix_store_leaves_the_rollout_as_it_was(workload):
+    """A whole AEPO rollout (real tools, branching) through the HF backend with and without its
+    prefix store: the same trajectories, token for token, and most of the context reused."""
+    from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+
+    model_dir, corpus_path, _ = workload
+    limits = dict(k=4, max_response_tokens=64, max_tokens_per_segment=24, seed=0)
+    results = {}
+    for gib in (None, 0.0):
+        spec = bench_rollout.CaseSpec(backend="hf", mode="aepo", model_dir=model_dir,
+                                      corpus_path=corpus_path, prefix_cache_gib=gib)
+        backend = bench_rollout.make_backend(spec)
+        prompts = bench_rollout.chat_prompts(backend.tokenizer, bench_rollout.bench_task(0), 2)
+        with bench_rollout.make_tool_runner(corpus_path) as runner:
+            rollout = EntropyBalancedRollout(backend, runner, bench_rollout.mode_config("aepo", **limits))
+            results[gib] = [rollout.rollout(prompts, step=s) for s in range(2)], backend.prefix_store
+    (with_store, store), (without, no_store) = results[None], results[0.0]
+    assert store.reused_tokens > 0 and no_store.reused_tokens == 0 and len(no_store) == 0
+    assert sum(r.stats.tool_calls_executed for r in with_store) > 0
+    assert sum(r.stats.branches for r in with_store) > 0  # children resend their parent's context
+    for a, b in zip(with_store, without):
+        assert [t.response_ids for t in a.trajectories] == [t.response_ids for t in b.trajectories]
+        assert [t.parent_id for t in a.trajectories] == [t.parent_id for t in b.trajectories]
+        for x, y in zip(a.trajectories, b.trajectories):
+            assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) < 2e-5
