@@ -279,3 +279,35 @@ def test_sliding_window_model_does_not_reuse(tmp_path):
     assert backend.prefix_store.max_bytes == 0
     out = backend.generate([GenRequest((1, 2, 3), 5, seed=0)])[0]
     assert len(out.token_ids) == 5 and len(backend.prefix_store) == 0
+
+
+def test_stop_check_decoder_matches_the_tokenizer(backend):
+    """The stop-string check decodes with the Rust tokenizer directly: same text as the tokenizer's
+    own decode (special tokens included), on random ids and on every agent tag."""
+    from aepo_engine.models import AGENT_TAGS
+
+    tok = backend.tokenizer
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, len(tok), (int(n),), generator=gen).tolist()
+               for n in torch.randint(0, 14, (300,), generator=gen)]
+    samples += [[tok.convert_tokens_to_ids(t), 5, 6] for t in AGENT_TAGS] + [[tok.eos_token_id, 7]]
+    for ids in samples:
+        assert backend._decode_tail(ids) == tok.decode(ids, skip_special_tokens=False)
+    for cleans, python_calls in ((False, 0), (True, 1)):  # space clean-up: keep the Python decode
+        wrapped = _CountingTokenizer(tok, cleans)
+        assert HFBackend(backend.model, wrapped)._decode_tail([5, 6]) == tok.decode([5, 6])
+        assert wrapped.calls == python_calls
+
+
+class _CountingTokenizer:
+    """The test tokenizer with a chosen ``clean_up_tokenization_spaces``, counting its decodes."""
+
+    def __init__(self, inner, clean_up_tokenization_spaces: bool):
+        self._inner, self._tokenizer = inner, inner._tokenizer
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        self.pad_token_id, self.eos_token_id = inner.pad_token_id, inner.eos_token_id
+        self.calls = 0
+
+    def decode(self, ids, **kwargs):
+        self.calls += 1
+        return self._inner.decode(ids, **kwargs)
