@@ -311,3 +311,34 @@ class _CountingTokenizer:
     def decode(self, ids, **kwargs):
         self.calls += 1
         return self._inner.decode(ids, **kwargs)
+
+
+def test_growing_layer_matches_dynamic_layer_and_writes_in_place():
+    """Prefill, decode steps, a row drop and more steps: the same keys/values as HF's concatenating
+    layer; the buffer is sized to the prefill plus the spare positions, and a step writes into it
+    instead of copying the cache."""
+    from transformers.cache_utils import DynamicLayer
+
+    from aepo_engine.rollout.backends.hf import _GrowingLayer
+
+    gen = torch.Generator().manual_seed(0)
+    grow, ref = _GrowingLayer(spare=3), DynamicLayer()
+
+    for rows, length in [(3, 5), (3, 1), (3, 1)]:  # a prefill of 5, two steps
+        k, v = torch.randn(rows, 2, length, 4, generator=gen), torch.randn(rows, 2, length, 4, generator=gen)
+        got, want = grow.update(k, v), ref.update(k, v)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    buffer = grow.keys.data_ptr()
+    k, v = torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 4, generator=gen)
+    grow.update(k, v), ref.update(k, v)
+    assert grow.keys.data_ptr() == buffer and grow.get_seq_length() == ref.get_seq_length() == 8
+    assert grow._buffers[0].shape[-2] == 8  # the prefill's 5 and the 3 spare positions, never grown
+    keep = torch.tensor([2, 0])
+    grow.batch_select_indices(keep), ref.batch_select_indices(keep)
+    for _ in range(20):  # past the spare room: the buffer grows, the contents stay
+        k, v = torch.randn(2, 2, 1, 4, generator=gen), torch.randn(2, 2, 1, 4, generator=gen)
+        got, want = grow.update(k, v), ref.update(k, v)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert grow.get_seq_length() == 28

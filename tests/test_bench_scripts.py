@@ -103,3 +103,23 @@ def test_aepo_loss_bench_interleaved_cases_take_turns():
     assert interleave_problem(["copy"]) is None and "one_pass@compiled" in interleave_problem(["copy", "one_pass@compiled"])
     with pytest.raises(ValueError, match="own environment"):
         run_interleaved("logits", ["one_pass@compiled"], "small", warmup=0, repeats=1)
+
+
+def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
+    """bench_hf_decode: every case has a row per round, the two caches sample the same tokens, the
+    decode time is the total less the prefill case's, and the byte count is the formula by hand."""
+    sys.path.insert(0, str(BENCH))
+    from bench_hf_decode import concat_bytes_per_step, run, summarize
+    from transformers import Qwen3Config
+
+    from aepo_engine.models import build_tiny_qwen3
+
+    model_dir = build_tiny_qwen3(tmp_path / "m", seed=0, num_layers=1)
+    rows = run(model_dir, contexts=[12, 30], rows=3, new_tokens=5, warmup=0, repeats=1, rounds=2)
+    assert len(rows) == 2 * 3 * 2 and all(r["same_tokens_as_concat"] for r in rows)
+    assert {(r["context"], r["case"]) for r in rows} == {(c, k) for c in (12, 30) for k in ("prefill", "concat", "in_place")}
+    assert all(r["decode_steps"] == 5 for r in rows if r["case"] != "prefill")
+    summary = summarize(rows)
+    assert {e["case"] for e in summary if "decode_speedup" in e} == {"in_place"}
+    config = Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8, hidden_size=32, num_attention_heads=4)
+    assert concat_bytes_per_step(config, rows=5, context=100) == 2 * 5 * 3 * 2 * 2 * 8 * 100 * 4

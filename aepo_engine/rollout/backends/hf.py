@@ -45,6 +45,7 @@ from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from aepo_engine.rollout.entropy import entropy_from_logprobs
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
@@ -220,8 +221,8 @@ class HFBackend:
         self._eos = self._collect_eos_ids()
         if prefix_cache_gib < 0:
             raise ValueError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
-        reusable = _plain_dynamic_cache(self.model)
-        self.prefix_store = PrefixStore(int(prefix_cache_gib * 2**30) if reusable else 0)
+        self._plain_cache = _plain_dynamic_cache(self.model)
+        self.prefix_store = PrefixStore(int(prefix_cache_gib * 2**30) if self._plain_cache else 0)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # Stop strings are checked on every row at every step: call a fast tokenizer's Rust
         # decoder directly (the same text when no clean-up of spaces is configured; a third of
@@ -270,7 +271,8 @@ class HFBackend:
         return [self._output(row) for row in rows]
 
     def _run(self, rows: list[_Row], live: list[int]) -> None:
-        cache, mask, next_pos, logits = self._prefill([rows[i].req.prompt_ids for i in live])
+        spare = max(rows[i].req.max_new_tokens for i in live)  # slots a row's cache may still need
+        cache, mask, next_pos, logits = self._prefill([rows[i].req.prompt_ids for i in live], spare)
         while True:
             new_tokens = self._sample_step([rows[i] for i in live], logits)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
@@ -291,7 +293,7 @@ class HFBackend:
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-    def _prefill(self, prompts: list[tuple[int, ...]]):
+    def _prefill(self, prompts: list[tuple[int, ...]], spare: int = 0):
         """One forward pass over the contexts of a batch; returns (cache, mask [B, L], next
         positions [B, 1], last logits [B, V]) for the rows in ``prompts`` order.
 
@@ -317,7 +319,9 @@ class HFBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, reused:]  # [U, S]
         kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
         if reused:
-            kwargs["past_key_values"] = self._stack_prefixes(found, reused)
+            kwargs["past_key_values"] = self._stack_prefixes(found, reused, spare)
+        elif self._plain_cache:
+            kwargs["past_key_values"] = self._new_cache(spare)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, **kwargs)
         cache, logits = out.past_key_values, out.logits[:, -1, :]  # logits: [U, V]
@@ -330,21 +334,28 @@ class HFBackend:
             mask, next_pos, logits = mask[row_of], next_pos[row_of], logits[row_of]
         return cache, mask, next_pos, logits
 
-    def _stack_prefixes(self, found: list[tuple[int, KV | None]], reused: int):
-        """A DynamicCache of the stored prefixes, right-aligned in ``reused`` slots (zeros before)."""
+    def _new_cache(self, spare: int = 0):
+        """An empty DynamicCache whose layers grow in place (``_GrowingLayer``), with room for
+        ``spare`` more positions after the prefill."""
         from transformers import DynamicCache
 
-        layers = []
-        for layer in range(len(next(kv for _, kv in found if kv is not None))):
-            k0, v0 = next(kv for _, kv in found if kv is not None)[layer]
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [_GrowingLayer(spare) for _ in cache.layers]
+        return cache
+
+    def _stack_prefixes(self, found: list[tuple[int, KV | None]], reused: int, spare: int = 0):
+        """A cache of the stored prefixes, right-aligned in ``reused`` slots (zeros before)."""
+        cache = self._new_cache(spare)
+        sample = next(kv for _, kv in found if kv is not None)
+        for layer, (k0, v0) in enumerate(sample):
             keys = k0.new_zeros((len(found), k0.shape[0], reused, k0.shape[2]))  # [U, H, P, D]
             values = v0.new_zeros((len(found), v0.shape[0], reused, v0.shape[2]))
             for u, (n, kv) in enumerate(found):
                 if n:
                     keys[u, :, reused - n :] = kv[layer][0]
                     values[u, :, reused - n :] = kv[layer][1]
-            layers.append((keys, values))
-        return DynamicCache(layers, config=self.model.config)
+            cache.layers[layer].update(keys, values)
+        return cache
 
     def _store_finished(self, cache, mask: torch.Tensor, finished: list[tuple[int, _Row]]) -> None:
         """Store the KV of each finished row: its context and all but its last sampled token."""
@@ -436,6 +447,45 @@ class HFBackend:
             raise KeyError(f"update_weights: unknown parameter names {unknown[:5]}")
         for name, value in state_dict.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+
+
+class _GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are views into buffers with room to grow.
+
+    ``DynamicLayer.update`` concatenates the whole cache with each step's keys/values, which
+    moves O(context) bytes per decode step. Here a step writes its slots in place. A buffer is
+    allocated with room for ``spare`` positions beyond what it first holds (the backend passes
+    the batch's largest ``max_new_tokens``, so a call never grows it); should it fill up, it
+    grows by half. Anything that replaces ``keys`` (``batch_select_indices`` when rows finish)
+    leaves a tensor that is not a view of the buffer; the next update copies it into a new
+    buffer of the same length, as the concatenation would have copied it.
+    """
+
+    def __init__(self, spare: int = 0):
+        super().__init__()
+        self.spare = spare
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used = self.keys.shape[-2] if self.keys.numel() else 0
+        end = used + key_states.shape[-2]
+        buffers = getattr(self, "_buffers", None)
+        if (buffers is None or buffers[0].shape[-2] < end or buffers[0].shape[0] != key_states.shape[0]
+                or self.keys.data_ptr() != buffers[0].data_ptr()):
+            room = end + self.spare if buffers is None else buffers[0].shape[-2]  # rows dropped: same room
+            if room < end:
+                room = end + max(end // 2, 16)
+            buffers = tuple(new.new_empty((*new.shape[:-2], room, new.shape[-1])) for new in (key_states, value_states))
+            if used:
+                buffers[0][..., :used, :] = self.keys
+                buffers[1][..., :used, :] = self.values
+            self._buffers = buffers
+        buffers[0][..., used:end, :] = key_states
+        buffers[1][..., used:end, :] = value_states
+        self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
+        return self.keys, self.values
 
 
 def _plain_dynamic_cache(model) -> bool:
