@@ -342,3 +342,11 @@ def test_growing_layer_matches_dynamic_layer_and_writes_in_place():
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert grow.get_seq_length() == 28
+
+
+def test_list_prompts_are_accepted(backend):
+    """Requests built with lists instead of tuples work as before (the store keys on tuples)."""
+    p = _prompt(backend.tokenizer, "a list prompt")
+    a = backend.generate([GenRequest(list(p), 6, seed=1), GenRequest(list(p), 6, seed=1)])
+    b = backend.generate([GenRequest(p, 6, seed=1)])
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids

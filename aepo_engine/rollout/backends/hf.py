@@ -23,9 +23,9 @@ with the token that completes a stop string (the string's tokens are part of ``t
 
 Prefix reuse (``prefix_cache_gib`` > 0, the default): a multi-turn rollout sends, round after
 round, the previous round's context plus the sampled tokens plus a tool result, and branches send
-their parent's context again. So the backend keeps, after each call, the keys and values of every
-finished row (its context plus all but the last sampled token, which was never fed) in a
-least-recently-used store bounded in bytes, keyed by the token ids they encode. A later request
+their parent's context again. So the backend keeps the keys and values of every context it
+prefilled and of every finished row (its context plus all but the last sampled token, which was
+never fed) in a least-recently-used store bounded in bytes, keyed by the token ids they encode. A later request
 whose ``prompt_ids`` start with a stored sequence prefills only the rest; requests of one batch
 with identical ``prompt_ids`` are prefilled once. The prefill then lays each row out as
 ``[pad | reused KV | pad | new tokens]`` with an attention mask over it and positions that count
@@ -37,6 +37,11 @@ a backend whose every call recomputes its whole context. Weight updates through
 in some other way must call ``clear_prefix_cache()``. Only models whose HF cache is a plain
 full-attention ``DynamicCache`` (no sliding windows, no recurrent state) reuse prefixes; for others
 the store stays off.
+
+Decode cache: for those same models the cache's layers are ``_GrowingLayer``s, which write each
+step's keys and values in place into a buffer sized at the prefill (context + the batch's largest
+``max_new_tokens``) instead of concatenating the whole cache every step as HF's ``DynamicLayer``
+does (``bench/bench_hf_decode.py``).
 """
 from __future__ import annotations
 
@@ -272,7 +277,7 @@ class HFBackend:
 
     def _run(self, rows: list[_Row], live: list[int]) -> None:
         spare = max(rows[i].req.max_new_tokens for i in live)  # slots a row's cache may still need
-        cache, mask, next_pos, logits = self._prefill([rows[i].req.prompt_ids for i in live], spare)
+        cache, mask, next_pos, logits = self._prefill([tuple(rows[i].req.prompt_ids) for i in live], spare)
         while True:
             new_tokens = self._sample_step([rows[i] for i in live], logits)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
@@ -362,7 +367,7 @@ class HFBackend:
         if not self.prefix_store.max_bytes:
             return
         for b, row in finished:
-            ids = row.req.prompt_ids + tuple(row.tokens[:-1])
+            ids = tuple(row.req.prompt_ids) + tuple(row.tokens[:-1])
             kv = self._row_kv(cache, mask, b)
             if kv[0][0].shape[1] != len(ids):
                 raise RuntimeError(f"prefix store: row has {kv[0][0].shape[1]} cached slots for {len(ids)} tokens")
@@ -493,7 +498,6 @@ def _plain_dynamic_cache(model) -> bool:
     prefix reuse needs: keys and values of every position, nothing else)."""
     try:
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         layers = DynamicCache(config=model.config).layers
     except Exception:  # noqa: BLE001 - an unusual config: no reuse
