@@ -119,6 +119,11 @@ def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
     assert len(rows) == 2 * 3 * 2 and all(r["same_tokens_as_concat"] for r in rows)
     assert {(r["context"], r["case"]) for r in rows} == {(c, k) for c in (12, 30) for k in ("prefill", "concat", "in_place")}
     assert all(r["decode_steps"] == 5 for r in rows if r["case"] != "prefill")
+    for context in (12, 30):
+        prefill = sorted(r["total_s"] for r in rows if r["context"] == context and r["case"] == "prefill")
+        for r in rows:
+            if r["context"] == context and r["case"] != "prefill":
+                assert r["decode_s"] == pytest.approx(r["total_s"] - sum(prefill) / 2)  # median of two
     summary = summarize(rows)
     assert {e["case"] for e in summary if "decode_speedup" in e} == {"in_place"}
     config = Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8, hidden_size=32, num_attention_heads=4)
