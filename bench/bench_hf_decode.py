@@ -60,7 +60,7 @@ def run(model_dir: str, contexts: list[int], rows: int, new_tokens: int, warmup:
         by_case: dict[str, list[dict[str, Any]]] = {}
         for round_index in range(rounds):
             for case in CASES:
-                backend._new_cache = (lambda spare=0: DynamicCache(config=config)) if case == "concat" else in_place
+                backend._new_cache = (lambda spare: DynamicCache(config=config)) if case == "concat" else in_place
                 reqs = [GenRequest(r.prompt_ids, 1, seed=r.seed) for r in requests] if case == "prefill" else requests
 
                 def body(_, reqs=reqs, case=case):

@@ -285,13 +285,13 @@ def run_case(spec: CaseSpec) -> dict[str, Any]:
             backend.seconds, backend.context_tokens, tools.seconds = 0.0, 0, 0.0
             if store is not None:  # as after a training step's weight sync: nothing reusable yet
                 store.clear()
-                store.reused_tokens = 0
+            reused_before = store.reused_tokens if store is not None else 0
             start, start_cpu = time.perf_counter(), time.process_time()
             result = scheduler.rollout(prompts, step=step)
             calls.append({"wall_s": time.perf_counter() - start,
                           "cpu_s": time.process_time() - start_cpu, "gen_s": backend.seconds,
                           "context_tokens": backend.context_tokens,
-                          "reused_context_tokens": store.reused_tokens if store is not None else 0,
+                          "reused_context_tokens": (store.reused_tokens if store is not None else 0) - reused_before,
                           **_call_stats(result.stats, result.trajectories)})
             return {"gen_s": backend.seconds, "tool_s": tools.seconds}
 

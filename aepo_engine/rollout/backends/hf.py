@@ -46,11 +46,12 @@ does (``bench/bench_hf_decode.py``).
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import OrderedDict
 from typing import Iterable, Mapping, Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from aepo_engine.rollout.entropy import entropy_from_logprobs
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
@@ -149,22 +150,16 @@ class PrefixStore:
         """The longest reusable stored prefix of ``ids``: (its length n, its KV [.., n, ..]), or
         (0, None). At least one token of ``ids`` is left to feed (its logits are needed), so a
         stored ``ids`` itself serves its first len(ids) - 1 positions."""
-        key = tuple(ids)
-        kv = self._entries.get(key)
-        if kv is not None and len(key) > 1:
-            self._entries.move_to_end(key)
-            self.hits += 1
-            self.reused_tokens += len(key) - 1
-            return len(key) - 1, [(k[:, :-1], v[:, :-1]) for k, v in kv]
-        for n in sorted(self._lengths, reverse=True):
-            if n < len(ids):
-                key = tuple(ids[:n])
-                kv = self._entries.get(key)
-                if kv is not None:
-                    self._entries.move_to_end(key)
-                    self.hits += 1
-                    self.reused_tokens += n
-                    return n, kv
+        ids = tuple(ids)
+        exact = [(ids, len(ids) - 1)] if len(ids) > 1 else []
+        shorter = ((ids[:n], n) for n in sorted(self._lengths, reverse=True) if n < len(ids))
+        for key, n in itertools.chain(exact, shorter):  # longest first, slices made as needed
+            kv = self._entries.get(key)
+            if kv is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                self.reused_tokens += n
+                return n, [(k[:, :n], v[:, :n]) for k, v in kv]
         self.misses += 1
         return 0, None
 
@@ -281,12 +276,11 @@ class HFBackend:
         while True:
             new_tokens = self._sample_step([rows[i] for i in live], logits)
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
-            if len(keep) < len(live):
+            if len(keep) < len(live):  # store finished rows, then drop them from every row tensor
                 self._store_finished(cache, mask, [(b, rows[i]) for b, i in enumerate(live)
                                                    if rows[i].finish is not None])
-            if not keep:
-                return
-            if len(keep) < len(live):  # drop finished rows from the cache and all row tensors
+                if not keep:
+                    return
                 cache.batch_select_indices(torch.tensor(keep, device=self.device))
                 mask, next_pos = mask[keep], next_pos[keep]
                 new_tokens = [new_tokens[b] for b in keep]
@@ -298,7 +292,7 @@ class HFBackend:
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-    def _prefill(self, prompts: list[tuple[int, ...]], spare: int = 0):
+    def _prefill(self, prompts: list[tuple[int, ...]], spare: int):
         """One forward pass over the contexts of a batch; returns (cache, mask [B, L], next
         positions [B, 1], last logits [B, V]) for the rows in ``prompts`` order.
 
@@ -339,16 +333,14 @@ class HFBackend:
             mask, next_pos, logits = mask[row_of], next_pos[row_of], logits[row_of]
         return cache, mask, next_pos, logits
 
-    def _new_cache(self, spare: int = 0):
+    def _new_cache(self, spare: int):
         """An empty DynamicCache whose layers grow in place (``_GrowingLayer``), with room for
         ``spare`` more positions after the prefill."""
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=self.model.config)
         cache.layers = [_GrowingLayer(spare) for _ in cache.layers]
         return cache
 
-    def _stack_prefixes(self, found: list[tuple[int, KV | None]], reused: int, spare: int = 0):
+    def _stack_prefixes(self, found: list[tuple[int, KV | None]], reused: int, spare: int):
         """A cache of the stored prefixes, right-aligned in ``reused`` slots (zeros before)."""
         cache = self._new_cache(spare)
         sample = next(kv for _, kv in found if kv is not None)
@@ -474,7 +466,7 @@ class _GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        used = self.keys.shape[-2] if self.keys.numel() else 0
+        used = self.get_seq_length()
         end = used + key_states.shape[-2]
         buffers = getattr(self, "_buffers", None)
         if (buffers is None or buffers[0].shape[-2] < end or buffers[0].shape[0] != key_states.shape[0]
@@ -497,8 +489,6 @@ def _plain_dynamic_cache(model) -> bool:
     """Whether the model's HF cache is one plain full-attention ``DynamicLayer`` per layer (what
     prefix reuse needs: keys and values of every position, nothing else)."""
     try:
-        from transformers import DynamicCache
-
         layers = DynamicCache(config=model.config).layers
     except Exception:  # noqa: BLE001 - an unusual config: no reuse
         return False
