@@ -10,7 +10,8 @@ amortised copies. Everything else is the same code path.
 
 Cases, per context length (same requests, same seeds; the sampled tokens must be identical):
     prefill   max_new_tokens = 1: the prefill and one sampling step (the part both share)
-    concat    ``HFBackend.generate`` with a plain DynamicCache (what the backend used before)
+    concat    ``HFBackend.generate`` with a plain DynamicCache (what the backend used before;
+              the benchmark swaps the backend's private ``_new_cache`` for it)
     in_place  ``HFBackend.generate`` as shipped
 ``decode_s`` = total - the prefill case's median. Cases run in turn, ``--rounds`` times, each
 ``harness.measure``d (time median of the repeats and peak RSS above the start); rows go to
