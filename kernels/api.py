@@ -297,17 +297,18 @@ def fused_linear_aepo_policy_loss(
 
     Args (others as :func:`aepo_policy_loss`):
         backend: the row op on each logits block: ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``.
-        chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block
-            (``token_chunk = chunk_bytes // (V * 4)``), unless ``token_chunk`` is given.
+        chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block in ``hidden``'s
+            dtype (``token_chunk = chunk_bytes // (V * element size)``), unless ``token_chunk`` is given.
         vocab_chunk: vocab block of the no-grad entropy pass of the two-phase path only.
         shift_labels: hidden row t predicts ``labels[t+1]``; hidden states are not copied.
         logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
             of ``z = hidden @ weight.T + bias`` (pass the model config's values).
     Returns:
         ``(loss, stats)`` as :func:`aepo_policy_loss`; gradients flow to hidden, weight and bias.
-    Cost: 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight), an fp32 ``[V, D]`` weight-gradient
-    accumulator (the gradient itself for fp32 weights), one ``[token_chunk, V]`` block; on CPU,
-    non-fp32 weights are converted to fp32 once per call.
+    Cost: 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight) in ``hidden``'s dtype (a weight
+    stored wider, e.g. fp32 master weights with bf16 hidden states, is cast to it once per call),
+    an fp32 ``[V, D]`` weight-gradient accumulator (the gradient itself for fp32 weights), one
+    ``[token_chunk, V]`` block in ``hidden``'s dtype.
     """
     inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -328,7 +329,7 @@ def fused_linear_aepo_policy_loss(
                          global_token_count, global_num_seqs, ref_logprobs, tokens["token_weights"])
     n_tokens = labels.numel()
     inputs = _as_3d_inputs(inputs, (1, n_tokens))
-    token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes)
+    token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
     loss, rows = FusedLinearAEPOLossFunction.apply(
         hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs, config,
         inv_t, ignore_index, backend, token_chunk, tanh_scale)

@@ -8,7 +8,9 @@ slow run. Now:
   ``fullgraph=True``: a graph break is an error, not a partly eager function) and a compile
   failure raises, naming the cause and the switch below;
 - ``AEPO_TORCH_COMPILE=0`` runs eager on purpose (e.g. a machine without a C++ compiler), and
-  says so once.
+  says so once;
+- under a caller's ``TorchDispatchMode`` (``FlopCounterMode``, a memory or dtype recorder) the
+  eager function runs: dynamo does not trace under an active mode, and the mode sees every op.
 ``CompiledFunction.mode`` tells which one ran; tests check that it is ``"compiled"`` on CPU.
 
 Each function legitimately compiles a handful of variants (input dtype fp32 / bf16 / fp64 for
@@ -47,8 +49,10 @@ class CompiledFunction:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         if self.impl is None:
             self._choose()
-        if self.mode == "eager":
-            return self.impl(*args)
+        if self.mode == "eager" or _in_dispatch_mode():
+            # under a caller's TorchDispatchMode (FlopCounterMode, memory or dtype recorders)
+            # dynamo captures no frame; the eager function gives the mode every op to see
+            return self.fn(*args)
         try:
             try:
                 return self.impl(*args)
@@ -74,6 +78,12 @@ class CompiledFunction:
             warnings.warn("aepo_kernels: AEPO_TORCH_COMPILE=0, the CPU kernels run in eager torch (slower)")
             _EAGER_NOTICE_GIVEN = True
         self.impl, self.mode = self.fn, "eager"
+
+
+def _in_dispatch_mode() -> bool:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode()
 
 
 def compiled(fn: Callable) -> CompiledFunction:

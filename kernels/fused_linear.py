@@ -5,8 +5,8 @@ at a time, and folded into per-token online-softmax statistics (see
 :func:`aepo_kernels.logits_ops.chunk_stats`). Forward keeps ``lse`` and ``Eu`` per token;
 backward recomputes each logits block, forms its dlogits block with the same formula as the
 logits-level backward, and accumulates
-    d hidden += dlogits_block @ weight_block          (fp32, [N, D] buffer)
-    d weight_block += dlogits_block.T @ hidden_chunk  (fp32, one [vocab_chunk, D] buffer at a time)
+    d hidden += dlogits_block @ weight_block          (fp32 accumulator, [N, D])
+    d weight_block += dlogits_block.T @ hidden_chunk  (fp32 accumulator, one [vocab_chunk, D] at a time)
 The loops run vocabulary-outer so each weight block is read once per pass and the full-size fp32
 weight gradient never exists (only the final gradient in the weight's dtype).
 
@@ -18,13 +18,21 @@ that problem once the entropy statistics and normalisers are supplied:
 :func:`aepo_kernels.fused_linear_aepo_policy_loss`) knows every per-token gradient inside the
 forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
 
-Matmuls run in the input dtype on CUDA (tensor cores, fp32 accumulation) and in fp32 on CPU.
+Matmul dtype: every matmul takes its operands in ``hidden``'s dtype (the compute dtype: bf16 in a
+bf16 run), the weight cast to it block by block where it is stored wider (fp32 master weights under
+autocast), so a bf16 run never multiplies fp32 copies of ``[tokens, V]`` or ``[V, D]`` operands. The
+GEMMs accumulate in fp32 internally (cuBLAS and oneDNN do for bf16/fp16); where a product is added
+into a longer-lived fp32 accumulator (d_W, and d_hidden of the two-pass path) :func:`addmm_accumulate`
+adds it without rounding it to the compute dtype on CUDA (``addmm(out_dtype=float32)``) and in
+vocabulary slices of a rounded product elsewhere. Accumulators and outputs stay fp32.
 
 ``logit_scale`` and ``softcap`` (models whose head is followed by ``z * s`` and/or
 ``c tanh(z / c)``: Cohere, Gemma-2) are applied to each logits block inside the row ops
 (:func:`aepo_kernels.logits_ops.logit_map`), gradient included; nothing extra is materialised.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -49,13 +57,54 @@ def chunks_for_budget(vocab: int, chunk_bytes: int) -> tuple[int, int]:
     return max(1, chunk_bytes // (3 * 4 * vocab_chunk)), vocab_chunk
 
 
-def _mm_dtype(t: torch.Tensor) -> torch.dtype:
-    return t.dtype if t.is_cuda or t.dtype == torch.float64 else torch.float32
+# Rows of the rounded partial product :func:`addmm_accumulate` forms at a time without fp32 output
+# GEMMs: bounds its temporary to [rows, N] in the compute dtype.
+ACCUMULATE_SLICE_ROWS = 1 << 13
 
 
-def _logits_block(hidden_chunk, weight_block, bias_block, dtype):
-    z = hidden_chunk.to(dtype) @ weight_block.to(dtype).T
-    return z if bias_block is None else z + bias_block.to(dtype)
+@functools.cache
+def _fp32_out_gemm(device: torch.device) -> bool:
+    """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates bf16 operands into an
+    fp32 tensor in place on ``device`` (CUDA builds that have the fp32-output GEMM); checked once on a
+    small product against float64 so that a build without it, or one that mishandles ``out=input``,
+    falls back to the sliced path instead of returning wrong gradients."""
+    if device.type != "cuda":
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(48, 40, device=device, generator=gen).bfloat16()
+        b = torch.randn(40, 24, device=device, generator=gen).bfloat16()
+        acc = torch.randn(48, 24, device=device, generator=gen)
+        want = acc.double() + a.double() @ b.double()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc.double(), want, rtol=1e-4, atol=1e-4))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def addmm_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for a wider accumulator (fp32 ``acc [M, N]``; ``a [M, K]``, ``b [K, N]`` in
+    the compute dtype): the GEMM runs on the compute-dtype operands, never on fp32 copies of them.
+
+    Same dtypes: one in-place ``addmm``. CUDA: one GEMM with fp32 output into ``acc``. Elsewhere
+    (CPU bf16): the product of ``ACCUMULATE_SLICE_ROWS`` rows at a time, rounded once to the compute
+    dtype (its GEMM accumulates in fp32), added into ``acc``.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _fp32_out_gemm(a.device) and acc.dtype == torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        for r0 in range(0, a.shape[0], ACCUMULATE_SLICE_ROWS):
+            acc[r0 : r0 + ACCUMULATE_SLICE_ROWS].add_(a[r0 : r0 + ACCUMULATE_SLICE_ROWS] @ b)
+
+
+def _logits_block(hidden_chunk, weight_block, bias_block):
+    """``[tc, D] x [vc, D] -> [tc, vc]`` in the operands' (compute) dtype, the bias added inside
+    the GEMM (one rounding, as ``nn.Linear`` computes it)."""
+    if bias_block is None:
+        return hidden_chunk @ weight_block.T
+    return torch.addmm(bias_block, hidden_chunk, weight_block.T)
 
 
 class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
@@ -64,17 +113,17 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        dtype = _mm_dtype(hidden)
+        dtype = hidden.dtype  # the compute dtype of every matmul
         f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
         stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
         target = torch.zeros(n_tokens, **f32)
         valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
         for v0 in range(0, vocab, vocab_chunk):
-            w, b = weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk]
+            w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)  # [vc, D], [vc] in the compute dtype
             in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
             for i0 in range(0, n_tokens, token_chunk):
                 rows = slice(i0, i0 + token_chunk)
-                z = _logits_block(hidden[rows], w, b, dtype)  # [tc, vc]
+                z = _logits_block(hidden[rows], w, b)  # [tc, vc]
                 hit = in_block[rows]
                 local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
                 z_target = map_logits(z.gather(-1, local.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(target.dtype)
@@ -95,30 +144,37 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).masked_fill(~valid, 0.0)
         g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
         acc = dict(dtype=lse.dtype, device=hidden.device)
-        dtype, vocab = _mm_dtype(hidden), weight.shape[0]
+        dtype, vocab = hidden.dtype, weight.shape[0]
         d_hidden = torch.zeros(hidden.shape, **acc)
         d_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         d_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         for v0 in range(0, vocab, vocab_chunk):
-            w, b = weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk]
+            w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)
             in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
             d_w = torch.zeros(w.shape, **acc)
             d_b = torch.zeros(w.shape[0], **acc)
             for i0 in range(0, hidden.shape[0], token_chunk):
                 rows = slice(i0, i0 + token_chunk)
                 h = hidden[rows]
-                z = _logits_block(h, w, b, dtype)
+                z = _logits_block(h, w, b)
                 local = torch.where(in_block[rows], labels[rows] - v0, torch.full_like(labels[rows], -1))
                 dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale)  # [tc, vc] fp32
                 dz_mm = dz.to(dtype)
-                d_hidden[rows] += (dz_mm @ w.to(dtype)).to(acc["dtype"])
-                d_w += (dz_mm.T @ h.to(dtype)).to(acc["dtype"])
+                addmm_accumulate(d_hidden[rows], dz_mm, w)  # [tc, D]
+                addmm_accumulate(d_w, dz_mm.T, h)  # [vc, D]
                 d_b += dz.sum(0)
             if d_weight is not None:
                 d_weight[v0 : v0 + vocab_chunk] = d_w.to(weight.dtype)
             if d_bias is not None:
                 d_bias[v0 : v0 + vocab_chunk] = d_b.to(bias.dtype)
         return d_hidden.to(hidden.dtype), d_weight, d_bias, None, None, None, None, None, None
+
+
+def _weight_block(weight, bias, v0, vocab_chunk, dtype):
+    """Rows ``v0 : v0 + vocab_chunk`` of the weight (and bias) in the compute dtype (a copy only
+    when the weight is stored wider, e.g. fp32 master weights under autocast)."""
+    w = weight[v0 : v0 + vocab_chunk].to(dtype)
+    return w, None if bias is None else bias[v0 : v0 + vocab_chunk].to(dtype)
 
 
 def fused_linear_logprob_entropy(
@@ -151,6 +207,7 @@ def fused_linear_logprob_entropy(
             (token 0: 0), as :func:`aepo_kernels.logprob_entropy`.
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
+        The matmuls run in ``hidden``'s dtype (module docstring).
     """
     inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -170,8 +227,8 @@ def fused_linear_logprob_entropy(
 # The one-pass AEPO loss from hidden states: the gradient is computed in the forward loop.
 
 def token_chunk_for_budget(vocab: int, chunk_bytes: int, element_size: int = 4) -> int:
-    """Rows of the ``[rows, V]`` logits buffer of :class:`FusedLinearAEPOLossFunction` that fit in
-    ``chunk_bytes`` (at least 1)."""
+    """Rows of the ``[rows, V]`` logits buffer of :class:`FusedLinearAEPOLossFunction` (elements of
+    ``element_size`` bytes: the compute dtype's) that fit in ``chunk_bytes`` (at least 1)."""
     return max(1, chunk_bytes // max(1, vocab * element_size))
 
 
@@ -181,13 +238,15 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
     Per token chunk of ``token_chunk`` rows: ``z = h @ W.T (+ b)`` into one reused ``[rows, V]``
     buffer (matmul 1); the one-pass row op (:func:`aepo_kernels.one_pass.one_pass_rows`) turns z
     into dlogits in place; ``d_hidden[rows] = dz @ W`` (matmul 2) and ``d_W += dz.T @ h``
-    (matmul 3, fp32 accumulator). Backward only scales the three stored gradients.
+    (matmul 3, into an fp32 accumulator, :func:`addmm_accumulate`). All three take their operands
+    in ``hidden``'s dtype (W cast once per call when stored wider); the row op reads and writes the
+    buffer in that dtype and does its maths in fp32. Backward only scales the three stored gradients.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, token_chunk,
                 tanh_scale=None):
-        # The matmul dtype is chosen here (_mm_dtype), not by an enclosing autocast region.
+        # The matmul dtype is hidden's (the caller casts it), not an enclosing autocast region's.
         with torch.autocast(hidden.device.type, enabled=False):
             return FusedLinearAEPOLossFunction._forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t,
                                                         ignore_index, backend, token_chunk, tanh_scale)
@@ -198,8 +257,8 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
         from .one_pass import one_pass_rows
 
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        dtype, acc = _mm_dtype(hidden), accumulate_dtype(hidden.dtype)
-        w_mm = weight.to(dtype)  # no copy when the dtypes agree (fp32 on CPU, or CUDA)
+        dtype, acc = hidden.dtype, accumulate_dtype(hidden.dtype)
+        w_mm = weight.to(dtype)  # [V, D]; a copy only when the weight is stored wider than hidden
         b_mm = None if bias is None else bias.to(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
@@ -209,7 +268,7 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
         buffer = torch.empty(min(token_chunk, n_tokens), vocab, dtype=dtype, device=hidden.device)
         for i0 in range(0, n_tokens, token_chunk):
             rows = slice(i0, i0 + token_chunk)
-            h = hidden[rows].to(dtype)  # [tc, D]
+            h = hidden[rows]  # [tc, D]
             z = buffer[: h.shape[0]]  # [tc, V]
             if b_mm is None:
                 torch.mm(h, w_mm.T, out=z)
@@ -222,9 +281,9 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
             if d_hidden is not None:
                 torch.mm(z, w_mm, out=d_hidden[rows])
             if d_weight is not None:
-                d_weight.addmm_(z.T.to(acc), h.to(acc))
+                addmm_accumulate(d_weight, z.T, h)  # [V, D] fp32 += [V, tc] @ [tc, D]
             if d_bias is not None:
-                d_bias += z.sum(0).to(acc)
+                d_bias += z.sum(0, dtype=acc)
         ctx.mark_non_differentiable(rows_out)
         ctx.save_for_backward(
             None if d_hidden is None else d_hidden.to(hidden.dtype),

@@ -347,7 +347,8 @@ def test_token_loss_on_request_and_only_then(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linear_equals_materialised_logits_with_all_options(backend, dtype):
     """Same options on both: shift_labels, logit_scale + softcap, a custom ignore_index, token
-    weights, return_token_loss, bias; the materialised side is the fp32 reference backend."""
+    weights, return_token_loss, bias; the materialised side is the fp32 reference backend on the
+    logits computed in the inputs' dtype (the fused matmuls run in it, as a bf16 lm_head's do)."""
     batch, seq, d, vocab = 2, 11, 20, 509
     gen = torch.Generator().manual_seed(21)
     hidden = torch.randn(batch, seq, d, generator=gen).to(dtype)
@@ -362,17 +363,18 @@ def test_fused_linear_equals_materialised_logits_with_all_options(backend, dtype
     loss, stats = fused_linear_aepo_policy_loss(leaves[0], leaves[1], labels, old, adv, mask, bias=leaves[2],
                                                 backend=backend, token_chunk=6, **opts)
     loss.backward()
-    ref_leaves = [t.float().clone().requires_grad_() for t in (hidden, weight, bias)]
-    want, want_stats = aepo_policy_loss(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], labels, old, adv, mask,
-                                        backend="reference", **opts)
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logits = torch.nn.functional.linear(*ref_leaves).float()
+    want, want_stats = aepo_policy_loss(logits, labels, old, adv, mask, backend="reference", **opts)
     want.backward()
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-4)
     for name in ("token_loss", "token_logprobs", "token_entropy", "entropy", "clipfrac_high", "kl"):
         torch.testing.assert_close(stats[name], want_stats[name], atol=1e-4, rtol=1e-4, msg=name)
     for got, ref_leaf in zip(leaves, ref_leaves):
         assert got.grad.dtype == dtype
-        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2 * ref_leaf.grad.abs().max(), rtol=2e-2)
-        torch.testing.assert_close(got.grad.float(), ref_leaf.grad, **tol)
+        want_grad = ref_leaf.grad.float()
+        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2 * want_grad.abs().max(), rtol=2e-2)
+        torch.testing.assert_close(got.grad.float(), want_grad, **tol)
 
 
 @pytest.mark.parametrize("scale,cap", CAPS)

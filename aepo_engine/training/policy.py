@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import math
 import time
 from typing import Iterator, Literal
@@ -56,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
+from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
 from aepo_kernels import (
@@ -114,6 +114,11 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
         fsdp: "auto" shards with FSDP2 when world_size > 1; "on" always (needs torchrun); "off" never
             (with world_size > 1 every rank holds the full model and gradients are all-reduced).
+        sharded_load: With FSDP, build the model on the meta device, shard it, and read only this
+            rank's shards from the checkpoint's safetensors files (``training.loading``): a rank
+            never holds more than its shards plus one shard of one tensor. false loads the whole
+            fp32 model on every rank first (``from_pretrained``; for checkpoints whose tensor names
+            are not the model's parameter names). Without FSDP the whole model is loaded either way.
         param_dtype: Compute dtype of parameters in forward/backward (master weights stay float32);
             FSDP2 MixedPrecisionPolicy when sharded, torch.autocast otherwise. No float16: it would
             need loss scaling, which is left out.
@@ -138,6 +143,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fused_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
+    sharded_load: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
@@ -234,6 +240,7 @@ class PolicyModel(nn.Module):
 
     def _head(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
+        hidden = _in_compute_dtype(hidden)
         if self.fused:
             logprobs, entropy = fused_linear_logprob_entropy(
                 hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes)
@@ -246,6 +253,7 @@ class PolicyModel(nn.Module):
     def _loss(self, hidden: Tensor, labels: Tensor, inputs: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         """The one-pass AEPO loss of ``hidden [B, L, D]`` (gradient computed during this call)."""
         head = self.hf.get_output_embeddings()
+        hidden = _in_compute_dtype(hidden)
         kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
                       global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
                       entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks)
@@ -257,20 +265,19 @@ class PolicyModel(nn.Module):
         return aepo_policy_loss(head(hidden), *args, inplace_backward=True, **kwargs)  # logits: [B, L, V]
 
 
-def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` in float32 (the master weights)."""
-    from transformers import AutoModelForCausalLM
+def _in_compute_dtype(hidden: Tensor) -> Tensor:
+    """The final hidden states in the compute dtype of the head's matmuls.
 
-    if attn_implementation == "flash_attention_2" and not (
-            torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None):
-        raise RuntimeError("attn_implementation='flash_attention_2' needs CUDA and the flash-attn "
-                           "package; use 'sdpa'")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, name, None) is not None:
-            raise NotImplementedError(f"{type(model).__name__} post-processes logits ({name}); "
-                                      "the worker's log-prob path does not")
-    return model
+    Under autocast (no FSDP, ``param_dtype`` bf16) the backbone's residual stream and final norm
+    run in fp32, so its last hidden state comes out fp32; the fused head disables autocast and
+    multiplies in its input's dtype, so it is cast here to the autocast dtype (the fp32 lm_head
+    weight is cast block-wise by the kernel, its gradient accumulated in fp32). Under FSDP2's
+    mixed precision the hidden states are already in ``param_dtype``.
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return hidden.to(torch.get_autocast_dtype(device_type))
+    return hidden
 
 
 # --- the worker -----------------------------------------------------------------------------------
@@ -297,12 +304,16 @@ class PolicyWorker:
         self.use_fsdp = config.fsdp == "on" or (config.fsdp == "auto" and self.world_size > 1)
         if self.use_fsdp and not dist.is_initialized():
             raise RuntimeError("fsdp='on' needs torch.distributed (launch with torchrun)")
-        self.model = load_hf_model(model_path, config.attn_implementation)
+        on_meta = self.use_fsdp and config.sharded_load
+        load = build_meta_model if on_meta else load_hf_model
+        self.model = load(model_path, config.attn_implementation)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
                                   loss_config=config.loss, pack=config.packs)
         self._shard_or_place()
+        if on_meta:  # the shards exist now: allocate them and read this rank's rows
+            load_sharded_weights(self.model, model_path, self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
