@@ -42,7 +42,7 @@ from aepo_engine.eval.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
-from aepo_engine.rollout.backends import build_backend, engine_layout
+from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
 from aepo_engine.rollout.measures import depth_metrics, diversity_metrics, entropy_tail_metrics
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
@@ -94,10 +94,16 @@ class Trainer:
         self.policy = PolicyWorker(self.model_dir, cfg.policy, cfg.optim, total_steps=self._optimizer_steps(),
                                    temperature=cfg.rollout.temperature)
         self.reward_fn = build_reward_fn(cfg.reward)
-        # The backend first: a vLLM engine must start before the search index loads numba. Ranks
-        # that host no engine (tensor-parallel groups) sample nothing; they train.
-        self.backend = (build_backend(cfg.backend, self.model_dir, self.tokenizer, seed=cfg.rollout.seed + self.rank,
-                                      local_rank=distributed.local_rank()) if self.layout.host else None)
+        # The backend before the tools: a vLLM engine must start before the search index loads
+        # numba. An in-process engine is built on every rank of its group (the host drives it,
+        # the others replay its calls); otherwise ranks that host no engine sample nothing.
+        in_process = cfg.backend.kind == "vllm" and cfg.backend.in_process
+        group = engine_group(self.layout, self.world) if in_process else None
+        self.backend = (build_backend(cfg.backend, self.model_dir, self.tokenizer,
+                                      seed=cfg.rollout.seed + self.layout.group[0],
+                                      local_rank=distributed.local_rank(), group=group)
+                        if self.layout.host or in_process else None)
+        self.sleeps = self.backend is not None and cfg.backend.sleeps(torch.cuda.is_available())
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
@@ -156,6 +162,8 @@ class Trainer:
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
         trajectories, rewards, correct, answers, stats = self._rollout_and_score(examples, step)
+        if self.sleeps:  # the update gets the engine's memory back until the weight sync
+            self.backend.sleep()
         t_rollout = time.perf_counter() - t0
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
@@ -188,19 +196,39 @@ class Trainer:
 
     def _sync_weights(self) -> None:
         """Stream the updated weights into this rank's engine, a bucket at a time (collective:
-        every rank gathers every bucket, a rank without an engine then drops it)."""
+        every rank gathers every bucket, a rank without an engine then drops it). A sleeping
+        engine gets its weights' memory back first and its KV cache after the push."""
         buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20))
-        if self.backend is not None:
-            self.backend.load_weight_buckets(buckets)
-        else:
+        if self.backend is None:
             for _ in buckets:
                 pass
+            return
+        if self.sleeps:
+            self.backend.wake_up(["weights"])
+        self.backend.load_weight_buckets(buckets)
+        if self.sleeps:
+            self.backend.wake_up(["kv_cache"])
+
+    def _sample(self, fn):
+        """``fn()``: sampling with this rank's engine, on this rank's share of the prompts. A
+        follower of an in-process tensor-parallel group first replays the host's engine calls
+        (until the host has returned), then runs ``fn`` on its own share, which is empty; the host
+        releases the followers afterwards. Keep collectives out of ``fn``."""
+        if getattr(self.backend, "leads", True) is False:
+            self.backend.follow()
+            return fn()
+        try:
+            return fn()
+        finally:
+            if hasattr(self.backend, "end_phase"):
+                self.backend.end_phase()
 
     def _rollout_and_score(self, examples: list[Example], step: int):
         """This engine's share of prompts -> trajectories, rewards, correctness, the answers the
         reward read (None where it reports none) and the rollout stats, all-gathered in prompt order."""
         mine = self.layout.prompts(len(examples))
-        local = self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step) if mine else None
+        local = self._sample(lambda: self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
+                             if mine else None)
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
@@ -221,10 +249,10 @@ class Trainer:
         if self.eval_examples:
             chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
             questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
-            local = evaluate(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                             [self.prompt_ids(e) for e in questions], [e.ground_truth for e in questions],
-                             self.reward_fn, msgspec.structs.replace(self.cfg.eval, num_questions=0),
-                             categories=[e.data_source for e in questions])
+            local = self._sample(lambda: evaluate(
+                self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
+                [e.ground_truth for e in questions], self.reward_fn,
+                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions]))
             result = merge_eval_results(distributed.all_gather_objects(local))
         for eval_set in self.eval_sets:
             result.update(self._evaluate_set(eval_set, label))
@@ -237,8 +265,8 @@ class Trainer:
         summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
         mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
         prompts = [encode_chat_prompt(self.tokenizer, eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
-        local = sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout, self.cfg.eval, prompts,
-                               mine, eval_set.check)
+        local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
+                                                    self.cfg.eval, prompts, mine, eval_set.check))
         records = [r for part in distributed.all_gather_objects(local) for r in part]
         if self.rank != 0:
             return {}
@@ -322,7 +350,8 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         return float(sum(getattr(s, key) for s in stats))
 
     m_values = [m for s in stats for m in s.m]
-    model_entropies = [e for t in trajectories for e, keep in zip(t.entropies, t.loss_mask) if keep]
+    # the sampling entropies the backend computed (all tokens for HF; segment heads for vLLM)
+    model_entropies = [e for t in trajectories for e, keep in zip(t.entropies, t.loss_mask) if keep and e == e]
     return {
         "rollout/global_samples": float(np.mean(m_values)) if m_values else 0.0,
         "rollout/branches": total("branches"),

@@ -28,6 +28,10 @@ class GenRequest:
             (e.g. ``"</search>"``); the stop string's tokens are part of ``token_ids``.
         seed: per-request sampling seed; the same seed, model and context give the same tokens.
         temperature, top_p: sampling parameters.
+        entropy_tokens: the leading sampled tokens whose entropy the caller reads (the segment
+            head the branching rule and H_init average over); None = every token. A backend
+            whose entropies cost extra per token (vLLM's top-k estimate) computes only these and
+            reports NaN past them; an exact backend may report all.
     """
 
     prompt_ids: tuple[int, ...]
@@ -36,6 +40,7 @@ class GenRequest:
     seed: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    entropy_tokens: int | None = None
 
 
 @dataclass
@@ -44,7 +49,8 @@ class GenOutput:
 
     ``logprobs[i]`` is log pi(token_ids[i]) under the sampling distribution (temperature
     applied); ``entropies[i]`` is the entropy of that distribution at position i (exact, or an
-    estimate when ``GenerationBackend.entropy_is_exact`` is False).
+    estimate when ``GenerationBackend.entropy_is_exact`` is False; NaN past the request's
+    ``entropy_tokens`` where the backend did not compute it).
     """
 
     token_ids: list[int]

@@ -502,7 +502,7 @@ class EntropyBalancedRollout:
         return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids),
                           max_new_tokens=min(cfg.max_tokens_per_segment, remaining),
                           stop_strings=self.stop_strings, seed=seed,
-                          temperature=cfg.temperature, top_p=cfg.top_p)
+                          temperature=cfg.temperature, top_p=cfg.top_p, entropy_tokens=cfg.n_entropy_tokens)
 
     def _classify(self, traj: Trajectory, output: GenOutput, stats: _Stats
                   ) -> ToolCall | None:

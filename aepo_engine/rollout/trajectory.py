@@ -84,7 +84,8 @@ class Trajectory:
 
     Token-aligned lists (all ``len(response_ids)`` long): ``loss_mask`` (1 model token, 0 tool
     token), ``logprobs`` (sampling log-prob; 0.0 on tool tokens), ``entropies`` (per-token
-    sampling entropy; 0.0 on tool tokens). ``segment_entropies[j]`` is the mean entropy of the
+    sampling entropy; 0.0 on tool tokens; NaN past a segment's head where the backend estimates
+    entropies only there, see ``GenRequest.entropy_tokens``). ``segment_entropies[j]`` is the mean entropy of the
     first n_e tokens of the j-th *model* segment; ``segment_entropies[0]`` is H_init.
     ``tool_calls`` counts executed calls (= tool-result segments, inherited prefix included);
     ``tool_log`` records each executed call (tool, payload, result, latency), inherited prefix included;

