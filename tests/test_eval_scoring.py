@@ -217,3 +217,13 @@ def test_cover_match_column():
     assert score_response(_boxed("Parisian"), ["Paris"], "qa")["acc"] == 0.0  # not a whole token
     assert score_response(_boxed("New York City"), ["york"], "qa")["acc"] == 1.0
     assert score_response(_boxed("0.5"), ["\\frac{1}{2}"], "math")["acc"] == 1.0  # correct implies acc
+
+
+@pytest.mark.parametrize("answer,reference,correct", [
+    ("-34689", "34689", False), ("3.4689", "34689", False), ("-.5", ".5", False),  # SQuAD em says 1 to all three
+    ("34,689", "34689", True), ("Route 66", "route 66", True), ("A-1", "A1", True),  # a hyphen in a word is no sign
+    ("1.95 m", "1.95 m.", True),
+])
+def test_qa_correct_needs_the_same_numbers(answer, reference, correct):
+    s = score_response(_boxed(answer), [reference], "qa")
+    assert s["correct"] is correct and s["em"] == 1.0  # the em column stays SQuAD's

@@ -11,11 +11,12 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
   a run of whole tokens in the answer (cover match), or the answer is correct;
 - ``math``: maths equivalence with any reference (``rewards.math_answer.math_equal``);
 - ``format_ok``: the deep-research tag structure is valid (``rewards.deep_research.check_format``);
-- ``correct``: on "qa" sets, em; on "math" and "mixed" (HLE) sets, maths equivalence, or, when the
-  reference and the answer are both plain words (no digit, no maths symbol), SQuAD exact match.
-  SQuAD normalisation deletes ``-``, ``.`` and brackets, so it never decides a maths answer
-  (``-50`` is not ``50``, ``9.5`` is not ``95``). On every set a multiple-choice reference ("D")
-  also accepts an answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
+- ``correct``: on "qa" sets, em with the same numbers on both sides; on "math" and "mixed" (HLE)
+  sets, maths equivalence, or, when the reference and the answer are both plain words (no digit,
+  no maths symbol), SQuAD exact match. SQuAD normalisation deletes ``-``, ``.`` and brackets, so
+  it never decides a number on its own (``-50`` is not ``50``, ``9.5`` is not ``95``, GAIA's
+  ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
+  answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
 ``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.eval.reference`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
@@ -46,6 +47,9 @@ _CHOICE = re.compile(r"^\(?([A-Z])\)?(?:[.):\s]|$)")
 _WORD_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
 _MATHS_SYMBOL = re.compile(r"[\d\\^_{}\[\]=<>+*/|$%-]")
 _LETTER = re.compile(r"[^\W\d_]")
+# Decimal numbers, thousands commas allowed, with a minus sign unless the hyphen joins a word or a
+# range ("A-1", "2-3"): what SQuAD's em must not lose.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,6 +82,17 @@ def _plain_words(text: str) -> bool:
     return bool(_LETTER.search(text)) and not _MATHS_SYMBOL.search(text)
 
 
+def _numbers(text: str) -> list[str]:
+    return [n.replace(",", "") for n in _NUMBER.findall(text)]
+
+
+def _qa_correct(answer: str, reference: str) -> bool:
+    """``correct`` on a QA set: em, and the numbers in both (signs and decimal points) agree."""
+    if _choice_match(answer, reference):
+        return True
+    return exact_match(answer, reference) and _numbers(answer) == _numbers(reference)
+
+
 def _maths_correct(answer: str, reference: str) -> bool:
     """``correct`` on a maths or mixed set (module docstring)."""
     if math_equal(answer, reference) or _choice_match(answer, reference):
@@ -99,7 +114,7 @@ def _engine_scores(response: str, references: list[str], check: str) -> dict[str
         return scores
     em = any(exact_match(answer, ref) or _choice_match(answer, ref) for ref in references)
     if check == "qa":
-        correct = em
+        correct = any(_qa_correct(answer, ref) for ref in references)
     else:
         scores["math"] = float(any(math_equal(answer, ref) for ref in references))
         correct = any(_maths_correct(answer, ref) for ref in references)
