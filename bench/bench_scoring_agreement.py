@@ -95,7 +95,8 @@ def eval_variants(gold: str, other: str, aliases: list[str], check: str) -> list
             out.append(("thousands_commas", "right", _wrap(f"{number:,}")))
         if abs(number) >= 10:
             digits = str(abs(number))
-            out.append(("decimal_shifted", "wrong", _wrap(("-" if number < 0 else "") + digits[:-1] + "." + digits[-1])))
+            shifted = ("-" if number < 0 else "") + digits[:-1] + "." + digits[-1]
+            out.append(("decimal_shifted", "wrong", _wrap(shifted)))
     elif re.fullmatch(r"-?\d+\.\d+", gold):
         out.append(("decimal_dropped", "wrong", _wrap(gold.replace(".", ""))))
     fraction = re.fullmatch(r"(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}", gold)
@@ -284,7 +285,7 @@ def main() -> None:
     shown = ["bench", "group", "kind", "cases", "agree_answer", "agree_em", "agree_f1", "agree_correct",
              "engine_correct", "reference_correct", "agree_score", "engine_positive", "reference_positive"]
     if authors is not None:
-        shown += ["authors_agree_em", "authors_agree_f1", "authors_agree_acc", "authors_agree_math", "authors_agree_score"]
+        shown += [f"authors_agree_{m}" for m in ("em", "f1", "acc", "math", "score")]
     print_table([r for r in rows if r["group"] == "all" or r["kind"] == "wrong"], shown)
 
 

@@ -141,8 +141,9 @@ def test_scoring_agreement_variants_and_summary_hand_worked():
     words = {name for name, _, _ in eval_variants("New York", "Paris", ["New York", "New"], "qa")}
     assert {"upper", "article", "negated", "other_gold"} <= words and "first_word" not in words  # "New" is an alias
     scores = lambda correct, em: {"answer": "a", "em": em, "f1": em, "acc": em, "math": 0.0, "correct": correct}
-    cases = [{"set": "s", "variant": "v", "kind": "wrong", "engine": scores(True, 1.0), "reference": scores(False, 0.0)},
-             {"set": "s", "variant": "v", "kind": "wrong", "engine": scores(False, 0.0), "reference": scores(False, 0.0)}]
+    case = {"set": "s", "variant": "v", "kind": "wrong"}
+    cases = [{**case, "engine": scores(True, 1.0), "reference": scores(False, 0.0)},
+             {**case, "engine": scores(False, 0.0), "reference": scores(False, 0.0)}]
     (row, *_) = summarize(cases, lambda c: (c["variant"], c["kind"]), _eval_row, "eval_by_variant")
     assert row["group"] == "all" and row["cases"] == 2 and row["agree_correct"] == 0.5 and row["agree_answer"] == 1.0
     assert row["engine_correct"] == 1 and row["reference_correct"] == 0
