@@ -67,7 +67,7 @@ def eval_variants(gold: str, other: str, aliases: list[str], check: str) -> list
     """(variant, kind, response) for one gold answer; ``other`` is another question's gold; a
     "wrong" variant that happens to be one of the question's ``aliases`` is left out. Maths
     notations (``x =``, ``.0``, thousands commas) are variants on maths and mixed sets only."""
-    known = {a.strip().lower() for a in aliases}
+    known = {_loose(a) for a in aliases}
     out = [("exact", "right", _wrap(gold)), ("period", "right", _wrap(gold + ".")),
            ("no_box", "right", f"<think>t</think><answer>{gold}</answer>"),
            ("box_in_reasoning", "right", _wrap(gold, f"<think>maybe \\boxed{{{other}}}</think>")),
@@ -106,10 +106,15 @@ def eval_variants(gold: str, other: str, aliases: list[str], check: str) -> list
     if len(gold) > 2 and gold[0] in "([" and gold[-1] in ")]" and "," in gold:
         out.append(("bracket_changed", "wrong", _wrap({"(": "[", "[": "("}[gold[0]] + gold[1:])))
     sign = re.search(r"(?<=\S)\s*([+-])\s*(?=\S)", gold)
-    if sign and not fraction and number is None:
+    if sign and not fraction and number is None and check != "qa":  # in QA text a hyphen is a word's
         flipped = gold[:sign.start(1)] + {"+": "-", "-": "+"}[sign.group(1)] + gold[sign.end(1):]
         out.append(("sign_flipped", "wrong", _wrap(flipped)))
-    return [v for v in out if v[1] != "wrong" or _boxed_text(v[2]).strip().lower() not in known]
+    return [v for v in out if v[1] != "wrong" or _loose(_boxed_text(v[2])) not in known]
+
+
+def _loose(text: str) -> str:
+    """Lower case, outer spaces and a trailing full stop or comma dropped (what makes an alias)."""
+    return text.strip().lower().rstrip(".,;:").strip()
 
 
 def _boxed_text(response: str) -> str:
