@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import importlib.util
 import io
-import json
 import re
 import sys
 from collections import defaultdict

@@ -79,6 +79,8 @@ _POSITIVE = re.compile(r"\b(?:correct|equivalent)\b|正确|等价")
 _HEDGE = re.compile(r"\b(?:cannot|can't|unable|not\s+sure|unsure|unclear)\b|无法|不确定")
 _ONE_WORD = {"yes": True, "true": True, "right": True, "no": False, "false": False}
 _DECORATION = " \t\n.!*\"'`()[]【】:："
+
+
 class JudgeUnreachable(RuntimeError):
     """The judge endpoint does not answer (or answers nothing usable) at all."""
 
