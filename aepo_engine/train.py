@@ -314,7 +314,10 @@ class Trainer:
         return loaded.step, loaded.extra_state
 
     def _finish(self, before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, Any]:
-        summary = {"eval_before": before, "eval_after": after, "rl_seconds": seconds, "steps": self.total_steps}
+        summary = {"eval_before": before, "eval_after": after, "rl_seconds": seconds, "steps": self.total_steps,
+                   # which rules produced these numbers (docs/scoring.md)
+                   "scoring": {"reward": self.cfg.reward.rules, "eval": self.cfg.eval.scoring,
+                               "judge_prompt": self.cfg.eval.judge.prompt if self.judge is not None else None}}
         if self.rank == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if self.cfg.logging.plots_at_end and self.logger.enabled and self.logger.metrics_path.exists():

@@ -128,3 +128,22 @@ def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
     assert {e["case"] for e in summary if "decode_speedup" in e} == {"in_place"}
     config = Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8, hidden_size=32, num_attention_heads=4)
     assert concat_bytes_per_step(config, rows=5, context=100) == 2 * 5 * 3 * 2 * 2 * 8 * 100 * 4
+
+
+def test_scoring_agreement_variants_and_summary_hand_worked():
+    sys.path.insert(0, str(BENCH))
+    from bench_scoring_agreement import eval_variants, summarize, _eval_row
+
+    variants = {name: (kind, response) for name, kind, response in eval_variants("125", "7", ["125"], "math")}
+    assert variants["decimal_shifted"][0] == "wrong" and "\\boxed{12.5}" in variants["decimal_shifted"][1]
+    assert "\\boxed{-125}" in variants["sign_flipped"][1] and "\\boxed{126}" in variants["off_by_one"][1]
+    assert variants["x_equals"][0] == "right" and "upper" not in variants  # word variants need words
+    words = {name for name, _, _ in eval_variants("New York", "Paris", ["New York", "New"], "qa")}
+    assert {"upper", "article", "negated", "other_gold"} <= words and "first_word" not in words  # "New" is an alias
+    scores = lambda correct, em: {"answer": "a", "em": em, "f1": em, "acc": em, "math": 0.0, "correct": correct}
+    case = {"set": "s", "variant": "v", "kind": "wrong"}
+    cases = [{**case, "engine": scores(True, 1.0), "reference": scores(False, 0.0)},
+             {**case, "engine": scores(False, 0.0), "reference": scores(False, 0.0)}]
+    (row, *_) = summarize(cases, lambda c: (c["variant"], c["kind"]), _eval_row, "eval_by_variant")
+    assert row["group"] == "all" and row["cases"] == 2 and row["agree_correct"] == 0.5 and row["agree_answer"] == 1.0
+    assert row["engine_correct"] == 1 and row["reference_correct"] == 0

@@ -78,8 +78,30 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     assert summary["datasets"]["aime25"]["questions"] == 3 and "pass@2" in summary["datasets"]["aime25"]
     assert result["datasets"] == summary["datasets"]
     assert (out / "summary.md").read_text().startswith("| dataset |") and (out / "summary.csv").is_file()
+    assert summary["scoring"] == "engine" and summary["judge"] is None and "acc" in summary["datasets"]["aime25"]
     printed = capsys.readouterr()
     assert "pass@1" in printed.out and "questions 6/6" in printed.err  # table + progress bar
+    assert "Scoring: engine rules" in printed.out
+
+
+def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
+    from aepo_engine.eval.scoring import score_response
+
+    out = tmp_path / "ref"
+    main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "reference"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scoring"] == "reference" and "Scoring: reference rules" in (out / "summary.md").read_text()
+    records = _samples(out)
+    assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
+    for r in records:  # the records hold the authors' scores of each response
+        check = "mixed" if r["dataset"] == "hle" else "math"
+        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"])
+        assert {k: r[k] for k in expected} == expected
+    capsys.readouterr()
+    # resuming the folder under the other scoring would mix two rule sets in one summary
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2"))
+    assert exc.value.code == 2 and "scoring" in capsys.readouterr().err
 
 
 def _cli(args: list[str]) -> list[str]:
@@ -204,6 +226,7 @@ def test_eval_files_during_training(run_dir):
     assert rows[0]["eval/bamboogle/questions"] == 2.0 and rows[0]["eval/bamboogle/samples"] == 2.0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "bamboogle/pass@1" in summary["eval_before"] and "bamboogle/pass@1" in summary["eval_after"]
+    assert summary["scoring"] == {"reward": "engine", "eval": "engine", "judge_prompt": None}
     assert (run_dir / "plots" / "eval.png").is_file()
     samples = (run_dir / "logs" / "eval_samples" / "step_1" / "bamboogle.jsonl").read_text().splitlines()
     assert len(samples) == 4 and json.loads(samples[0])["dataset"] == "bamboogle"

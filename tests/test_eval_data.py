@@ -88,7 +88,35 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
         resolve_source("gaiaa", tmp_path)
     with pytest.raises(FileNotFoundError, match="benchmark 'aime24'.*data_root"):
         resolve_source("AIME24", tmp_path)  # known name (any case), but no file under this root
-    assert set(BENCHMARKS) == set(EXPECTED)
+    assert set(BENCHMARKS) == set(EXPECTED) | {"math"}  # MATH: the paper's 14th set, not in the shared data
+
+
+def test_math_is_named_and_read_in_the_reference_format(tmp_path, shared_data):
+    with pytest.raises(FileNotFoundError, match="shared eval data .* has no MATH set.*math/test.jsonl"):
+        resolve_source("math", shared_data / "eval")
+    # the reference's evaluation/data/math/test.jsonl rows: problem, solution, answer, ...
+    rows = [{"problem": "What is $1+1$?", "solution": "So $\\boxed{2}$.", "answer": "2", "level": "Level 1",
+             "type": "Prealgebra", "unique_id": "test/prealgebra/1.json"},
+            {"problem": "Simplify $\\frac{2}{4}$.", "solution": "...", "answer": "\\frac{1}{2}", "level": "Level 2"}]
+    (tmp_path / "math").mkdir()
+    path = tmp_path / "math" / "test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for spec, root in (("math", tmp_path), (str(path), "")):  # by name under a data root, or the file itself
+        s = load_eval_source(spec, root)
+        assert (s.name, s.check, len(s.examples)) == ("math", "math", 2)
+        assert s.examples[0].question == "What is $1+1$?" and s.examples[1].ground_truth == ["\\frac{1}{2}"]
+        assert [e.meta["gold"] for e in s.examples] == ["2", "\\frac{1}{2}"]
+
+
+def test_golds_as_the_reference_loader_reads_them(shared_data):
+    root = shared_data / "eval"
+    assert load_eval_source("hotpotqa", root).examples[0].meta["gold"] == ["Frank Lowy"]  # a list stays a list
+    assert load_eval_source("aime25", root).examples[0].meta["gold"] == 70  # an int stays an int
+    assert load_eval_source("aime24", root).examples[7].meta["gold"] == "025"
+    gsm8k = load_eval_source("gsm8k", root).examples
+    with_commas = [e for e in gsm8k if "," in e.ground_truth[0]]
+    assert len(with_commas) == 14 and all(e.meta["gold"] == e.ground_truth[0].replace(",", "") for e in with_commas)
+    assert "gold" not in load_eval_source(str(shared_data / "rl_datasets" / "valid.parquet"), root).examples[0].meta
 
 
 def test_engine_jsonl_with_golden_answers_and_chat_prompts(tmp_path):

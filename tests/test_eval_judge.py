@@ -18,7 +18,8 @@ import pytest
 
 from conftest import vllm_missing
 from aepo_engine.eval.config import JudgeConfig
-from aepo_engine.eval.judge import JUDGE_PROMPT, JudgeUnreachable, LLMJudge, parse_verdict
+from aepo_engine.eval.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
+                                    parse_verdict)
 
 
 class Stub:
@@ -26,6 +27,7 @@ class Stub:
 
     def __init__(self):
         self.mode = "ok"
+        self.reply = ""           # mode "reply": this reply to every request
         self.fail_first = 0       # mode "500": this many HTTP 500s before answering
         self.delay_s = 0.0
         self.requests: list[dict] = []
@@ -62,11 +64,14 @@ class Stub:
                     if stub.mode == "nochoices":
                         return self._send(200, b'{"object": "chat.completion"}')
                     prompt = body["messages"][0]["content"]
-                    labeled = prompt.split("Labeled Answer: ")[1].split("\n")[0]
+                    label = "Labeled Answer: " if "Labeled Answer: " in prompt else "Golden Answer: "
+                    labeled = prompt.split(label)[1].split("\n")[0]
                     predicted = prompt.split("Predicted Answer: ")[1].split("\n")[0]
                     verdict = "Correct" if labeled.lower() == predicted.lower() else "Incorrect"
                     if stub.mode == "rambling":
                         verdict = "Hmm, hard to say."
+                    if stub.mode == "reply":
+                        verdict = stub.reply
                     self._send(200, json.dumps({"choices": [{"message": {"content": verdict}}]}).encode())
                 finally:
                     with stub.lock:
@@ -161,12 +166,62 @@ def test_unreachable_endpoint_and_unknown_model(stub, tmp_path):
         LLMJudge(JudgeConfig(url=stub.url, model="other"), tmp_path / "c").check()
 
 
-def test_parse_verdict():
-    assert parse_verdict(" Correct.") is True and parse_verdict("Incorrect") is False
-    assert parse_verdict("correct") is True and parse_verdict("【正确】") is True and parse_verdict("错误") is False
-    assert parse_verdict("") is None and parse_verdict("maybe") is None
+@pytest.mark.parametrize("reply,verdict", [
+    (" Correct.", True), ("Incorrect", False), ("correct", True), ("【正确】", True), ("错误", False),
+    ("不正确", False),  # contains 正确: negations first
+    ("Not correct", False), ("Correct - but the wording is wrong", False),  # both read as correct before
+    ("Wrong", False), ("Yes", True), ("**No**", False), ("The answers are equivalent.", True),  # no verdict before
+    ("The answers are not equivalent.", False), ("<judgment>Incorrect</judgment> (it is correct otherwise)", False),
+    ("I cannot determine whether this is correct.", None), ("", None), ("maybe", None), ("Hmm, hard to say.", None),
+])
+def test_parse_verdict(reply, verdict):
+    assert parse_verdict(reply) is verdict
+
+
+def test_judge_config_checks():
     with pytest.raises(ValueError, match="judge.url must be an http"):
         JudgeConfig(url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="judge.prompt must be one of engine, reference"):
+        JudgeConfig(prompt="paper")
+
+
+def test_unparseable_reply_is_an_error_with_the_reply_kept(stub, tmp_path, caplog):
+    stub.mode, stub.reply = "reply", "The predicted answer seems fine to me"
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), tmp_path / "c.jsonl")
+    with caplog.at_level("WARNING"):
+        verdict = judge.judge("q", ["a"], "a")
+    assert verdict.correct is None and verdict.raw == stub.reply and "seems fine" in verdict.error
+    assert "seems fine" in caplog.text and not (tmp_path / "c.jsonl").exists()
+
+
+def test_reference_prompt_gold_shortcut_and_separate_cache(stub, tmp_path):
+    cache = tmp_path / "c.jsonl"
+    reference = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), cache)
+    # a list gold is shown as its Python text; the request carries no sampling settings (server defaults)
+    verdict = reference.judge("Who?", ["Frank Lowy"], "frank lowy", gold=["Frank Lowy"])
+    (sent,) = stub.requests
+    assert sent["messages"][0]["content"] == REFERENCE_JUDGE_PROMPT.format(
+        question="Who?", labeled_answer="['Frank Lowy']", predicted_answer="frank lowy")
+    assert "temperature" not in sent and "max_tokens" not in sent
+    assert verdict.correct is False  # the stub compares "['Frank Lowy']" with "frank lowy"
+    # their string-equivalence shortcut: no request, correct
+    shortcut = reference.judge("2+2?", ["4"], "4", gold="4")
+    assert shortcut.correct and shortcut.source == "string-equivalence" and len(stub.requests) == 1
+    assert reference.judge("q", ["\\frac{1}{2}"], "0.5").source == "string-equivalence"  # is_equiv: 0.5 = 1/2
+    # the engine prompt on the same item is another request, not the reference's cached verdict
+    engine = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), cache)
+    assert engine.judge("Who?", ["Frank Lowy"], "frank lowy").correct is True and len(stub.requests) == 2
+
+
+def test_cache_rows_are_parsed_again_when_read(stub, tmp_path):
+    cache = tmp_path / "c.jsonl"
+    judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), cache)
+    assert judge.judge("q", ["a"], "a").correct is True
+    row = json.loads(cache.read_text())
+    # a verdict cached by an older parser ("Not correct" read as correct) follows the current one
+    cache.write_text(json.dumps({**row, "correct": True, "raw": "Not correct"}) + "\n")
+    again = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), cache).judge("q", ["a"], "a")
+    assert again.cached and again.correct is False and len(stub.requests) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +259,7 @@ def test_real_vllm_server(tmp_path):
         verdicts = judge.judge_many(ITEMS)
         # A random tiny model writes noise: the exchange must work, the verdict is whatever it wrote.
         for v in verdicts:
-            assert v.error is None or v.error == "verdict is neither Correct nor Incorrect", v.error
+            assert v.error is None or v.error.startswith("verdict is neither Correct nor Incorrect"), v.error
             assert isinstance(v.raw, str) and v.correct == parse_verdict(v.raw)
     finally:
         proc.terminate()
@@ -225,3 +280,13 @@ def test_judge_records_skips_answerless_samples(stub, tmp_path):
     judge_records(records, judge)
     assert [r["judge"]["correct"] for r in records] == [True, False, False]
     assert records[1]["judge"]["skipped"] == "no answer" and len(stub.requests) == 2
+
+
+def test_judge_records_pass_the_gold_to_the_reference_prompt(stub, tmp_path):
+    from aepo_engine.eval.core import judge_records
+
+    records = [{"question": "Who?", "references": ["Frank Lowy"], "answer": "Frank Lowy",
+                "meta": {"gold": ["Frank Lowy"]}}]
+    judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), tmp_path / "c"))
+    assert "Golden Answer: ['Frank Lowy']" in stub.requests[0]["messages"][0]["content"]
+    assert records[0]["judge"]["source"] == "judge" and records[0]["judge"]["correct"] is False

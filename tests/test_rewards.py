@@ -107,9 +107,19 @@ def test_extract_boxed(text, expected):
 
 
 def test_extract_answer_precedence():
-    assert extract_answer("<answer>Rome \\boxed{Paris}</answer>") == "Paris"  # boxed first
+    assert extract_answer("<answer>Rome \\boxed{Paris}</answer>") == "Paris"  # the block's box first
     assert extract_answer("<answer>a</answer> <answer> Rome </answer>") == "Rome"  # last tag
     assert extract_answer("  just Rome \n") == "just Rome"  # else the whole text
+    # the answer block beats a box in the reasoning or after the block
+    assert extract_answer("<think>\\boxed{Wrong}</think><answer>Paris</answer> \\boxed{Late}") == "Paris"
+    assert extract_answer("<result>\\boxed{Page}</result> \\boxed{Mine}") == "Mine"  # tool results never
+    assert extract_answer("<answer>a<answer>b</answer>") == "b"  # the nearest opening tag
+
+
+def test_math_reward_takes_the_box_of_the_answer_block():
+    math_reward = get_reward("math")
+    assert math_reward("<think>\\boxed{3}</think><answer>\\boxed{4}</answer> \\boxed{5}", "4").correct
+    assert math_reward("<think>\\boxed{4}</think><answer>4</answer>", "4").details["format_error"] == "no \\boxed{}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +269,7 @@ def test_math_rel_tol_and_values():
     assert parse_value("\\frac{1}{0}") is None and parse_value("2^{1000}") is None
 
 
-@pytest.mark.parametrize("answer", ["(" * 3000 + "1" + ")" * 3000, "9" * 100_000,
+@pytest.mark.parametrize("answer", ["(" * 3000 + "1" + ")" * 3000, "9" * 100_000, "1 " + "a" * 60 + "1",
                                     "((10^{64})^{64})^{64}", "\\sqrt{" * 500 + "2" + "}" * 500,
                                     "[" * 400 + "1,2" + "]" * 400, "\\frac{1}{0}", "{{{"])
 def test_math_adversarial_answers_are_bounded(answer):

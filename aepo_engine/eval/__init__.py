@@ -3,8 +3,10 @@ reports. ``python -m aepo_engine.eval`` is the command (:mod:`aepo_engine.eval.c
 runs the same code (:func:`evaluate`, :func:`sample_records`) during training.
 
 Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
-(per-sample scores, pass@k), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
-judge), ``report`` (summaries and files), ``cli`` (the command, resume, progress).
+(per-sample scores, pass@k), ``reference`` (the AEPO/ARPO authors' evaluator reproduced, for
+``eval.scoring = "reference"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
+judge), ``report`` (summaries and files), ``cli`` (the command, resume, progress). docs/scoring.md
+compares the engine's and the authors' rules.
 """
 from aepo_engine.eval.config import EvalConfig, JudgeConfig
 from aepo_engine.eval.core import evaluate, merge_eval_results, sample_records

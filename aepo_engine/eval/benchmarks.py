@@ -7,12 +7,19 @@ malformed rows are reported and skipped exactly as in training data):
 
 - ``question``/``answer`` JSONL, the answer a string or a list of aliases (HotpotQA, 2Wiki,
   MuSiQue, Bamboogle, SimpleQA, WebWalker, xbench, MATH500);
+- the reference's MATH set, ``math/test.jsonl`` with ``problem``/``answer`` (the paper's 14th set;
+  not in the shared data: a file whose path ends in ``math/test.jsonl``, or ``--data math`` with
+  ``eval.data_root`` at a folder holding it);
 - GAIA's ``Question``/``answer`` with ``Level`` (kept in ``meta``);
 - AIME's ``problem``/``answer`` (the answer an int in aime25, a string in aime24);
 - GSM8K, whose answer is a worked solution ending ``#### N``: the reference is N;
 - HLE's ``hle/top.json`` (JSON lines): multiple-choice and exact-match rows (``answer_type`` kept);
   rows with ``has_image`` are skipped with a count, since the agent reads text only;
 - the reference RL parquet sets (chat prompt included) and the engine's own JSONL.
+
+Each benchmark example keeps its gold as the authors' evaluation loader reads it in
+``meta["gold"]`` (the raw answer field; for GSM8K the number after ``####`` without commas), which
+``eval.scoring = "reference"`` and the reference judge prompt use.
 
 Question-only rows get the system prompt of the reference parquet sets (``system_prompt``), so a
 model trained on those sees the format it learned. Chinese sets need nothing special here: token
@@ -26,7 +33,8 @@ from typing import Literal
 
 import msgspec
 
-from aepo_engine.data import BadRow, DataConfig, Example, load_source
+from aepo_engine.data import BadRow, DataConfig, Example, load_source, read_source
+from aepo_engine.eval.reference import gsm8k_gold
 from aepo_engine.rewards.text import reference_answer
 
 __all__ = ["BENCHMARKS", "Benchmark", "EvalSet", "REFERENCE_SYSTEM_PROMPT", "load_eval_source",
@@ -64,12 +72,14 @@ class Benchmark:
         path: its file, relative to ``eval.data_root``.
         check: how answers are checked (see ``AnswerCheck``).
         question_keys: keys holding the question; answer key is always ``answer``.
+        missing: what to say when its file is not under ``eval.data_root``, besides the path.
     """
 
     name: str
     path: str
     check: AnswerCheck
     question_keys: tuple[str, ...] = ("question",)
+    missing: str = ""
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
@@ -86,6 +96,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("aime25", "aime25/test.jsonl", "math", ("problem",)),
     Benchmark("math500", "math500/test.jsonl", "math"),
     Benchmark("gsm8k", "gsm8k/test.jsonl", "math"),
+    Benchmark("math", "math/test.jsonl", "math", ("problem",),
+              missing="the shared eval data (../shared/data/arpo/eval) has no MATH set; the reference keeps it "
+                      "as evaluation/data/math/test.jsonl in RUC-NLPIR/ARPO (problem/answer JSON lines): give "
+                      "that file (--data PATH/math/test.jsonl) or a --data-root holding math/test.jsonl"),
 )}
 
 _MATH_SOURCES = ("math", "aime", "gsm8k", "amc")
@@ -122,12 +136,15 @@ def resolve_source(spec: str, data_root: str | Path) -> tuple[Path, Benchmark | 
     if bench is not None:
         path = Path(data_root) / bench.path
         if not path.is_file():
-            raise FileNotFoundError(f"benchmark {bench.name!r}: {path} not found; set eval.data_root "
-                                    f"(--data-root) to the folder holding {bench.path.split('/')[0]}/")
+            hint = bench.missing or (f"set eval.data_root (--data-root) to the folder holding "
+                                     f"{bench.path.split('/')[0]}/")
+            raise FileNotFoundError(f"benchmark {bench.name!r}: {path} not found; {hint}")
         return path, bench
     path = Path(spec)
     if path.is_file():
-        return path, None
+        # A file in the reference's layout (<root>/math/test.jsonl) is that benchmark.
+        laid_out = [b for b in BENCHMARKS.values() if path.as_posix().endswith("/" + b.path)]
+        return path, laid_out[0] if laid_out else None
     raise ValueError(f"unknown benchmark or missing file {spec!r}; known benchmarks: {', '.join(BENCHMARKS)} "
                      "(or give a .jsonl/.json/.parquet file)")
 
@@ -169,8 +186,22 @@ def load_eval_source(spec: str, data_root: str | Path, max_examples: int = 0) ->
         # GSM8K-style references are worked solutions: keep their final answer only.
         ground_truth=[reference_answer(g) for g in e.ground_truth],
         meta={k: v for k, v in e.meta.items() if k in _KEEP_META}) for i, e in enumerate(examples)]
+    if bench is not None:
+        examples = _with_golds(examples, path, bench)
     check = bench.check if bench else _file_check(loaded, name)
     return EvalSet(name, examples, check, skipped, str(path))
+
+
+def _with_golds(examples: list[Example], path: Path, bench: Benchmark) -> list[Example]:
+    """``meta["gold"]``: the answer field as the authors' evaluation loader reads it (module docstring)."""
+    answers = {row: value.get("answer") for row, value in read_source(str(path)) if isinstance(value, dict)}
+    out = []
+    for e in examples:
+        gold = answers[e.meta["row"]]
+        if bench.name == "gsm8k":
+            gold = gsm8k_gold(str(gold)) or e.ground_truth[0]  # theirs asserts a "#### N" line
+        out.append(msgspec.structs.replace(e, meta={**e.meta, "gold": gold}))
+    return out
 
 
 def system_message(system_prompt: str) -> list[dict[str, str]]:

@@ -36,7 +36,7 @@ from aepo_engine.config_loader import ConfigError, format_help, load_config, pop
 from aepo_engine.eval.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.eval.config import EvalConfig
 from aepo_engine.eval.core import judge_records, sample_records
-from aepo_engine.eval.report import format_table, summarize, write_reports
+from aepo_engine.eval.report import format_table, provenance, summarize, write_reports
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -85,6 +85,7 @@ ALIASES: dict[str, str] = {
     "--temperature": "eval.temperature", "--top-p": "eval.top_p", "--max-questions": "eval.num_questions",
     "--system-prompt": "eval.system_prompt", "--judge-url": "eval.judge.url", "--judge-model": "eval.judge.model",
     "--out": "output_dir", "--output-dir": "output_dir", "--backend": "backend.kind",
+    "--scoring": "eval.scoring", "--judge-prompt": "eval.judge.prompt",
 }
 _MANY = {"--data", "--k"}
 
@@ -245,13 +246,19 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
 
 # --- resume ----------------------------------------------------------------------------------------
 
+# Fingerprint keys added after output folders were first written, with the value those folders had.
+_FINGERPRINT_SINCE = {"scoring": "engine", "judge_prompt": "engine"}
+
+
 def _fingerprint(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
-    """Settings that change samples: a resumed run must match them."""
+    """Settings that change the records (samples, their scores, their verdicts): a resumed run must
+    match them."""
     ev = cfg.eval
     return {"model": str(source.model_dir.resolve()), "samples": ev.n_samples, "temperature": ev.temperature,
             "top_p": ev.top_p, "seed": ev.seed, "system_prompt": ev.system_prompt,
             "questions_per_batch": cfg.questions_per_batch,
-            "rollout": msgspec.to_builtins(cfg.rollout), "tools": sorted(cfg.tools.enabled)}
+            "rollout": msgspec.to_builtins(cfg.rollout), "tools": sorted(cfg.tools.enabled),
+            "scoring": ev.scoring, "judge_prompt": ev.judge.prompt}
 
 
 def load_done(out: Path, n: int) -> list[dict[str, Any]]:
@@ -289,7 +296,7 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
     if not cfg.resume:
         (out / SAMPLES_FILE).unlink(missing_ok=True)
     elif run_file.is_file() and (out / SAMPLES_FILE).is_file():
-        before = json.loads(run_file.read_text())
+        before = {**_FINGERPRINT_SINCE, **json.loads(run_file.read_text())}
         changed = sorted(k for k in fingerprint.keys() | before.keys() if fingerprint.get(k) != before.get(k))
         if changed:
             raise ConfigError(f"{out} holds an evaluation with other settings ({', '.join(changed)} differ): "
@@ -344,6 +351,8 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     # The backend first: a vLLM engine must start before the search index loads numba.
     backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
     judge, judge_error = _start_judge(cfg, out)
+    judge_info = None if judge is None else {"model": judge.model, "prompt": cfg.eval.judge.prompt, "url": judge.base}
+    print(f"[eval] {provenance({'scoring': cfg.eval.scoring, 'judge': judge_info})}", flush=True)
     bar = ProgressBar(total, start=len(done), unit="questions")
     t0, generated = time.perf_counter(), 0
     with ToolRunner(build_tools(plan.tools), max_workers=plan.tools.max_workers) as tools:
@@ -368,7 +377,8 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     summary = summarize(records, cfg.eval.pass_ks)
     print(format_table(summary), flush=True)
-    extra = {"model": str(source.model_dir), "output_dir": str(out), "questions_generated": generated,
+    extra = {"model": str(source.model_dir), "output_dir": str(out), "scoring": cfg.eval.scoring, "judge": judge_info,
+             "questions_generated": generated,
              "seconds": seconds, "questions_per_s": generated / seconds if seconds else 0.0,
              "judge_error": judge_error,
              "skipped_rows": {s.name: [str(b) for b in s.skipped] for s in plan.sets if s.skipped}}
@@ -385,7 +395,7 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
         plan = build_plan(cfg, source)
         for s in plan.sets:
             print(f"[dry-run] {s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows skipped, "
-                  f"answers checked as {s.check}")
+                  f"answers checked as {s.check} under {cfg.eval.scoring} scoring")
         _print_skipped(plan.sets)
     except ConfigError as err:
         problems.append(str(err))

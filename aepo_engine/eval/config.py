@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from aepo_engine.rewards.base import RULES
+
 __all__ = ["EvalConfig", "JudgeConfig"]
 
 
@@ -28,9 +30,13 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         retries: retries of a request after a transport error (refused, reset, timeout, HTTP 5xx or
             429), with exponential backoff; a malformed reply is not retried.
         backoff_s: first backoff; doubles after each retry.
-        max_tokens: tokens the judge may write (its verdict is one word).
-        cache_path: JSONL cache of judgments, keyed by (judge model, question, reference,
-            prediction); empty = judge_cache.jsonl in the output folder (the trainer: the run's logs).
+        max_tokens: tokens the judge may write (its verdict is one word); engine prompt only (the
+            reference prompt is sent with the server's default sampling, as the authors sent it).
+        cache_path: JSONL cache of judgments, keyed by (judge model, the request sent); empty =
+            judge_cache.jsonl in the output folder (the trainer: the run's logs).
+        prompt: "engine" (the engine's equivalence prompt, temperature 0) or "reference" (the
+            AEPO/ARPO authors' judge prompt and gold formatting, their string-equivalence shortcut,
+            server-default sampling); both parse the verdict strictly (docs/scoring.md).
     """
 
     url: str = ""
@@ -41,8 +47,10 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     backoff_s: float = 1.0
     max_tokens: int = 16
     cache_path: str = ""
+    prompt: str = "engine"
 
     def __post_init__(self) -> None:
+        _require(self.prompt in RULES, f"judge.prompt must be one of {', '.join(RULES)}, got {self.prompt!r}")
         _require(not self.url or self.url.startswith(("http://", "https://")),
                  f"judge.url must be an http(s) URL, got {self.url!r}")
         _require(self.concurrency >= 1, f"judge.concurrency must be >= 1, got {self.concurrency}")
@@ -56,9 +64,11 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
 
     Attributes:
         files: benchmarks to evaluate: names resolved under data_root (gaia, hle, webwalker,
-            xbench, hotpotqa, 2wiki, musique, bamboogle, simpleqa, aime24, aime25, math500, gsm8k)
-            or files (.jsonl/.json question-answer files, reference .parquet sets, the engine's
-            JSONL). In training they are evaluated beside the task's own held-out set.
+            xbench, hotpotqa, 2wiki, musique, bamboogle, simpleqa, aime24, aime25, math500, gsm8k,
+            math) or files (.jsonl/.json question-answer files, reference .parquet sets, the engine's
+            JSONL). math (the paper's MATH set) is not in the shared data: set data_root to a folder
+            holding the reference's math/test.jsonl, or give that file. In training they are
+            evaluated beside the task's own held-out set.
         data_root: folder the benchmark names resolve against (one sub-folder per benchmark).
         num_questions: questions evaluated per benchmark (the first ones; 0 = all).
         samples: independent samples per question (n of pass@k); none = the largest k (1 if no k).
@@ -72,6 +82,9 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
         every_n_steps: evaluate during training every n steps (0 = only before and after RL).
         seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws);
             none = derived from the run's root seed (``aepo_engine.seeding``).
+        scoring: "engine" (the engine's answer extraction and scores) or "reference" (the AEPO/ARPO
+            authors' evaluator reproduced, mistakes included, for numbers comparable with the
+            paper's table); both report em, f1, acc (cover match) and math; docs/scoring.md.
         judge: the LLM judge (off by default).
     """
 
@@ -85,9 +98,11 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     system_prompt: str = "reference"
     every_n_steps: int = 0
     seed: int | None = None
+    scoring: str = "engine"
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
+        _require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")
         _require(self.num_questions >= 0, f"num_questions must be >= 0, got {self.num_questions}")
         _require(self.samples is None or self.samples >= 1, f"samples must be >= 1, got {self.samples}")
         _require(all(k >= 1 for k in self.k), f"every k must be >= 1, got {self.k}")

@@ -79,7 +79,8 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
                   "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id)}
-        record.update(score_response(record["response"], example.ground_truth, check))
+        record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
+                                     gold=example.meta.get("gold")))
         if reward_fn is not None:
             result = reward_fn(record["response"], example.ground_truth)
             record["reward"], record["correct"] = float(result.score), bool(result.correct)
@@ -88,16 +89,18 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
 
 
 def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
-    """Add ``judge`` = {correct, error, cached} to each record; answerless samples are judged
-    wrong without a request."""
+    """Add ``judge`` = {correct, error, cached, raw, source} to each record; answerless samples are
+    judged wrong without a request. The gold as the authors' loader reads it (``meta["gold"]``)
+    goes along for the reference judge prompt."""
     asked = [r for r in records if r.get("answer")]
     for record in records:
         if not record.get("answer"):
             record["judge"] = {"correct": False, "error": None, "cached": False, "skipped": "no answer"}
-    verdicts = judge.judge_many([(r["question"], r["references"], r["answer"]) for r in asked])
+    verdicts = judge.judge_many([(r["question"], r["references"], r["answer"], r.get("meta", {}).get("gold"))
+                                 for r in asked])
     for record, verdict in zip(asked, verdicts):
         record["judge"] = {"correct": verdict.correct, "error": verdict.error, "cached": verdict.cached,
-                           "raw": verdict.raw}
+                           "raw": verdict.raw, "source": verdict.source}
 
 
 def evaluate(

@@ -1,14 +1,28 @@
 """LLM judge: is a predicted answer equivalent to the reference? Asked of any OpenAI-compatible
-chat endpoint (``vllm serve JUDGE_MODEL`` is one), in the equivalence-prompt style of the
-reference evaluation (question, labeled answer, predicted answer -> "Correct" / "Incorrect").
+chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``judge.prompt``):
+
+- ``"engine"``: the engine's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
+  answer, predicted answer -> "Correct" / "Incorrect"), sent at temperature 0 with
+  ``judge.max_tokens``. It is *not* the authors' prompt.
+- ``"reference"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
+  RUC-NLPIR/ARPO, read at commit a95cd08): their prompt text verbatim
+  (:data:`REFERENCE_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
+  their loader reads it (a list shows as its Python text, ``['Frank Lowy']``), the server's default
+  sampling, and their shortcut: when their string equivalence (``eval.reference.is_equiv``) of
+  prediction and gold holds, the answer is correct without asking.
+
+Both parse the reply the same strict way (:func:`parse_verdict`); a reply it cannot read is an
+error for that sample, with the reply kept (the authors count it as "Incorrect").
 
 - Bounded concurrency (``judge.concurrency`` requests in flight), a timeout per request.
 - Transport errors (connection refused or reset, timeouts, HTTP 5xx and 429) are retried
   ``judge.retries`` times with exponential backoff; a reply that is not the expected JSON, or whose
-  verdict is neither word, is not retried (the server answered; asking again rarely helps) and is
+  verdict cannot be read, is not retried (the server answered; asking again rarely helps) and is
   recorded as an error for that sample.
-- A persistent JSONL cache keyed by (judge model, question, reference, prediction): a resumed or
-  repeated evaluation does not pay twice. Only verdicts are cached, never errors.
+- A persistent JSONL cache keyed by the judge model and the exact request (prompt text and
+  sampling settings), so a resumed or repeated evaluation does not pay twice and a different
+  prompt never reuses another's verdicts. The cache keeps the raw reply and parses it again when
+  read, so verdicts follow the current parser. Only readable verdicts are cached, never errors.
 - :meth:`LLMJudge.check` asks the endpoint's ``/models`` first and raises :class:`JudgeUnreachable`
   with the URL and the reason, so a run can keep its other scores and say why it has no judge.
 
@@ -18,6 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import threading
 import time
 import urllib.error
@@ -25,11 +41,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from aepo_engine.eval.config import JudgeConfig
+from aepo_engine.eval.reference import is_equiv
 
-__all__ = ["JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict"]
+__all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict"]
+
+logger = logging.getLogger(__name__)
 
 JUDGE_PROMPT = """You are an evaluation assistant. Please determine if the predicted answer is equivalent to the labeled answer.
 
@@ -42,6 +61,25 @@ Predicted Answer: {predicted_answer}
 Are these answers equivalent? Please respond with "Correct" if they are equivalent, or "Incorrect" if they are not equivalent. Do not include any other text.
 """
 
+# The authors' judge prompt (llm_evaluator_sds.py), verbatim: the judge model's input decides its
+# verdicts, so a comparable number needs the same text.
+REFERENCE_JUDGE_PROMPT = """Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "Correct" if the prediction is correct and "Incorrect" otherwise.
+Golden Answer may have multiple options, and matching any one of them is considered correct.
+
+Question: {question}
+Golden Answer: {labeled_answer}
+Predicted Answer: {predicted_answer}
+"""
+
+# Verdict words. Negations are looked for first, so "not correct", "incorrect" and "correct, but
+# the wording is wrong" are verdicts against; a hedge ("cannot tell whether it is correct") is none.
+_NEGATIVE = re.compile(r"\b(?:incorrect|not\s+correct|wrong|not\s+equivalent|inequivalent|not\s+the\s+same)\b"
+                       r"|错误|不正确|不等价")
+_POSITIVE = re.compile(r"\b(?:correct|equivalent)\b|正确|等价")
+_HEDGE = re.compile(r"\b(?:cannot|can't|unable|not\s+sure|unsure|unclear)\b|无法|不确定")
+_ONE_WORD = {"yes": True, "true": True, "right": True, "no": False, "false": False}
+_DECORATION = " \t\n.!*\"'`()[]【】:："
+
 
 class JudgeUnreachable(RuntimeError):
     """The judge endpoint does not answer (or answers nothing usable) at all."""
@@ -53,27 +91,59 @@ class _Transport(Exception):
 
 @dataclass(frozen=True)
 class Judgment:
-    """One verdict: ``correct`` is None when there is none (``error`` says why)."""
+    """One verdict: ``correct`` is None when there is none (``error`` says why).
+
+    ``source`` is "judge" for the model's verdict, "string-equivalence" for the reference prompt's
+    shortcut (no request).
+    """
 
     correct: bool | None
     raw: str = ""
     error: str | None = None
     cached: bool = False
     attempts: int = 0
+    source: str = "judge"
 
 
 def parse_verdict(text: str) -> bool | None:
-    """"Correct" -> True, "Incorrect" -> False (also 正确 / 错误); anything else -> None."""
+    """The verdict of a judge reply: True, False, or None when it gives none.
+
+    Read from the ``<judgment>...</judgment>`` part when there is one. A reply that is one word
+    (yes / no / true / false / right, any case and decoration) is that word; otherwise a negation
+    (incorrect, not correct, wrong, not equivalent, 错误, 不正确, ...) anywhere means False, else
+    "correct" / "equivalent" / 正确 means True. A hedge ("cannot determine") or no label is None.
+
+    Args:
+        text: the judge's reply.
+
+    Returns:
+        The verdict, or None.
+    """
+    start, end = text.find("<judgment>"), text.find("</judgment>")
+    if start != -1 and end > start:
+        text = text[start + len("<judgment>"):end]
     low = text.strip().lower()
-    if "incorrect" in low or "not equivalent" in low or "错误" in low:
+    word = low.strip(_DECORATION)
+    if word in _ONE_WORD:
+        return _ONE_WORD[word]
+    if _HEDGE.search(low):
+        return None
+    if _NEGATIVE.search(low):
         return False
-    if "correct" in low or "正确" in low:
-        return True
-    return None
+    return True if _POSITIVE.search(low) else None
 
 
 def labeled_answer(references: Sequence[str]) -> str:
-    return references[0] if len(references) == 1 else "any of: " + " | ".join(references)
+    """The engine prompt's labeled answer: the reference, or "any of: a | b" for several."""
+    return str(references[0]) if len(references) == 1 else "any of: " + " | ".join(map(str, references))
+
+
+def reference_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
+    """The reference prompt's golden answer: the gold as the authors' loader reads it (a list is
+    shown as its Python text by ``str.format``), else the one reference, else the list."""
+    if gold is not None:
+        return gold
+    return references[0] if len(references) == 1 else list(references)
 
 
 class LLMJudge:
@@ -92,14 +162,16 @@ class LLMJudge:
         self.model = cfg.model
         self.cache_path = Path(cache_path)
         self._lock = threading.Lock()
-        self._cache: dict[str, bool] = {}
+        self._cache: dict[str, tuple[bool, str]] = {}
         if self.cache_path.is_file():
             for line in self.cache_path.read_text(encoding="utf-8").splitlines():
                 try:
                     row = json.loads(line)
-                    self._cache[row["key"]] = bool(row["correct"])
+                    verdict = parse_verdict(row["raw"])
                 except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a crash: that verdict is asked again
+                    continue  # a line cut by a crash, or an older cache's row: that verdict is asked again
+                if verdict is not None:
+                    self._cache[row["key"]] = (verdict, row["raw"])
 
     # --- endpoint ---------------------------------------------------------------------------
 
@@ -156,20 +228,38 @@ class LLMJudge:
 
     # --- judging ----------------------------------------------------------------------------
 
-    def _key(self, question: str, references: Sequence[str], prediction: str) -> str:
-        text = json.dumps([self.model, question, list(references), prediction], ensure_ascii=False)
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def judge(self, question: str, references: Sequence[str], prediction: str) -> Judgment:
-        """One verdict (cached, retried on transport errors)."""
-        key = self._key(question, references, prediction)
-        with self._lock:
-            if key in self._cache:
-                return Judgment(self._cache[key], cached=True)
+    def _request(self, question: str, references: Sequence[str], prediction: str, gold: Any) -> dict:
+        """The chat request for one item under ``judge.prompt`` (module docstring)."""
+        if self.cfg.prompt == "reference":
+            prompt = REFERENCE_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
+                                                   labeled_answer=reference_labeled_answer(references, gold))
+            return {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
         prompt = JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer(references),
                                      predicted_answer=prediction)
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+        return {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": 0.0, "max_tokens": self.cfg.max_tokens}
+
+    def judge(self, question: str, references: Sequence[str], prediction: str, gold: Any = None) -> Judgment:
+        """One verdict (cached, retried on transport errors).
+
+        Args:
+            question: the question text.
+            references: the reference answers.
+            prediction: the sample's answer.
+            gold: the gold as the authors' loader reads it (reference prompt only; None = from
+                ``references``).
+
+        Returns:
+            The :class:`Judgment`.
+        """
+        if self.cfg.prompt == "reference" and is_equiv(prediction, reference_labeled_answer(references, gold)):
+            return Judgment(True, source="string-equivalence")
+        body = self._request(question, references, prediction, gold)
+        key = hashlib.sha256(json.dumps(body, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            if key in self._cache:
+                verdict, raw = self._cache[key]
+                return Judgment(verdict, raw=raw, cached=True)
         try:
             reply, attempts = self._with_retries("/chat/completions", body)
         except _Transport as err:
@@ -184,16 +274,19 @@ class LLMJudge:
                             attempts=attempts)
         verdict = parse_verdict(raw)
         if verdict is None:
-            return Judgment(None, raw=raw, error="verdict is neither Correct nor Incorrect", attempts=attempts)
+            logger.warning("judge reply without a readable verdict (counted as an error): %r", raw[:200])
+            return Judgment(None, raw=raw, error=f"verdict is neither Correct nor Incorrect: {raw[:200]!r}",
+                            attempts=attempts)
         with self._lock:
-            self._cache[key] = verdict
+            self._cache[key] = (verdict, raw)
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
             with self.cache_path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps({"key": key, "correct": verdict, "raw": raw}, ensure_ascii=False) + "\n")
         return Judgment(verdict, raw=raw, attempts=attempts)
 
-    def judge_many(self, items: Sequence[tuple[str, Sequence[str], str]]) -> list[Judgment]:
-        """Verdicts for (question, references, prediction) items, ``concurrency`` at a time, in order."""
+    def judge_many(self, items: Sequence[tuple[Any, ...]]) -> list[Judgment]:
+        """Verdicts for (question, references, prediction[, gold]) items, ``concurrency`` at a time,
+        in order."""
         if not items:
             return []
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="aepo-judge") as pool:

@@ -2,9 +2,12 @@
 
 Columns (one row per dataset, over its questions and their n samples each):
 ``questions``, ``samples`` (n), ``pass@k`` for every reported k (unbiased estimator; pass@1 is the
-mean accuracy over samples), ``em`` / ``f1`` (mean over samples), ``math`` (maths-equivalence
-share, maths sets), ``judge`` (share judged correct among samples with a verdict) and
-``judge_errors`` (samples without one), ``calls/<tool>`` (mean calls per sample) and
+mean accuracy over samples; what "correct" means per set and scoring mode is in docs/scoring.md),
+``em`` / ``f1`` / ``acc`` (cover match) / ``math`` (maths equivalence; mean over samples; the
+paper's number is ``f1`` on QA sets and ``math`` on maths sets under ``eval.scoring = "reference"``),
+``judge`` (share judged correct among samples with a verdict), ``judge_errors`` (samples without
+one) and ``judge_pass@k`` (pass@k with the judge's verdict as "correct", a sample without a verdict
+counting as wrong), ``calls/<tool>`` (mean calls per sample) and
 ``latency_s/<tool>`` (mean seconds per call), ``response_tokens`` (mean model tokens per sample),
 ``format_errors`` and ``no_answer`` (shares of samples).
 """
@@ -19,7 +22,7 @@ from typing import Any, Sequence
 
 from aepo_engine.eval.scoring import pass_at_k
 
-__all__ = ["format_table", "summarize", "write_reports"]
+__all__ = ["format_table", "provenance", "summarize", "write_reports"]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -40,13 +43,17 @@ def summarize_dataset(records: Sequence[dict[str, Any]], ks: Sequence[int]) -> d
         if k <= n:
             row[f"pass@{k}"] = _mean([pass_at_k(n, sum(s["correct"] for s in group), k)
                                        for group in by_question.values()])
-    row["em"] = _mean([r["em"] for r in records])
-    row["f1"] = _mean([r["f1"] for r in records])
-    row["math"] = _mean([r["math"] for r in records])
+    for metric in ("em", "f1", "acc", "math"):
+        row[metric] = _mean([r.get(metric, 0.0) for r in records])  # records written before acc lack it
     judged = [r["judge"]["correct"] for r in records if r.get("judge") and r["judge"]["correct"] is not None]
     if any(r.get("judge") for r in records):
         row["judge"] = _mean([float(v) for v in judged])
         row["judge_errors"] = sum(1 for r in records if r.get("judge") and r["judge"]["correct"] is None)
+        for k in ks:
+            if k <= n:
+                row[f"judge_pass@{k}"] = _mean([pass_at_k(n, sum(bool((s.get("judge") or {}).get("correct"))
+                                                                 for s in group), k)
+                                                 for group in by_question.values()])
     tools = sorted({c["tool"] for r in records for c in r["tool_calls"]})
     for tool in tools:
         calls = [c for r in records for c in r["tool_calls"] if c["tool"] == tool]
@@ -92,9 +99,17 @@ def format_table(summary: dict[str, dict[str, Any]], markdown: bool = False) -> 
                      for r in rows) + "\n"
 
 
+def provenance(extra: dict[str, Any]) -> str:
+    """One line saying which scoring and judge produced a summary (from ``extra``)."""
+    judge = extra.get("judge") or {}
+    judged = f"judge {judge.get('model') or '?'} with the {judge.get('prompt')} prompt" if judge else "no judge"
+    return f"Scoring: {extra.get('scoring', 'engine')} rules (docs/scoring.md); {judged}."
+
+
 def write_reports(summary: dict[str, dict[str, Any]], out_dir: str | Path, extra: dict[str, Any] | None = None
                   ) -> list[Path]:
-    """Write summary.md, summary.csv and summary.json into ``out_dir``; return the paths."""
+    """Write summary.md (the table and the :func:`provenance` line), summary.csv and summary.json
+    (the table and ``extra``, which says the scoring and the judge) into ``out_dir``; return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     columns = _columns(summary)
@@ -104,7 +119,8 @@ def write_reports(summary: dict[str, dict[str, Any]], out_dir: str | Path, extra
     for name, row in summary.items():
         writer.writerow([name, *(row.get(c, "") for c in columns)])
     paths = [out / "summary.md", out / "summary.csv", out / "summary.json"]
-    paths[0].write_text(format_table(summary, markdown=True), encoding="utf-8")
+    markdown = format_table(summary, markdown=True) + "\n" + provenance(extra or {}) + "\n"
+    paths[0].write_text(markdown, encoding="utf-8")
     paths[1].write_text(buffer.getvalue(), encoding="utf-8")
     paths[2].write_text(json.dumps({"datasets": summary, **(extra or {})}, indent=2, ensure_ascii=False),
                         encoding="utf-8")

@@ -1,14 +1,26 @@
 """Scoring one sample, and pass@k.
 
-A sample's answer is the last ``\\boxed{}`` of the response, else its last ``<answer>`` block,
-with tool results (``<result>...</result>``, text the engine inserted) cut out first so a web
-page's ``\\boxed{}`` is never taken for the model's answer. A response with neither has *no
-answer*. Scores (the rewards' own functions, so training and evaluation agree):
-- ``em``: SQuAD exact match with any reference; ``f1``: the best token F1 (CJK per character);
+Two rule sets (``eval.scoring``); docs/scoring.md compares them case by case.
+
+``"engine"`` (default). The answer is :func:`~aepo_engine.rewards.text.final_answer`: tool results
+(``<result>...</result>``, text the engine inserted) cut out, then the last ``<answer>`` block's
+last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a response with neither has
+*no answer*. Scores (the rewards' own functions, so training and evaluation agree):
+- ``em``: SQuAD exact match with any reference; ``f1``: the best token F1 (CJK per character,
+  LaTeX text wrappers unwrapped, yes/no/noanswer all-or-nothing); ``acc``: a reference occurs as
+  a run of whole tokens in the answer (cover match), or the answer is correct;
 - ``math``: maths equivalence with any reference (``rewards.math_answer.math_equal``);
 - ``format_ok``: the deep-research tag structure is valid (``rewards.deep_research.check_format``);
-- ``correct``: em (qa), math or em (math), either (mixed). A multiple-choice reference ("D")
-  also accepts an answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
+- ``correct``: on "qa" sets, em with the same numbers on both sides; on "math" and "mixed" (HLE)
+  sets, maths equivalence, or, when the reference and the answer are both plain words (no digit,
+  no maths symbol), SQuAD exact match. SQuAD normalisation deletes ``-``, ``.`` and brackets, so
+  it never decides a number on its own (``-50`` is not ``50``, ``9.5`` is not ``95``, GAIA's
+  ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
+  answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
+
+``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.eval.reference`):
+their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
+sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
 
 pass@k is the unbiased estimator of Chen et al. (2021): with n samples of which c are correct,
 pass@k = 1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement from the
@@ -20,14 +32,24 @@ import re
 from math import comb
 from typing import Any, Sequence
 
+from aepo_engine.eval.reference import reference_metrics, reference_prediction, reference_task
+from aepo_engine.rewards.base import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal
-from aepo_engine.rewards.text import exact_match, extract_boxed, extract_tag, token_f1
+from aepo_engine.rewards.text import (cover_match, exact_match, final_answer, strip_latex_wrappers,
+                                      strip_tool_results, token_f1)
 
-__all__ = ["pass_at_k", "score_response", "strip_tool_results", "final_answer"]
+__all__ = ["CHECKS", "final_answer", "pass_at_k", "score_response", "strip_tool_results"]
 
-_RESULT_BLOCK = re.compile(r"<result>.*?(</result>|\Z)", re.DOTALL)
+CHECKS = ("qa", "math", "mixed")
 _CHOICE = re.compile(r"^\(?([A-Z])\)?(?:[.):\s]|$)")
+# A hyphen between letters ("Jean-Paul") is a word's; anywhere else it may be a minus sign.
+_WORD_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")
+_MATHS_SYMBOL = re.compile(r"[\d\\^_{}\[\]=<>+*/|$%-]")
+_LETTER = re.compile(r"[^\W\d_]")
+# Decimal numbers, thousands commas allowed, with a minus sign unless the hyphen joins a word or a
+# range ("A-1", "2-3"): what SQuAD's em must not lose.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,26 +57,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
     Args:
         n: samples drawn; c: correct ones; k: samples allowed (1 <= k <= n).
+
+    Returns:
+        The probability that k of the n samples, drawn without replacement, hold a correct one.
     """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def strip_tool_results(response: str) -> str:
-    """The response without ``<result>...</result>`` blocks (an unclosed one runs to the end)."""
-    return _RESULT_BLOCK.sub(" ", response)
-
-
-def final_answer(response: str) -> str | None:
-    """The sample's answer (module docstring), or None when it gave none."""
-    own = strip_tool_results(response)
-    boxed = extract_boxed(own)
-    if boxed is not None:
-        return boxed
-    return extract_tag(own, "answer")
 
 
 def _choice_match(answer: str, reference: str) -> bool:
@@ -65,29 +76,88 @@ def _choice_match(answer: str, reference: str) -> bool:
     return bool(match) and match.group(1) == ref.upper()
 
 
-def score_response(response: str, references: Sequence[str], check: str) -> dict[str, Any]:
+def _plain_words(text: str) -> bool:
+    """Letters, spaces and text punctuation only: nothing SQuAD normalisation could misread."""
+    text = _WORD_HYPHEN.sub("", strip_latex_wrappers(text))
+    return bool(_LETTER.search(text)) and not _MATHS_SYMBOL.search(text)
+
+
+def _numbers(text: str) -> list[str]:
+    return [n.replace(",", "") for n in _NUMBER.findall(text)]
+
+
+def _qa_correct(answer: str, reference: str) -> bool:
+    """``correct`` on a QA set: em, and the numbers in both (signs and decimal points) agree."""
+    if _choice_match(answer, reference):
+        return True
+    return exact_match(answer, reference) and _numbers(answer) == _numbers(reference)
+
+
+def _maths_correct(answer: str, reference: str) -> bool:
+    """``correct`` on a maths or mixed set (module docstring)."""
+    if math_equal(answer, reference) or _choice_match(answer, reference):
+        return True
+    return _plain_words(answer) and _plain_words(reference) and exact_match(answer, reference)
+
+
+def _references(references: Any) -> list[str]:
+    """A reference list as strings; a bare string or number is one reference (AIME golds are ints)."""
+    if isinstance(references, (str, int, float)):
+        return [str(references)]
+    return [str(ref) for ref in references]
+
+
+def _engine_scores(response: str, references: list[str], check: str) -> dict[str, Any]:
+    answer = final_answer(response)
+    scores: dict[str, Any] = {"answer": answer, "em": 0.0, "f1": 0.0, "acc": 0.0, "math": 0.0, "correct": False}
+    if answer is None or not answer.strip() or not references:
+        return scores
+    em = any(exact_match(answer, ref) or _choice_match(answer, ref) for ref in references)
+    if check == "qa":
+        correct = any(_qa_correct(answer, ref) for ref in references)
+    else:
+        scores["math"] = float(any(math_equal(answer, ref) for ref in references))
+        correct = any(_maths_correct(answer, ref) for ref in references)
+    scores.update(em=float(em), f1=max(token_f1(answer, ref) for ref in references), correct=correct,
+                  acc=float(correct or any(cover_match(answer, ref) for ref in references)))
+    return scores
+
+
+def _reference_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
+    if gold is None:  # no gold as their loader reads it: one reference is their string form
+        gold = references[0] if len(references) == 1 else references
+    task = reference_task(check)
+    answer = reference_prediction(response)
+    scores: dict[str, Any] = {"answer": answer, **reference_metrics(answer, gold, task)}
+    scores["correct"] = bool(scores["math"] if task == "math" else scores["em"])
+    return scores
+
+
+def score_response(response: str, references: Sequence[str] | str | int, check: str, scoring: str = "engine",
+                   gold: Any = None) -> dict[str, Any]:
     """Scores of one response (module docstring).
 
     Args:
         response: the model's text, tool results included.
-        references: the ground-truth answers (already cut to the answer part).
+        references: the ground-truth answers (already cut to the answer part); a bare string or
+            number is one reference; an empty list scores 0 everywhere.
         check: "qa", "math" or "mixed".
+        scoring: "engine" or "reference" (``eval.scoring``).
+        gold: for "reference", the gold as the authors' loader reads it (a string, an int, or a
+            list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
+            reference as a string, or the list of several.
 
     Returns:
-        ``{answer, em, f1, math, format_ok, format_error, correct}``.
+        ``{answer, em, f1, acc, math, format_ok, format_error, correct}``.
     """
-    if check not in ("qa", "math", "mixed"):
-        raise ValueError(f"unknown answer check {check!r}: use qa, math or mixed")
+    if check not in CHECKS:
+        raise ValueError(f"unknown answer check {check!r}: use {', '.join(CHECKS)}")
+    if scoring not in RULES:
+        raise ValueError(f"unknown scoring {scoring!r}: use {', '.join(RULES)}")
+    refs = _references(references)
     form = check_format(response)
-    answer = final_answer(response)
-    scores: dict[str, Any] = {"answer": answer, "format_ok": form.error is None, "format_error": form.error,
-                              "em": 0.0, "f1": 0.0, "math": 0.0, "correct": False}
-    if answer is None or not answer.strip():
-        return scores
-    em = any(exact_match(answer, ref) or _choice_match(answer, ref) for ref in references)
-    scores["em"] = float(em)
-    scores["f1"] = max(token_f1(answer, ref) for ref in references)
-    if check != "qa":
-        scores["math"] = float(any(math_equal(answer, ref) for ref in references))
-    scores["correct"] = bool(em or scores["math"])
-    return scores
+    if scoring == "reference":
+        scores = _reference_scores(response, refs, check, gold)
+    else:
+        scores = _engine_scores(response, refs, check)
+    return {**scores, "format_ok": form.error is None, "format_error": form.error}

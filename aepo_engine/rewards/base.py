@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 
 import msgspec
 
-__all__ = ["RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward", "get_reward",
+__all__ = ["RULES", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward", "get_reward",
            "list_rewards", "as_references"]
 
 
@@ -85,24 +85,41 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
+# Whose scoring rules apply: the engine's own, or the AEPO/ARPO authors' code reproduced
+# ("reference"; docs/scoring.md lists every difference). Shared by reward.rules, eval.scoring and
+# eval.judge.prompt.
+RULES = ("engine", "reference")
+
+
 class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Reward function.
 
     Attributes:
         name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math.
         options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
+        rules: "engine" (the engine's reward rules) or "reference" (the AEPO/ARPO authors' reward
+            reproduced: <think> required, tags counted anywhere, the bonus for closing tool tags
+            anywhere; deep_research only; see docs/scoring.md).
     """
 
     name: str = "deep_research"
     options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
+    rules: str = "engine"
+
+    def __post_init__(self) -> None:
+        if self.rules not in RULES:
+            raise ValueError(f"reward.rules must be one of {', '.join(RULES)}, got {self.rules!r}")
+        if "rules" in self.options:
+            raise ValueError("set reward.rules, not reward.options.rules (one place for one setting)")
 
 
 def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
     """``(response, ground_truth) -> RewardResult`` with the configured options bound.
 
     Raises:
-        ValueError: an unknown reward name, or an option the reward does not take (checked here,
-            not at the first scored response).
+        ValueError: an unknown reward name, an option the reward does not take, or
+            ``rules = "reference"`` for a reward that has no reference version (checked here, not at
+            the first scored response).
     """
     try:
         reward = get_reward(cfg.name)
@@ -113,6 +130,11 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
         inspect.signature(reward).bind("", "", **options)
     except TypeError as err:
         raise ValueError(f"reward.options {sorted(options)} do not fit reward {cfg.name!r}: {err}") from None
+    if "rules" in inspect.signature(reward).parameters:
+        options["rules"] = cfg.rules
+    elif cfg.rules != "engine":
+        raise ValueError(f"reward.rules = {cfg.rules!r} needs a reward with a reference version (deep_research); "
+                         f"{cfg.name!r} has none: the authors trained with deep_research only")
     return lambda response, ground_truth: reward(response, ground_truth, **options)
 
 

@@ -1,9 +1,12 @@
-"""The ``deep_research`` reward of the AEPO reference runs (spec §3).
+"""The ``deep_research`` reward of the AEPO reference runs (spec §3), under the engine's rules
+(``rules="engine"``, the default, below) or the authors' (``rules="reference"``,
+:mod:`aepo_engine.rewards.reference`; the differences are listed in docs/scoring.md).
 
     score = format_penalty (-1)            if the response is malformed
           = F1 + tool_bonus (0.1)          if F1 > 0 and both <search> and <python> were used
           = F1                             otherwise
-    F1 = max over references of the SQuAD token F1 of the last \\boxed{} inside <answer>.
+    F1 = max over references of the SQuAD token F1 of the last \\boxed{} inside <answer>
+         (``text.token_f1``: LaTeX text wrappers unwrapped, yes/no/noanswer all-or-nothing).
 
 A response is malformed when any of these holds (``details["format_error"]`` says which):
 - ``<think>``/``</think>`` do not pair up in order (none at all is allowed);
@@ -13,8 +16,9 @@ A response is malformed when any of these holds (``details["format_error"]`` say
   ``<result>`` appears without a preceding call, or a result is unclosed;
 - the answer has no ``\\boxed{}``.
 Text inside ``<result>...</result>`` is tool output inserted by the engine, so tags in it
-(a web page that contains "<answer>") are ignored. ``correct`` is the exact match of the
-boxed answer with a reference (F1 = 1 can also come from reordered words).
+(a web page that contains "<answer>") are ignored, and the tool bonus counts completed calls, not
+closing tags quoted by a page. ``correct`` is the exact match of the boxed answer with a reference
+(F1 = 1 can also come from reordered words).
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import RewardResult, as_references, register_reward
+from .base import RULES, RewardResult, as_references, register_reward
+from .reference import reference_reward
 from .text import exact_match, extract_boxed, reference_answer, token_f1
 
 __all__ = ["deep_research", "check_format", "FormatCheck"]
@@ -140,6 +145,7 @@ def deep_research(
     format_penalty: float = -1.0,
     tool_bonus: float = 0.1,
     think_opened_in_prompt: bool = False,
+    rules: str = "engine",
 ) -> RewardResult:
     """Score a deep-research response (see the module docstring for the rules).
 
@@ -150,13 +156,22 @@ def deep_research(
         tool_bonus: added when F1 > 0 and both search and python were used.
         think_opened_in_prompt: the chat template already wrote ``<think>`` into the prompt
             (Qwen3 thinking mode), so the response starts inside the think block.
+        rules: "engine" (module docstring) or "reference" (the authors' reward,
+            :mod:`aepo_engine.rewards.reference`); ``reward.rules`` in the config.
 
     Returns:
         ``RewardResult`` with ``details`` = ``{format_error}`` for a malformed response, else
         ``{answer, f1, em, tools_used}``.
+
+    Raises:
+        ValueError: unknown ``rules``.
     """
+    if rules not in RULES:
+        raise ValueError(f"unknown reward rules {rules!r}: use one of {', '.join(RULES)}")
     if think_opened_in_prompt:
         response = "<think>" + response
+    if rules == "reference":
+        return reference_reward(response, as_references(ground_truth), format_penalty, tool_bonus)
     check = check_format(response)
     answer = extract_boxed(check.answer) if check.answer is not None else None
     error = check.error or (None if answer is not None else "no \\boxed{} in <answer>")

@@ -1,4 +1,7 @@
-"""The ``math`` reward: is the last ``\\boxed{}`` of the response equivalent to the reference?
+"""The ``math`` reward: is the response's boxed answer equivalent to the reference?
+
+The answer is the last ``\\boxed{}`` of the last ``<answer>`` block, or of the whole response
+when it has no answer block (``text.final_answer``; tool results are never the answer).
 
 Equivalence, tried in order:
 1. Both sides, after LaTeX clean-up, parse as exact values and the values are equal. Values
@@ -15,7 +18,8 @@ Equivalence, tried in order:
 Clean-up drops ``$``, spaces, ``\\left``/``\\right``, LaTeX spacing, ``\\text{}`` wrappers,
 degree signs, percent signs (``50\\%`` == ``50``: the percent is read as a unit), trailing
 unit words after a number (``5 cm``, ``90 degrees``) and a leading ``x =``. Cleaned-up answers
-over 1,000 characters are compared as strings only (bounded time on adversarial output).
+over 1,000 characters are compared as strings only, and every clean-up pattern is linear
+(bounded time on adversarial output).
 Not supported, on purpose (no sympy): symbolic algebra, pi/e arithmetic, unordered sets,
 nested radicals and division by sums of radicals (these fall back to string comparison).
 """
@@ -26,7 +30,7 @@ from fractions import Fraction
 from typing import Any
 
 from .base import RewardResult, as_references, register_reward
-from .text import extract_boxed, reference_answer
+from .text import final_answer, reference_answer, strip_latex_wrappers
 
 __all__ = ["math_reward", "math_equal", "normalize_math", "parse_value"]
 
@@ -35,8 +39,9 @@ __all__ = ["math_reward", "math_equal", "normalize_math", "parse_value"]
 
 _DROP = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$",
          "$", "^\\circ", "^{\\circ}", "°", "\\%", "%")
-_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
-_UNIT = re.compile(r"(?<=[\d}])\s+(?:[a-zA-Z]{2,}\.?\s*)+$")
+# Unit words after a number: each word needs the whitespace before it, so a run of letters has
+# one parse only (``(?:[a-zA-Z]{2,}\.?\s*)+`` split "aaaa" every way and took minutes on 40).
+_UNIT = re.compile(r"(?<=[\d}])(?:\s+[a-zA-Z]{2,}\.?)+\s*$")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 
 
@@ -49,7 +54,7 @@ def normalize_math(text: str) -> str:
     Returns:
         The cleaned-up string, without spaces.
     """
-    text = _WRAPPERS.sub(r" \1 ", text.strip())
+    text = strip_latex_wrappers(text.strip())
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
     for token in _DROP:
         text = text.replace(token, " ")
@@ -294,7 +299,7 @@ def math_equal(prediction: str, reference: str, rel_tol: float = 0.0) -> bool:
 
 @register_reward("math")
 def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0) -> RewardResult:
-    """1.0 if the last ``\\boxed{}`` of the response is equivalent to any reference, else 0.0.
+    """1.0 if the response's boxed answer (module docstring) is equivalent to any reference, else 0.0.
 
     Args:
         response: the model's text.
@@ -305,7 +310,7 @@ def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0) -> Re
         ``RewardResult(score, correct, details={answer})``; a response without ``\\boxed{}``
         scores 0 with ``details["format_error"]``.
     """
-    answer = extract_boxed(response)
+    answer = final_answer(response, require_box=True)
     if answer is None:
         return RewardResult(0.0, False, {"format_error": "no \\boxed{}"})
     refs = [reference_answer(ref) for ref in as_references(ground_truth)]

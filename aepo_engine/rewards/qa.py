@@ -1,10 +1,11 @@
 """Short-answer QA rewards: exact match (``qa_em``) and token F1 (``qa_f1``).
 
 The answer is taken from the response by :func:`~aepo_engine.rewards.text.extract_answer`:
-the last ``\\boxed{}`` if present, else the last ``<answer>...</answer>`` block, else the whole
-response. Neither takes options (an unknown option is a ``TypeError``, not ignored), and there
-is no format penalty (use ``deep_research`` for that). Both take the best score over all
-references and report ``em`` and ``f1`` in ``details``; ``correct`` is the exact match in both.
+the last ``<answer>...</answer>`` block (its last ``\\boxed{}``, else its text), else the last
+``\\boxed{}``, else the whole response; tool results are cut out first. Neither takes options
+(an unknown option is a ``TypeError``, not ignored), and there is no format penalty (use
+``deep_research`` for that). Both take the best score over all references and report ``em`` and
+``f1`` in ``details``; ``correct`` is the exact match in both.
 """
 from __future__ import annotations
 
