@@ -41,17 +41,20 @@ class DryRunReport:
         self.problems: list[str] = []
         self.warnings: list[str] = []
         self.notes: list[str] = []
+        self.plan: list[str] = []  # the memory plan's lines, when asked for
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def check_run(cfg: TrainConfig) -> DryRunReport:
+def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None = None) -> DryRunReport:
     """Run every check on a resolved config.
 
     Args:
         cfg: the resolved ``TrainConfig``.
+        gpu, world_size: plan the run's memory per GPU (``--gpu``, ``--world-size``; world size
+            default 8, one node); see :mod:`aepo_engine.memory_plan`.
 
     Returns:
         The report; nothing is raised for a problem in the config or its inputs.
@@ -78,24 +81,30 @@ def check_run(cfg: TrainConfig) -> DryRunReport:
     _check_packages(cfg, report)
     _check_reward(cfg, report)
     _check_resume(cfg, report)
+    if gpu is not None or world_size is not None:
+        _plan_memory(cfg, gpu, world_size, report)
     return report
 
 
-def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None) -> int:
+def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | None = None,
+            world_size: str | None = None) -> int:
     """Print the resolved config (stdout) and the report (stderr); return the exit status.
 
     Args:
         cfg: the resolved config.
         source: where its values come from (presets, files), written as the TOML's first comment.
+        gpu, world_size: print the memory plan for that GPU and world size (see :func:`check_run`).
     """
     out, err = out or sys.stdout, err or sys.stderr
-    report = check_run(cfg)
+    report = check_run(cfg, gpu, world_size)
     if source:
         out.write(f"# resolved from: {source}\n")
     out.write(dump_config(cfg))
     out.flush()
     for line in report.notes:
         err.write(f"note: {line}\n")
+    for line in report.plan:
+        err.write(f"{line}\n")
     for line in report.warnings:
         err.write(f"warning: {line}\n")
     for line in report.problems:
@@ -304,3 +313,34 @@ def _check_resume(cfg: TrainConfig, report: DryRunReport) -> None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         report.problems.append(f"checkpoint.resume {resume!r} is not a checkpoint directory")
+
+
+def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, report: DryRunReport) -> None:
+    """The per-GPU memory plan (:mod:`aepo_engine.memory_plan`); a run that cannot fit is a problem
+    naming the knobs to turn."""
+    from aepo_engine.memory_plan import ModelShape, gpu_bytes, plan_memory
+
+    try:
+        capacity = gpu_bytes(gpu) if gpu is not None else 0
+        world = int(world_size) if world_size is not None else 8
+        if world < 1:
+            raise ValueError(f"--world-size {world_size!r} must be >= 1")
+    except ValueError as exc:
+        report.problems.append(f"memory plan: {exc}")
+        return
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        report.problems.append("memory plan: needs model.path with a config.json (the model's shapes)")
+        return
+    try:
+        shape = ModelShape.from_dir(cfg.model.path)
+    except (ValueError, OSError) as exc:
+        report.problems.append(f"memory plan: {cfg.model.path}/config.json: {exc}")
+        return
+    plan = plan_memory(cfg, shape, world, capacity)
+    report.plan += [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+                    f"vocabulary {shape.vocab})", *plan.lines()]
+    if not plan.fits:
+        gib = 1 << 30
+        report.problems.append(
+            f"memory plan: {plan.peak / gib:.1f} GiB per GPU at its peak ({plan.peak_phase}), more than the "
+            f"{capacity / gib:.1f} GiB of a {gpu}; turn: " + "; ".join(plan.knobs))

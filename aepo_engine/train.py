@@ -380,28 +380,51 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """``python -m aepo_engine.train [--preset NAME ...] [--config FILE ...] [--section.key=value ...]
-    [--dry-run] [-h]``: exit status 2 on a config error (and on problems found by --dry-run)."""
+    [--dry-run [--gpu NAME|GiB] [--world-size N]] [-h]``: exit status 2 on a config error (and on
+    problems found by --dry-run, a memory plan that does not fit included)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
+        gpu, argv = _take_flag(argv, "--gpu")
+        world_size, argv = _take_flag(argv, "--world-size")
         args = split_train_args(argv)
         if "-h" in argv or "--help" in argv:
             overrides = [a for a in args.overrides if a not in ("-h", "--help")]
             cfg = load_config(TrainConfig, path=args.files, overrides=overrides)
             source = f"{args.describe()}\n(presets, for --preset: {', '.join(list_presets())})"
             print(format_help(TrainConfig, PROG, defaults=cfg, defaults_from=source,
-                              usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] [--dry-run]"))
+                              usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] "
+                                    "[--dry-run [--gpu h100-80gb|h200|a100-80gb|GiB] [--world-size N]]"))
             return None
         cfg = load_config(TrainConfig, path=args.files, overrides=args.overrides)
+        if (gpu or world_size) and not dry_run:
+            raise ConfigError("--gpu and --world-size plan a run's memory: use them with --dry-run")
         if dry_run:
             from aepo_engine.dry_run import dry_run as check
 
-            raise SystemExit(check(cfg, args.describe()))
+            raise SystemExit(check(cfg, args.describe(), gpu=gpu, world_size=world_size))
         return Trainer(cfg).run()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+
+
+def _take_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """``(value, rest)`` of ``flag VALUE`` / ``flag=VALUE`` in ``argv`` (the last one wins)."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == flag:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a value")
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(flag + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
 
 
 if __name__ == "__main__":

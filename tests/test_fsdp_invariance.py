@@ -32,13 +32,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_torchrun(args: list[str], timeout: int = 300) -> str:
-    """``torchrun --nproc_per_node 2 ARGS`` on a free port (not the fixed default, which parallel
-    jobs may hold); fails the test on a non-zero exit or a hang; returns the ranks' output."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+def launch_torchrun(args: list[str], timeout: int = 300, nproc: int = 2, compile_kernels: bool = False) -> str:
+    """``torchrun --nproc_per_node NPROC ARGS`` on a free port (not the fixed default, which parallel
+    jobs may hold); fails the test on a non-zero exit or a hang; returns the ranks' output. The CPU
+    kernels run eager unless ``compile_kernels`` (compiling them would dominate short runs)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "AEPO_TORCH_COMPILE": "0", "AEPO_FAULT": ""}  # compiling the CPU kernels would dominate short runs
+           "AEPO_TORCH_COMPILE": "1" if compile_kernels else "0", "AEPO_FAULT": ""}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # own process group: a hang kills both ranks
     try:

@@ -1,0 +1,154 @@
+"""The memory plan of ``--dry-run --gpu``: its shapes against real models, its verdicts, and its
+terms against what one training step measures on CPU (``tests/dist_scripts/memory_measure.py``).
+
+Measured (malloc's in-use bytes, exact): the fp32 parameter, gradient and AdamW shards, the
+fused-linear head's peak, the sharded load's read buffer and the whole update's peak (activations,
+unsharded layers and their gradients, the root's gradients), on the embedded tiny Qwen3 (two
+configurations) and on a ~0.5B Qwen3 (slow), FSDP2 on 1 and 2 gloo ranks, bf16 compute. Each term
+must be within 15% of what is measured, or within 1 MiB: the tiny model's terms are a few MiB,
+where the small tensors and Python structures of a call (under 1 MiB) are a visible share.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from test_fsdp_invariance import REPO, launch_torchrun
+
+from aepo_engine.config import TrainConfig
+from aepo_engine.memory_plan import GIB, ModelShape, gpu_bytes, plan_memory
+
+SCRIPT = REPO / "tests" / "dist_scripts" / "memory_measure.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from memory_measure import compare  # noqa: E402
+
+QWEN3_14B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120,
+             "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
+             "head_dim": 128, "tie_word_embeddings": False, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000}
+
+
+def _meta_params(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_shapes_count_the_parameters_of_real_models():
+    from transformers import LlamaConfig, Qwen3Config
+
+    configs = [Qwen3Config(**{k: v for k, v in QWEN3_14B.items() if k not in ("architectures", "model_type")}),
+               Qwen3Config(vocab_size=1031, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                           num_attention_heads=3, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+               LlamaConfig(vocab_size=999, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)]
+    for config in configs:
+        shape = ModelShape.from_config(config.to_dict())
+        assert shape.params() == _meta_params(config), config.model_type
+    assert ModelShape.from_config(QWEN3_14B).params() == 14_768_307_200  # Qwen3-14B: "14.8B"
+    with pytest.raises(ValueError, match="not a decoder-only transformer config"):
+        ModelShape.from_config({"vocab_size": 10})
+
+
+def test_gpu_names_and_sizes():
+    assert gpu_bytes("h200") == 143771 << 20 and gpu_bytes("H100-80GB") == 81559 << 20
+    assert gpu_bytes("24") == 24 * GIB
+    for bad in ("h300", "-1", "0"):
+        with pytest.raises(ValueError, match="--gpu"):
+            gpu_bytes(bad)
+
+
+def _dry_run(tmp_path, *args: str) -> tuple[int, str]:
+    from aepo_engine.train import main
+
+    model = tmp_path / "qwen3-14b"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_14B))
+    err = io.StringIO()
+    old = sys.stderr
+    sys.stderr, sys.stdout = err, io.StringIO()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--preset", "qwen3_14b_deep_research", f"--model.path={model}", "--dry-run", *args])
+    finally:
+        sys.stderr, sys.stdout = old, sys.__stdout__
+    return exit_info.value.code, err.getvalue()
+
+
+def test_the_paper_run_fits_one_node_of_h200_or_h100(tmp_path):
+    for gpu in ("h200", "h100-80gb"):
+        _, text = _dry_run(tmp_path, "--gpu", gpu, "--world-size", "8")
+        assert "14.77B parameters" in text and "GPU memory: fits" in text, text[-2000:]
+        assert "problem: memory plan" not in text
+    _, text = _dry_run(tmp_path, "--gpu", "h200")  # 8 ranks by default
+    assert "memory plan per GPU (8 ranks" in text
+
+
+def test_a_run_that_cannot_fit_names_the_knobs(tmp_path):
+    code, text = _dry_run(tmp_path, "--gpu", "40", "--world-size", "4", "--backend.sleep_between_steps=false",
+                          "--policy.activation_checkpointing=false")
+    assert code == 2 and "DOES NOT FIT" in text
+    problem = next(line for line in text.splitlines() if line.startswith("problem: memory plan"))
+    for knob in ("policy.activation_checkpointing = true", "policy.micro_batch_max_tokens",
+                 "backend.sleep_between_steps = true", "more GPUs"):
+        assert knob in problem, problem
+    code, text = _dry_run(tmp_path, "--gpu", "h300")
+    assert code == 2 and "problem: memory plan: --gpu 'h300'" in text
+
+
+def test_the_flags_need_dry_run(capsys):
+    from aepo_engine.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--gpu", "h200"])
+    assert exit_info.value.code == 2 and "--dry-run" in capsys.readouterr().err
+
+
+def _measure(model_dir: str, tmp_path: Path, world: int, tokens: int, checkpointing: bool) -> None:
+    out = tmp_path / f"measure_{world}_{int(checkpointing)}"
+    launch_torchrun([str(SCRIPT), model_dir, str(out), str(tokens)] + (["--checkpointing"] if checkpointing else []),
+                    timeout=1800, nproc=world, compile_kernels=True)  # the kernels as they run
+    shape = ModelShape.from_dir(model_dir)
+    base = TrainConfig()
+    cfg = msgspec.structs.replace(base, policy=msgspec.structs.replace(
+        base.policy, fsdp="on", param_dtype="bfloat16", activation_checkpointing=checkpointing,
+        micro_batch_max_tokens=tokens))
+    plan = plan_memory(cfg, shape, world, cuda=False)
+    for rank in range(world):
+        row = json.loads(Path(f"{out}.rank{rank}").read_text())
+        assert row["micro_batches"] == 2
+        for term, (planned, measured) in compare(plan, row).items():
+            assert abs(planned - measured) <= max(0.15 * measured, 1 << 20), (
+                f"{term}: planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB "
+                f"(world {world}, checkpointing {checkpointing})")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from aepo_engine.models import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("plan_tiny"))  # the embedded default's shapes
+
+
+@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@pytest.mark.parametrize("world,checkpointing", [(1, False), (2, True)])
+def test_terms_match_one_measured_step_of_the_tiny_model(tiny_model, tmp_path, world, checkpointing):
+    _measure(tiny_model, tmp_path, world, 2048, checkpointing)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+def test_terms_match_one_measured_step_of_a_05b_model(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_sharded_load import build_model
+
+    _measure(str(build_model(tmp_path / "qwen3_05b")), tmp_path, 2, 512, True)
