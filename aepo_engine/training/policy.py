@@ -2,7 +2,10 @@
 
 One worker per process. Without torchrun it runs single-process; under torchrun it initialises
 torch.distributed (gloo on CPU, nccl on CUDA), shards every decoder layer and then the root with
-FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy``.
+FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy``. A sharded model is built on the meta device
+and each rank reads only its shards from the checkpoint (:mod:`aepo_engine.training.loading`):
+no rank ever holds the whole fp32 model. The lm_head's three matmuls run in ``param_dtype``
+(``_in_compute_dtype``; the kernels accumulate in fp32).
 
 Every rank is handed the *same global* :class:`TokenBatch`; the worker cuts it into PPO
 mini-batches, gives each rank a strided shard of each mini-batch and runs that shard's
