@@ -225,6 +225,12 @@ def example_logits(vocab: int, dtype: torch.dtype, layout: str) -> torch.Tensor:
     raise ValueError(f"layout={layout!r}: choose one of {LAYOUTS}")
 
 
+def _kernel_name(kernel) -> str:
+    while not hasattr(kernel, "__name__") and hasattr(kernel, "fn"):  # heuristics wrappers
+        kernel = kernel.fn
+    return kernel.__name__
+
+
 def _rows_here(targets, vocabs, dtypes, layouts) -> list[dict]:
     from . import triton_kernels
 
@@ -238,7 +244,8 @@ def _rows_here(targets, vocabs, dtypes, layouts) -> list[dict]:
                         logits = example_logits(vocab, getattr(torch, dtype), layout)
                         launches = triton_kernels.example_launches(logits, 0.5 if softcap else None)
                         for name, launch in launches.items():
-                            row = {"kernel": name, "target": target, "dtype": dtype, "softcap": softcap,
+                            row = {"kernel": _kernel_name(launch.kernel), "launch": name, "target": target,
+                                   "dtype": dtype, "softcap": softcap,
                                    "vocab": vocab, "layout": layout, "block_v": launch.meta["BLOCK_V"],
                                    "num_warps": launch.meta["num_warps"]}
                             if reasons[target]:

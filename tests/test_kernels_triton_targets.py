@@ -31,7 +31,7 @@ def rows() -> list[dict]:
 
 
 def _label(row: dict) -> str:
-    return (f"{row['kernel']} {row['target']} {row['dtype']} softcap={row['softcap']} V={row['vocab']} "
+    return (f"{row['launch']} {row['target']} {row['dtype']} softcap={row['softcap']} V={row['vocab']} "
             f"{row['layout']} BLOCK_V={row['block_v']} warps={row['num_warps']}")
 
 
@@ -50,7 +50,7 @@ def test_the_matrix_covers_every_launch_and_target(rows):
     expected = {(t, d, s, v, lay) for t in TARGETS for d in DTYPES for s in (False, True) for v in VOCABS
                 for lay in LAYOUTS}
     for key in expected:
-        got = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["softcap"], r["vocab"], r["layout"]) == key}
+        got = {r["launch"] for r in rows if (r["target"], r["dtype"], r["softcap"], r["vocab"], r["layout"]) == key}
         assert got == launches, key
     reasons = available_targets()
     assert reasons["sm_80"] is None and reasons["sm_90"] is None
