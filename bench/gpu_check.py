@@ -757,7 +757,8 @@ def check_train_vllm(ctx: EngineContext) -> dict:
             "--task.warm_start.warmup_steps=2", "--rollout.k=4", "--rollout.max_response_tokens=64",
             "--train.steps=5", "--train.prompts_per_step=4", "--eval.num_questions=4", "--eval.samples=1",
             "--checkpoint.every_n_steps=0", "--logging.tensorboard=off", "--backend.kind=vllm",
-            "--backend.dtype=bfloat16", "--backend.gpu_memory_utilization=0.25", "--backend.max_model_len=4096"]
+            f"--backend.dtype={'bfloat16' if DEVICE == 'cuda' else 'float32'}", "--backend.gpu_memory_utilization=0.25",
+            "--backend.max_model_len=4096"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", *args],
                           capture_output=True, text=True, timeout=ENGINE_GROUPS["train"].timeout_s - 30)
