@@ -414,6 +414,8 @@ def logits_section(shapes: Shapes, copy_bw: float) -> list[dict]:
             rows.append(row("logits", name, "FAIL", f"{type(exc).__name__}: {exc}"[:500]))
             continue
         result["seconds"] = max(result["seconds"] - copy, 1e-9)
+        if result["peak_bytes"] is not None:  # above the inputs: the fresh logits copy is the input
+            result["peak_bytes"] -= logits.numel() * logits.element_size()
         results[name] = result
         _free()
     eager = results.get("eager_torch", {}).get("seconds")

@@ -18,14 +18,15 @@ cubin. This module compiles **every specialisation the launchers produce** and r
 
 A row fails (:func:`problems`) on a compile error, any local-memory load or store inside a loop
 of the SASS (a spill in the sweeps), more than :data:`MAX_STACK_BYTES` of local memory, more
-than 255 registers, or shared memory over the target's per-block limit. (ptxas on sm_80 and
-sm_100 keeps a per-row integer in a 4-8 byte stack slot across the statistics sweep in a few
-specialisations; cuobjdump reports such spills as ``STACK``, not ``LOCAL``.) Occupancy is in
-resident warps per SM from registers and shared memory (:func:`occupancy_warps`).
+than 255 registers, or shared memory over the target's per-block limit. (ptxas at times keeps a
+per-row integer in a 4-8 byte stack slot across the statistics sweep -- one store and one load
+per row -- and which specialisations get one moves with small code changes; cuobjdump reports
+such spills as ``STACK``, not ``LOCAL``.) Occupancy is in resident warps per SM from registers
+and shared memory (:func:`occupancy_warps`).
 
 Under ``TRITON_INTERPRET=1`` (the tests) the ``@triton.jit`` objects are interpreter wrappers
 with no compiler front end, and the variable is read when the kernels module is imported, so
-:func:`resource_rows` then runs this module in a subprocess without it. Compiled kernels are
+:func:`resource_rows` then runs this module in subprocesses without it (one per target). Compiled kernels are
 cached by Triton on disk (``~/.triton/cache``) and by specialisation within a process.
 
     python -m aepo_kernels.triton_targets            # JSON rows on stdout
@@ -45,8 +46,10 @@ from pathlib import Path
 
 import torch
 
+from .triton_kernels import LOGITS_DTYPES
+
 VOCABS = (32000, 151936, 262144)
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in LOGITS_DTYPES)
 LAYOUTS = ("dense", "unaligned", "int64")
 MAX_REGISTERS = 255  # per thread, every target here
 # Local memory allowed outside the loops: ptxas at times keeps one or two per-row integers (the

@@ -44,8 +44,8 @@ def test_every_specialisation_compiles_within_the_limits(rows):
 
 def test_the_matrix_covers_every_launch_and_target(rows):
     """Each (target, dtype, soft cap, V, layout) has a row for every launch of example_launches;
-    sm_80/sm_90 are always compiled; the launch config is the GPU's (the subprocess really ran
-    without the interpreter, whose BLOCK_V reaches 32768)."""
+    sm_80/sm_90 are always compiled; the launch config is the GPU's (the subprocesses really ran
+    without the interpreter)."""
     launches = set(triton_kernels.example_launches(torch.empty(1, 2, 8, device="meta"), None))
     expected = {(t, d, s, v, lay) for t in TARGETS for d in DTYPES for s in (False, True) for v in VOCABS
                 for lay in LAYOUTS}
@@ -55,7 +55,8 @@ def test_the_matrix_covers_every_launch_and_target(rows):
     reasons = available_targets()
     assert reasons["sm_80"] is None and reasons["sm_90"] is None
     assert all(("skipped" in r) == (reasons[r["target"]] is not None) for r in rows)
-    assert {r["block_v"] for r in rows} == {4096} and {r["num_warps"] for r in rows} == {8}
+    # the GPU's launch config, not this process's (the interpreter's) for the same vocabulary
+    assert all((r["block_v"], r["num_warps"]) != triton_kernels._launch_config(r["vocab"]) for r in rows)
 
 
 def test_every_kernel_of_the_module_has_an_example_launch():
