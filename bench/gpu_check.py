@@ -42,6 +42,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -787,8 +788,8 @@ ENGINE_GROUPS = {
     "packing": EngineGroup((check_varlen_packing,), 120),
     "fsdp": EngineGroup((check_fsdp_one_rank,), 120, torchrun=True),
     "vllm": EngineGroup((check_vllm_generate, check_weight_sync, check_sleep_wake), 240,
-                        smoke_skip="vLLM's engine takes ~45 s to start on CPU; tests/test_backends_vllm.py runs "
-                                   "vLLM-CPU generation and the bucketed weight push"),
+                        smoke_skip="vLLM's engine takes ~45 s to start on CPU; these checks run on vLLM-CPU in "
+                                   "tests/test_bench_scripts.py::test_gpu_check_vllm_group_on_vllm_cpu"),
     "train": EngineGroup((check_train_vllm,), 360,
                          smoke_skip="a 5-step run with vLLM costs minutes on CPU; tests/test_train_e2e.py runs "
                                     "the trainer (HF backend) end to end"),
@@ -845,7 +846,13 @@ def engine_section(groups: list[str], all_groups: bool = False) -> list[dict]:
         with (workdir / "stdout").open("w") as out, (workdir / "stderr").open("w") as err:
             proc = subprocess.Popen(_group_command(name, workdir), stdout=out, stderr=err, text=True, env=env,
                                     start_new_session=True)  # own process group: a hang is killed whole
-        rows += _collect(name, proc, workdir, time.monotonic() + group.timeout_s)
+        got = _collect(name, proc, workdir, time.monotonic() + group.timeout_s)
+        if any(r["status"] == "FAIL" for r in got):  # keep the group's output for a look
+            for r in got:
+                r["logs"] = str(workdir)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+        rows += got
     return rows
 
 
