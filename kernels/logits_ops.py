@@ -20,8 +20,12 @@ Backends behind one contract (``backend=``):
 - ``"auto"``: triton for CUDA tensors when triton imports, else torch.
 
 Shapes: logits ``[N, V]`` or ``[B, T, V]`` with unit stride on V and any stride on the other dims
-(``logits[:, :-1]`` is not copied); labels ``[N]`` / ``[B, T]``. Not supported: rows whose logits
-are all ``-inf`` (their lse is undefined).
+(``logits[:, :-1]`` is not copied); labels ``[N]`` / ``[B, T]``.
+
+``-inf`` logits (a masked or padded vocabulary) are supported on every backend, anywhere in a row:
+such a token has probability 0 and gradient 0, and the entropy is that of the finite support (a
+label on such a token has log-prob -inf). Not supported: rows whose logits are all ``-inf``
+(their lse is undefined: NaN).
 """
 from __future__ import annotations
 
@@ -90,19 +94,33 @@ def chunk_stats(z: torch.Tensor, inv_t: float, tanh_scale: float | None = None) 
     """
     u = map_logits(z, inv_t, tanh_scale)
     m = u.amax(-1, keepdim=True)
-    d = u - m
+    d = u - _finite_or_zero(m)  # a block of only -inf: m = -inf, s = t = 0 (merge_stats takes it)
     e = d.exp()
-    return m.squeeze(-1), e.sum(-1), (e * d).sum(-1)
+    return m.squeeze(-1), e.sum(-1), _e_times_d(e, d).sum(-1)
+
+
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """The running max as a shift reference: 0 where it is still -inf (nothing finite seen), since
+    -inf - -inf is NaN; the terms it scales are 0 there anyway."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
+
+
+def _e_times_d(e: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``e * d`` with 0 where e is 0: a -inf logit has e = 0 and d = -inf (0 * -inf is NaN)."""
+    return e * torch.where(e > 0, d, torch.zeros_like(d))
 
 
 def merge_stats(a, b):
     """Online-softmax merge of two ``(m, s, t)`` triples of the same rows (see chunk_stats)."""
     (m_a, s_a, t_a), (m_b, s_b, t_b) = a, b
     m = torch.maximum(m_a, m_b)
-    # where() guards the -inf starting value: its s is 0, so its shifted terms must vanish.
-    shift_a = torch.where(s_a > 0, m_a - m, torch.zeros_like(m))
-    scale_a, scale_b = (m_a - m).exp(), (m_b - m).exp()
-    t = scale_a * (t_a + s_a * shift_a) + scale_b * (t_b + s_b * (m_b - m))
+    ref = _finite_or_zero(m)
+    # where() guards the -inf starting value and blocks of only -inf: their s is 0, so their
+    # shifted terms must vanish (not 0 * -inf).
+    shift_a = torch.where(s_a > 0, m_a - ref, torch.zeros_like(m))
+    shift_b = torch.where(s_b > 0, m_b - ref, torch.zeros_like(m))
+    scale_a, scale_b = (m_a - ref).exp(), (m_b - ref).exp()
+    t = scale_a * (t_a + s_a * shift_a) + scale_b * (t_b + s_b * shift_b)
     return m, s_a * scale_a + s_b * scale_b, t
 
 
@@ -124,8 +142,9 @@ def chunk_grad(z, local_labels, lse, eu, g_lp, g_h, inv_t: float, tanh_scale: fl
         th = torch.tanh(x * tanh_scale)
         u, du_dz = th * inv_t, (1 - th * th) * (tanh_scale * inv_t)
     p = (u - lse.unsqueeze(-1)).exp()
-    g_lp, g_h = g_lp.unsqueeze(-1), g_h.unsqueeze(-1)
-    grad = p * (g_h * (eu.unsqueeze(-1) - u) - g_lp)
+    g_lp, g_h, eu = g_lp.unsqueeze(-1), g_h.unsqueeze(-1), eu.unsqueeze(-1)
+    u = torch.where(p > 0, u, eu)  # u = -inf has p = 0: gradient 0, not 0 * inf
+    grad = p * (g_h * (eu - u) - g_lp)
     hit = torch.arange(z.shape[-1], device=z.device) == local_labels.unsqueeze(-1)
     return torch.where(hit, grad + g_lp, grad) * du_dz
 

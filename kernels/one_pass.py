@@ -38,8 +38,9 @@ Hyper-parameters, the clip rule included, are runtime values (a small tensor her
 arguments in Triton): changing any of them never recompiles.
 
 Gradients flow to the logits only: old log-probs, advantages, weights and the entropy statistics
-are treated as constants (as everywhere in this package). Not supported: rows whose logits are all
-``-inf``.
+are treated as constants (as everywhere in this package). ``-inf`` logits (a masked vocabulary)
+are supported on every backend (probability 0, gradient 0; :mod:`aepo_kernels.logits_ops`); rows
+whose logits are all ``-inf`` are not.
 """
 from __future__ import annotations
 

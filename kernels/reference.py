@@ -31,7 +31,11 @@ def logprob_entropy_reference(
         z = softcap * torch.tanh(z / softcap)
     scaled = z / temperature
     log_p = torch.log_softmax(scaled, dim=-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
+    # -inf logits (masked vocabulary) have p = 0 and log p = -inf: their term of the entropy is 0.
+    # log p is replaced before the product, not after: a where() after it would send 0 * inf =
+    # NaN into the gradient.
+    finite_log_p = torch.where(log_p > float("-inf"), log_p, torch.zeros_like(log_p))
+    entropy = -(log_p.exp() * finite_log_p).sum(-1)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
     logprobs = log_p.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)

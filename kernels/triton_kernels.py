@@ -5,7 +5,11 @@ vocabulary in ``BLOCK_V`` lanes with an online softmax in fp32:
     m' = max(m, max_v u_v)    s' = s e^(m - m') + sum_v e^(u_v - m')
     t' = e^(m - m') (t + s (m - m')) + sum_v e^(u_v - m') (u_v - m')       (t = sum e^(u-m)(u-m))
 so at the end lse = m + log s, Eu = m + t / s, H = log s - t / s. Out-of-range lanes are loaded
-as -inf before the max and the exp, and masked out of t (0 * -inf would be NaN).
+as -inf before the max and the exp. Logits of -inf (a masked vocabulary) are supported anywhere
+in a row, leading blocks included: the shifts use a finite reference while m is still -inf, and
+the factors ``u - m`` of ``e (u - m)`` and ``Eu - u`` of ``p (Eu - u)`` are replaced by finite
+values where e or p is 0 (0 * -inf is NaN).
+Such tokens get probability 0 and gradient 0. A row with no finite logit has no softmax (NaN).
 
 Temperature, row strides and the row count are runtime arguments; the row count and the number
 of rows per sequence are not specialised (``do_not_specialize``), so new RL batch shapes never
@@ -23,15 +27,21 @@ available under the interpreter, and one formula on both keeps the tests on the 
 """
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .config import CLIP_RULES
+from .config import CLIP_RULES, LossConfig
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The logits dtypes the kernels are compiled and tested for (tests/test_triton_targets.py).
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -72,12 +82,14 @@ def _row_stats(p_row, vocab, inv_temperature, tanh_scale, BLOCK_V: tl.constexpr,
         else:
             b_u = tl.load(p_row + o_v, mask=m_v, other=float("-inf")).to(tl.float32) * inv_temperature
         b_m_new = tl.maximum(b_m, tl.max(b_u, axis=0))
-        # First block: b_m is -inf and b_s is 0; the shift term must be 0, not 0 * -inf.
-        b_shift = tl.where(b_s > 0, b_m - b_m_new, 0.0)
-        b_scale = tl.exp(b_m - b_m_new)
-        b_d = tl.where(m_v, b_u - b_m_new, 0.0)
-        b_e = tl.where(m_v, tl.exp(b_d), 0.0)
-        b_t = b_scale * (b_t + b_s * b_shift) + tl.sum(b_e * b_d, axis=0)
+        # A finite reference while no finite logit has been seen (leading blocks of -inf, e.g. a
+        # masked vocabulary): exp(-inf - -inf) would be NaN. Then b_s = 0 and every term below is 0.
+        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_shift = tl.where(b_s > 0, b_m - b_ref, 0.0)  # b_s = 0: the shift term is 0, not 0 * -inf
+        b_scale = tl.exp(b_m - b_ref)
+        b_d = b_u - b_ref  # -inf on -inf logits and out-of-range lanes, whose e is 0
+        b_e = tl.exp(b_d)
+        b_t = b_scale * (b_t + b_s * b_shift) + tl.sum(b_e * tl.where(b_e > 0, b_d, 0.0), axis=0)
         b_s = b_s * b_scale + tl.sum(b_e, axis=0)
         b_m = b_m_new
     return b_m, tl.log(b_s), b_t / b_s
@@ -99,6 +111,7 @@ def _row_grad(p_row, p_drow, vocab, inv_temperature, tanh_scale, b_lse, b_eu, b_
             b_u = b_z * inv_temperature
             b_du = inv_temperature
         b_p = tl.exp(b_u - b_lse)
+        b_u = tl.where(b_p > 0, b_u, b_eu)  # u = -inf has p = 0: gradient 0, not 0 * inf
         b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
         b_d = tl.where(o_v == y, b_d + b_glp, b_d) * b_du
         # Same lanes as the load above: in-place mode (p_drow == p_row) is safe.
@@ -232,61 +245,157 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     return min(triton.next_power_of_2(vocab), 4096), 8
 
 
-def _check(logits: torch.Tensor) -> None:
+# ---------------------------------------------------------------------------------------------
+# Launchers. Each kernel's argument list is built in one place, a ``_*_launch`` function that
+# returns a :class:`Launch`; the public launchers check their inputs, build and run it. The GPU
+# compile check (:mod:`aepo_kernels.triton_targets`) compiles the very same launches
+# (:func:`example_launches`) for named GPU targets, so a new argument is covered there as is.
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **meta)``; ``meta`` holds the constexprs the
+    launcher picks (``BLOCK_V``) and the launch options (``num_warps``)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict
+
+    def run(self) -> None:
+        if math.prod(self.grid) > 0:
+            self.kernel[self.grid](*self.args, **self.meta)
+
+
+def _check(logits: torch.Tensor, labels: torch.Tensor, out: torch.Tensor | None = None,
+           stats: dict[str, torch.Tensor] | None = None, per_token: dict[str, torch.Tensor | None] | None = None,
+           scalars: dict[str, torch.Tensor] | None = None) -> None:
+    """Checks every tensor argument of a launcher, raising an error that names the bad one.
+
+    Args:
+        logits: ``[B, T, V]`` on CUDA (or any device under the interpreter), a
+            :data:`LOGITS_DTYPES` dtype, unit stride on V.
+        labels: int64 ``[B, T]``.
+        out: the dlogits buffer: like the logits (dtype, shape, unit vocab stride).
+        stats: per-row fp32 ``[B, T]`` tensors the kernels read as fp32 (lse, Eu, upstream gradients).
+        per_token: ``B*T``-element floating tensors the launcher converts (None: absent).
+        scalars: one-element floating tensors.
+    All of them must be on the logits' device.
+    """
     if not (logits.is_cuda or _INTERPRET):
         raise RuntimeError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    if logits.stride(-1) != 1:
-        raise ValueError("logits must have unit stride on the vocab dim")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits dtype {logits.dtype}: the triton backend takes {LOGITS_DTYPES}")
+    if logits.dim() != 3 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [B, T, V] with unit stride on the vocab dim, got shape {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    stats, per_token, scalars = stats or {}, per_token or {}, scalars or {}
+    rows = logits.shape[:-1]
+    for name, t in {"labels": labels, "out": out, **stats, **per_token, **scalars}.items():
+        if t is not None and t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device}, the logits on {logits.device}: every tensor argument "
+                             "of the triton backend must be on the logits' device")
+    if labels.dtype != torch.int64 or labels.shape != rows:
+        raise TypeError(f"labels must be int64 {tuple(rows)}, got {labels.dtype} {tuple(labels.shape)}")
+    if out is not None and (out.dtype != logits.dtype or out.shape != logits.shape or out.stride(-1) != 1):
+        raise TypeError(f"out must be like the logits ({logits.dtype} {tuple(logits.shape)}, unit vocab stride), "
+                        f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    for name, t in stats.items():
+        if t.dtype != torch.float32 or t.shape != rows:
+            raise TypeError(f"{name} must be float32 {tuple(rows)}, got {t.dtype} {tuple(t.shape)}")
+    for name, t in per_token.items():
+        if t is not None and (not t.is_floating_point() or t.numel() != rows.numel()):
+            raise TypeError(f"{name} must be a floating-point tensor of {rows.numel()} elements (one per row), "
+                            f"got {t.dtype} {tuple(t.shape)}")
+    for name, t in scalars.items():
+        if not t.is_floating_point() or t.numel() != 1:
+            raise TypeError(f"{name} must be a one-element floating-point tensor, got {t.dtype} {tuple(t.shape)}")
+
+
+def _forward_launch(logits, labels, inv_t: float, ignore_index: int, tanh_scale: float | None):
+    """``(Launch, (logp, H, lse, Eu))`` of the forward kernel over ``logits [B, T, V]``."""
+    batch, seq, vocab = logits.shape
+    outputs = tuple(torch.empty(batch, seq, dtype=torch.float32, device=logits.device) for _ in range(4))
+    block_v, num_warps = _launch_config(vocab)
+    args = (logits, logits.stride(0), logits.stride(1), labels.contiguous(), *outputs,
+            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index)
+    return Launch(_logprob_entropy_fwd_kernel, (batch * seq,), args, dict(BLOCK_V=block_v, num_warps=num_warps)), outputs
+
+
+def _backward_launch(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale) -> Launch:
+    batch, seq, vocab = logits.shape
+    block_v, num_warps = _launch_config(vocab)
+    args = (logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
+            labels.contiguous(), lse, eu, g_lp.contiguous(), g_h.contiguous(),
+            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index)
+    return Launch(_logprob_entropy_bwd_kernel, (batch * seq,), args, dict(BLOCK_V=block_v, num_warps=num_warps))
+
+
+def _one_pass_launch(logits, labels, inputs, config, inv_t: float, ignore_index: int, out, tanh_scale):
+    """``(Launch, rows [6, B, T])`` of the one-pass kernel."""
+    batch, seq, vocab = logits.shape
+    n_rows = batch * seq
+    flat = lambda t: t.reshape(n_rows).float().contiguous()  # noqa: E731
+    rows = torch.empty(6, batch, seq, dtype=torch.float32, device=logits.device)
+    block_v, num_warps = _launch_config(vocab)
+    args = (logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
+            labels.contiguous(), flat(inputs.old_logprobs), flat(inputs.advantages), flat(inputs.weight),
+            flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()),
+            rows, n_rows, seq, vocab, inv_t, tanh_scale or 0.0, ignore_index,
+            float(config.eps_low), float(config.eps_high), float(config.dual_clip), float(config.log_ratio_clamp),
+            float(config.entropy_adv_alpha), float(config.kl_coef), float(config.entropy_coef),
+            CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None))
+    return Launch(_aepo_one_pass_kernel, (n_rows,), args, dict(BLOCK_V=block_v, num_warps=num_warps)), rows
 
 
 def triton_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, ignore_index: int,
                    tanh_scale: float | None = None):
     """``logits: [B, T, V]`` -> ``(logp, H, lse, Eu)``, each ``[B, T]`` fp32."""
-    _check(logits)
-    batch, seq, vocab = logits.shape
-    labels = labels.contiguous()
-    logp, entropy, lse, eu = (torch.empty(batch, seq, dtype=torch.float32, device=logits.device) for _ in range(4))
-    block_v, num_warps = _launch_config(vocab)
-    if batch * seq > 0:
-        _logprob_entropy_fwd_kernel[(batch * seq,)](
-            logits, logits.stride(0), logits.stride(1), labels, logp, entropy, lse, eu,
-            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
-        )
-    return logp, entropy, lse, eu
+    _check(logits, labels)
+    launch, outputs = _forward_launch(logits, labels, inv_t, ignore_index, tanh_scale)
+    launch.run()
+    return outputs
 
 
 def triton_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale=None):
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
-    _check(logits)
-    batch, seq, vocab = logits.shape
-    block_v, num_warps = _launch_config(vocab)
-    if batch * seq > 0:
-        _logprob_entropy_bwd_kernel[(batch * seq,)](
-            logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
-            labels.contiguous(), lse, eu, g_lp.contiguous(), g_h.contiguous(),
-            seq, vocab, inv_t, tanh_scale or 0.0, ignore_index, BLOCK_V=block_v, num_warps=num_warps,
-        )
+    _check(logits, labels, out, stats=dict(lse=lse, eu=eu, g_lp=g_lp, g_h=g_h))
+    _backward_launch(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale).run()
     return out
 
 
 def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: int, out, tanh_scale=None):
     """The one-pass loss over ``logits [B, T, V]`` (contract of ``one_pass.torch_one_pass``):
     returns rows ``[6, B, T]`` fp32 and writes dlogits into ``out`` (may be ``logits``)."""
-    _check(logits)
-    batch, seq, vocab = logits.shape
-    n_rows = batch * seq
-    flat = lambda t: t.reshape(n_rows).float().contiguous()  # noqa: E731
-    rows = torch.empty(6, batch, seq, dtype=torch.float32, device=logits.device)
-    block_v, num_warps = _launch_config(vocab)
-    if n_rows > 0:
-        _aepo_one_pass_kernel[(n_rows,)](
-            logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1),
-            labels.contiguous(), flat(inputs.old_logprobs), flat(inputs.advantages), flat(inputs.weight),
-            flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()), rows,
-            n_rows, seq, vocab, inv_t, tanh_scale or 0.0, ignore_index,
-            float(config.eps_low), float(config.eps_high), float(config.dual_clip), float(config.log_ratio_clamp),
-            float(config.entropy_adv_alpha), float(config.kl_coef), float(config.entropy_coef),
-            CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None),
-            BLOCK_V=block_v, num_warps=num_warps,
-        )
+    _check(logits, labels, out, per_token=dict(
+        old_logprobs=inputs.old_logprobs, advantages=inputs.advantages, weight=inputs.weight,
+        ref_logprobs=inputs.ref_logprobs), scalars=dict(entropy_mean=inputs.entropy_mean, entropy_std=inputs.entropy_std))
+    launch, rows = _one_pass_launch(logits, labels, inputs, config, inv_t, ignore_index, out, tanh_scale)
+    launch.run()
     return rows
+
+
+def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str, Launch]:
+    """Every kernel's launches as the launchers build them for ``logits [B, T, V]`` (any device,
+    ``meta`` included: nothing runs): dlogits into a new buffer and in place (``out`` is the
+    logits, whose layout may differ). :mod:`aepo_kernels.triton_targets` compiles these for GPU
+    targets, so its signatures are the launchers' own. A new kernel must be added here
+    (tests/test_triton_targets.py checks that every ``*_kernel`` of this module is)."""
+    from .one_pass import RowInputs  # one_pass imports this module lazily: no cycle
+
+    batch, seq, vocab = logits.shape
+    like = lambda dtype=torch.float32: torch.zeros(batch, seq, dtype=dtype, device=logits.device)  # noqa: E731
+    labels = like(torch.int64)
+    forward, (_, _, lse, eu) = _forward_launch(logits, labels, 1.0, -100, tanh_scale)
+    scalar = torch.zeros((), device=logits.device)
+    inputs = RowInputs(like(), like(), like(), scalar, scalar + 1, None)
+    new_out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    backward = lambda out: _backward_launch(logits, labels, lse, eu, like(), like(), 1.0, -100, out, tanh_scale)  # noqa: E731
+    one_pass = lambda out: _one_pass_launch(logits, labels, inputs, LossConfig(), 1.0, -100, out, tanh_scale)[0]  # noqa: E731
+    return {
+        "logprob_entropy_fwd": forward,
+        "logprob_entropy_bwd": backward(new_out),
+        "logprob_entropy_bwd_inplace": backward(logits),
+        "aepo_one_pass": one_pass(new_out),
+        "aepo_one_pass_inplace": one_pass(logits),
+    }

@@ -13,7 +13,8 @@
  * output row itself when it does not alias the logits, else a per-thread scratch row. A separate
  * output's pages are faulted in before the sweeps (prefault_output).
  * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
- * the tests compare all of them with aepo_kernels.reference.
+ * the tests compare all of them with aepo_kernels.reference. -inf logits (a masked vocabulary)
+ * get probability 0 and gradient 0; a row of only -inf logits has no softmax (NaN).
  */
 #define _GNU_SOURCE /* madvise */
 #include <math.h>
@@ -155,7 +156,7 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
             const float d = z[j] * inv_t - m, ej = exp_nonpos(d);
             e[j] = ej;
             s += ej;
-            tt += ej * d;
+            tt += ej * maxf(d, -88.0f); /* ej = 0 below -87.34; a -inf logit: 0, not 0 * -inf */
         }
         const float log_s = logf(s), eu_rel = tt / s;
         const float lse = m + log_s, eu = m + eu_rel, entropy = log_s - eu_rel;
@@ -172,10 +173,11 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
         rows_out[5 * n_rows + i] = kl;
         const float w = weight[i];
         const float g_lp = valid ? d_logp * w : 0.0f, g_h = -h.entropy_coef * w;
-        const float a = inv_t / s, c = g_h * eu - g_lp;
-        /* out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t; in place, z_j is read before o_j is written. */
+        const float a = inv_t / s, c = g_h * eu - g_lp, u_floor = m - 88.0f;
+        /* out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t; in place, z_j is read before o_j is written.
+         * u_j is raised to u_floor, where e_j is 0 already: a -inf logit gets 0, not 0 * inf. */
 #pragma omp simd
-        for (int64_t j = 0; j < vocab; ++j) o[j] = e[j] * a * (c - g_h * (z[j] * inv_t));
+        for (int64_t j = 0; j < vocab; ++j) o[j] = e[j] * a * (c - g_h * maxf(z[j] * inv_t, u_floor));
         if (valid) o[y] += g_lp * inv_t;
     }
 }
