@@ -247,6 +247,7 @@ def load_sharded_weights(model: nn.Module, path: str, device: torch.device) -> N
             for dim in range(1, len(shape)):  # only dim 0 is read by range; FSDP2 shards dim 0
                 rows = rows.narrow(dim, offset[dim], shape[dim])
             local.copy_(rows)  # converts the checkpoint dtype to the master dtype in place
+            del rows  # before the next read: one read buffer at a time
 
 
 def _retie(model: nn.Module, groups) -> None:
