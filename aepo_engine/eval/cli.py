@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import msgspec
 
 from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
+from aepo_engine.errors import entry_point
 from aepo_engine.eval.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.eval.config import EvalConfig
 from aepo_engine.eval.core import judge_records, sample_records
@@ -410,30 +411,27 @@ def list_benchmarks(data_root: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    """The command (module docstring); exit status 2 on a config error, 3 when the judge was asked
-    for but unreachable (the other scores are written)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+@entry_point
+def main(argv: list[str]) -> dict[str, Any] | None:
+    """The command (module docstring); exit status 2 on bad input or an unavailable part, with one
+    ``error:`` line (:mod:`aepo_engine.errors`), 3 when the judge was asked for but unreachable
+    (the other scores are written)."""
     flags = {a for a in argv if a in ("--dry-run", "--list", "-h", "--help")}
     argv = [a for a in argv if a not in flags]
-    try:
-        if flags & {"-h", "--help"}:
-            aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
-            print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
-                              "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list]")
-                  + f"\n\nshort options: {aliases}")
-            return None
-        if "--list" in flags:
-            files, overrides = pop_option(expand_aliases(argv), "--config")
-            print(list_benchmarks(load_config(EvalCommandConfig, path=files, overrides=overrides).eval.data_root))
-            return None
-        cfg, source = load_eval_command(argv)
-        if "--dry-run" in flags:
-            raise SystemExit(dry_run(cfg, source))
-        result = run(cfg, source)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
+    if flags & {"-h", "--help"}:
+        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
+        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
+                          "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list] [--debug]")
+              + f"\n\nshort options: {aliases}")
+        return None
+    if "--list" in flags:
+        files, overrides = pop_option(expand_aliases(argv), "--config")
+        print(list_benchmarks(load_config(EvalCommandConfig, path=files, overrides=overrides).eval.data_root))
+        return None
+    cfg, source = load_eval_command(argv)
+    if "--dry-run" in flags:
+        raise SystemExit(dry_run(cfg, source))
+    result = run(cfg, source)
     if result["judge_error"]:
         raise SystemExit(3)
     return result

