@@ -8,7 +8,7 @@ problems of a config, and knows the presets. Loading, command-line overrides
 :mod:`aepo_engine.config_loader`.
 
 Defaults: every field's default is the one in its section class, and those are the values for a
-real-model run (AEPO_SPEC.md section 3 where the spec names one). Nothing else holds a default.
+real-model run (docs/algorithm.md §3 where it names one). Nothing else holds a default.
 
 Presets are partial TOML files in ``aepo_engine/presets/``, applied in the order given, below the
 user's ``--config`` files and overrides. ``embedded`` is the laptop-CPU job (a generated tool-use

@@ -2,7 +2,7 @@
 
 Each example is a chat prompt plus a gold response that contains tool results. The loss covers
 exactly the tokens the model will write itself during rollouts: the prompt and every appended
-tool result (`` <result>\\n...\\n</result>``, tags included, as the rollout appends it - AEPO_SPEC
+tool result (`` <result>\\n...\\n</result>``, tags included, as the rollout appends it - docs/algorithm.md
 §1b) get loss mask 0; the model's own segments and the end-of-turn token get mask 1.
 
 Segments are tokenized one by one and their ids concatenated - the way a rollout builds a

@@ -1,6 +1,6 @@
 """``python -m aepo_engine.train``: the AEPO training driver.
 
-One step (AEPO_SPEC.md):
+One step (docs/algorithm.md):
     sample prompts -> entropy-balanced rollouts with real tools (§1) -> rewards -> group
     advantages (§2a) -> old log-probs and entropies (no grad, fused kernel) -> PPO mini-batch
     updates with the fused AEPO loss (§2b-2d; token-mean over the global token count) ->

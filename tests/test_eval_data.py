@@ -88,6 +88,8 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
         resolve_source("gaiaa", tmp_path)
     with pytest.raises(FileNotFoundError, match="benchmark 'aime24'.*data_root"):
         resolve_source("AIME24", tmp_path)  # known name (any case), but no file under this root
+    with pytest.raises(FileNotFoundError, match="eval.data_root is not set; pass --data-root DIR"):
+        resolve_source("gaia", "")  # the default: no data root outside the repository is assumed
     assert set(BENCHMARKS) == set(EXPECTED)
 
 

@@ -113,7 +113,7 @@ def test_extract_answer_precedence():
 
 
 # ---------------------------------------------------------------------------------------------
-# deep_research (spec §3).
+# deep_research (docs/algorithm.md §3).
 
 
 def test_deep_research_exact_with_both_tools():

@@ -1,4 +1,4 @@
-"""Tests of the entropy-balanced rollout scheduler (spec §1) against a scripted backend.
+"""Tests of the entropy-balanced rollout scheduler (docs/algorithm.md §1) against a scripted backend.
 
 The scripted backend is a character-level fake model: a policy function maps the decoded context
 to the next segment's text and per-token entropies; the backend applies stop strings, EOS and

@@ -119,6 +119,10 @@ def resolve_source(spec: str, data_root: str | Path) -> tuple[Path, Benchmark | 
         FileNotFoundError: a known benchmark whose file is not under ``data_root``.
     """
     bench = BENCHMARKS.get(spec.strip().lower())
+    if bench is not None and not str(data_root):
+        raise FileNotFoundError(f"benchmark {bench.name!r}: eval.data_root is not set; pass --data-root DIR "
+                                f"(eval.data_root), the folder holding {bench.path.split('/')[0]}/ (the "
+                                "reference data's layout), or give the file itself")
     if bench is not None:
         path = Path(data_root) / bench.path
         if not path.is_file():

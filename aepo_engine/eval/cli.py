@@ -1,7 +1,7 @@
 """``python -m aepo_engine.eval``: pass@k of a model on benchmarks, with the training rollout's tools.
 
     python -m aepo_engine.eval --model DIR --data gaia hle aime24 --k 5 \\
-        --data-root ../shared/data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
+        --data-root /data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
 
 ``--model`` is a Hugging Face model folder, a checkpoint (``step_XXXXXX/`` with ``hf_model/``) or a
 run folder (``config.toml`` + ``checkpoints/``: its latest checkpoint, and its backend, rollout,
@@ -404,6 +404,9 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
 
 
 def list_benchmarks(data_root: str) -> str:
+    if not data_root:
+        return ("eval.data_root is not set: pass --data-root DIR to see which benchmark files are found\n"
+                + "\n".join(f"{b.name:10s} {b.check:5s} DIR/{b.path}" for b in BENCHMARKS.values()))
     lines = []
     for bench in BENCHMARKS.values():
         present = "found" if (Path(data_root) / bench.path).is_file() else "missing"

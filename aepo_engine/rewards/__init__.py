@@ -1,6 +1,6 @@
 """Reward functions, looked up by name: ``get_reward("deep_research")(response, ground_truth)``.
 
-Registered: ``deep_research`` (spec §3), ``qa_em``, ``qa_f1`` and ``math``. Importing this
+Registered: ``deep_research`` (docs/algorithm.md §3), ``qa_em``, ``qa_f1`` and ``math``. Importing this
 package registers all of them; a new reward is a function decorated with
 ``@register_reward("name")`` in a module imported here.
 """

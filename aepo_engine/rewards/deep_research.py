@@ -1,4 +1,4 @@
-"""The ``deep_research`` reward of the AEPO reference runs (spec §3).
+"""The ``deep_research`` reward of the AEPO reference runs (docs/algorithm.md §3).
 
     score = format_penalty (-1)            if the response is malformed
           = F1 + tool_bonus (0.1)          if F1 > 0 and both <search> and <python> were used

@@ -12,7 +12,7 @@ Questions need tools and come in three kinds:
                                                             then "Tarunu size" -> answer
     arithmetic  "What is the age of Zorva plus the score of Kelmu?"
                                                             two searches, then <python>
-Answers are short strings or integers. The intended response (AEPO_SPEC §3):
+Answers are short strings or integers. The intended response (docs/algorithm.md §3):
     <think></think>
     <search> Zorva age</search> <result>
     Page 1: Zorva age 34.
