@@ -217,7 +217,7 @@ def split_train_args(argv: Sequence[str]) -> ResolvedArgs:
     """``--preset NAME`` (repeatable), ``--config FILE`` (repeatable) and overrides.
 
     With neither ``--preset`` nor ``--config`` the embedded preset is applied (the CPU job the
-    README's main command runs); give ``--config`` alone to start from the section defaults.
+    README's first command runs); give ``--config`` alone to start from the section defaults.
     """
     presets, rest = pop_option(list(argv), "--preset")
     configs, overrides = pop_option(rest, "--config")

@@ -34,7 +34,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Supervised warm-start settings.
 
     The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
-    4-layer, 128-wide tied-embedding Qwen3 (see the README).
+    4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md).
 
     Attributes:
         steps: optimizer steps.

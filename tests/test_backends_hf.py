@@ -49,6 +49,7 @@ def test_logprobs_and_entropy_match_full_forward(backend, temperature, top_p):
             assert bool((entropy <= -(full.exp() * full).sum(-1) + 1e-5).all())
 
 
+@pytest.mark.slow
 def test_length_and_determinism_and_batch_invariance(backend):
     tok = backend.tokenizer
     prompts = [_prompt(tok, t) for t in ("one", "two words here", "three is a longer prompt than the others")]

@@ -13,6 +13,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--smoke"], env=env,
@@ -59,6 +60,7 @@ def test_default_run_bench_summary_hand_worked():
     assert summary["min_gain"] == pytest.approx(0.1) and summary["max_wall_s"] == 420.0
 
 
+@pytest.mark.slow
 def test_default_run_bench_smoke(tmp_path):
     """One seed of a shrunken default run through the benchmark script (the real trainer)."""
     tiny = ["--train.steps=1", "--task.warm_start.steps=2", "--task.warm_start.warmup_steps=1",

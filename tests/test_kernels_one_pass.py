@@ -366,6 +366,7 @@ def test_bad_inputs_say_what_is_wrong():
         aepo_policy_loss(logits, labels, old, adv, mask, temperature=0.0)
 
 
+@pytest.mark.slow
 @in_fresh_process
 def test_callers_torch_compile_fullgraph_traces_through_the_loss():
     """torch.compile(fullgraph=True) of a caller's step containing aepo_policy_loss: the custom op

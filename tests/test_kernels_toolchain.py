@@ -61,6 +61,7 @@ print(notices[0])
 """
 
 
+@pytest.mark.slow
 def test_no_compiler_takes_the_eager_path_with_one_notice(tmp_path):
     env = {**os.environ, "PATH": path_without_compilers(tmp_path / "bin"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}

@@ -123,6 +123,7 @@ def test_paper_preset_never_cuts_a_response_short():
     assert cfg.train.resolved_steps(1071) == 84
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_preset_dry_run_prints_a_config_that_loads_back(name):
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", name, "--dry-run"],

@@ -56,7 +56,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             counted as discarded). The decisions and their outcomes are unchanged; only the ids
             (hence seeds) of later trajectories can shift by the discarded children's. 0 = off; k
             or more = every trajectory's first waiting decision that wants a branch (fewer rounds,
-            more discarded tokens: README).
+            more discarded tokens: docs/rollouts.md).
         presample_children: A trajectory that has just received a tool result samples its
             reaction, and the branch decision (spec 1c) needs that reaction's entropy, so a child
             started after the decision runs one round behind its parent. With this on, while a
@@ -68,8 +68,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             distribution are unchanged (the child's reaction does not depend on the parent's);
             trajectory ids, hence seeds, of later trajectories shift by the discarded ones. Off by
             default: in the rollout benchmark (1-3 tool calls per trajectory, CPU) it left rounds,
-            wall time and kept tokens/s as they were and only added discarded tokens (README); it
-            can pay where tool chains are long and a round's latency, not its tokens, dominates.
+            wall time and kept tokens/s as they were and only added discarded tokens
+            (docs/rollouts.md); it can pay where tool chains are long and a round's latency, not
+            its tokens, dominates.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the rule of
             docs/algorithm.md §1a (m once the whole probe has ended); 1 = m from the probe's
