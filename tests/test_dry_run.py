@@ -42,6 +42,7 @@ def qa_file(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.sandbox
 def test_embedded_default_is_clean_and_prints_its_config():
     t0 = time.perf_counter()
     proc = dry_run()
@@ -102,6 +103,7 @@ def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_pa
     assert "has no tokenizer" in found and "has no weights" in found and proc.returncode == 2
 
 
+@pytest.mark.sandbox
 @pytest.mark.skipif(not SHARED.is_dir(), reason="no ../shared/data/arpo in this clone (reference data)")
 def test_paper_run_on_the_reference_data(model_dir):
     """The paper's run as a user would launch it, with the search cache standing in for the
@@ -117,6 +119,7 @@ def test_paper_run_on_the_reference_data(model_dir):
     assert "search_cache.json with 1000 queries" in proc.stderr
 
 
+@pytest.mark.sandbox
 def test_eval_files_are_resolved_and_read():
     if not SHARED.is_dir():
         pytest.skip(f"public benchmark data not found at {SHARED}")

@@ -511,6 +511,7 @@ def test_probe_names_an_interpreter_the_sandbox_cannot_reach(tmp_path):
 
 
 @needs_root
+@needs_bwrap  # a bwrap that works with the capability, so the failure is the capability's
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv to drop a capability")
 def test_root_without_cap_sys_admin_is_told_the_way_out():
     # What a container's default profile does to bwrap run as root: no CAP_SYS_ADMIN, so no
@@ -696,6 +697,7 @@ def test_missing_bwrap_refuses_to_start_and_says_how_to_opt_out(tmp_path):
     assert build_tool("python", isolation="none", bwrap_path=missing, **FAST)("print(1)").text == "1\n"
 
 
+@pytest.mark.sandbox
 def test_missing_libseccomp_refuses_to_start(monkeypatch):
     import ctypes.util
 
