@@ -86,4 +86,4 @@ EOF
     echo "newcomer path ok: install $((installed - start)) s, main job $((trained - installed)) s, total $((end - start)) s"
 }
 
-main "$@"
+main "$@"; exit $?  # on one line: bash reads nothing of the file after this

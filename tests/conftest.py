@@ -46,6 +46,7 @@ def skip_without_sandbox() -> None:
         pytest.skip(f"no python sandbox here: {problem}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures (some run a training job)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("sandbox"):
         skip_without_sandbox()

@@ -60,6 +60,7 @@ def test_default_run_bench_summary_hand_worked():
     assert summary["min_gain"] == pytest.approx(0.1) and summary["max_wall_s"] == 420.0
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_default_run_bench_smoke(tmp_path):
     """One seed of a shrunken default run through the benchmark script (the real trainer)."""

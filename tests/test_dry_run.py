@@ -72,6 +72,7 @@ def test_missing_inputs_of_the_paper_preset():
     assert "model.path is required" in found and "data.train_files is required" in found
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_model_directory_and_data_rows(model_dir, qa_file, tmp_path):
     proc = dry_run(*PAPER, *CPU, f"--model.path={model_dir}", f"--data.train_files={qa_file}",

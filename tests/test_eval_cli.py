@@ -197,6 +197,7 @@ def shared_data_module():
     return SHARED_DATA
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_eval_files_during_training(run_dir):
     from aepo_engine.metrics import read_metrics
@@ -211,6 +212,7 @@ def test_eval_files_during_training(run_dir):
     assert len(samples) == 4 and json.loads(samples[0])["dataset"] == "bamboogle"
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
     source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))
@@ -230,6 +232,7 @@ def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch
     assert heldout["pass@1"] == pytest.approx(after)
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_vllm_backend(tiny, shared_data, tmp_path):

@@ -168,6 +168,7 @@ TINY = [
 ]
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_real_run_logs_the_measurements_and_its_trees_render(tmp_path):
     """A 2-step run on the embedded task (tiny model, short warm start): every step logs the
