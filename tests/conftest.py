@@ -61,6 +61,14 @@ def vllm_missing() -> str | None:
     return None
 
 
+def backend_params(backends: list[str]) -> list:
+    """``backends`` for ``parametrize``, the Triton one marked ``slow`` where it runs in the Triton
+    interpreter (CPU): a few seconds per case, so the fast tier tests the CPU paths and CI (the
+    full suite) all of them."""
+    slow_triton = not torch.cuda.is_available()
+    return [pytest.param(b, marks=pytest.mark.slow) if b == "triton" and slow_triton else b for b in backends]
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

@@ -18,6 +18,7 @@ def test_percentile_is_nearest_rank():
     assert percentile(list(reversed(values)), 1.0) == 20.0 and percentile([3.0], 0.95) == 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_bench_sandbox_smoke():
     proc = subprocess.run([sys.executable, str(BENCH / "bench_sandbox.py"), "--cases", "print",

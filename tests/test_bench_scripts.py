@@ -94,6 +94,7 @@ def test_harness_measure_keeps_every_sample_and_the_minimum():
     assert len(row["samples"]["total_s"]) == 3 and row["total_min_s"] <= row["total_s"]
 
 
+@pytest.mark.slow
 def test_aepo_loss_bench_interleaved_cases_take_turns():
     """--interleave: one row per case with all its samples; cases needing their own environment
     (an @ suffix) are refused with the reason."""
@@ -108,6 +109,7 @@ def test_aepo_loss_bench_interleaved_cases_take_turns():
         run_interleaved("logits", ["one_pass@compiled"], "small", warmup=0, repeats=1)
 
 
+@pytest.mark.slow
 def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
     """bench_hf_decode: every case has a row per round, the two caches sample the same tokens, the
     decode time is the total less the prefill case's, and the byte count is the formula by hand."""

@@ -53,6 +53,7 @@ def test_embedded_default_is_clean_and_prints_its_config():
     assert proc.stderr.rstrip().endswith("dry run: no problems found")
 
 
+@pytest.mark.slow
 def test_every_problem_is_reported_not_the_first():
     proc = dry_run(*PAPER, "--model.path=/nonexistent/model", "--data.train_files=/nonexistent/a.parquet",
                    "--tools.search.backend=cache", "--tools.search.cache_path=/nonexistent/cache.json",
@@ -65,6 +66,7 @@ def test_every_problem_is_reported_not_the_first():
     loads_config(TrainConfig, proc.stdout)  # the config is printed even when it cannot run
 
 
+@pytest.mark.slow
 def test_missing_inputs_of_the_paper_preset():
     proc = dry_run(*PAPER)
     assert proc.returncode == 2
@@ -95,6 +97,7 @@ def test_model_directory_and_data_rows(model_dir, qa_file, tmp_path):
     assert "expected JSONL rows with 'contents'" in found  # a QA file is no search corpus
 
 
+@pytest.mark.slow
 def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -104,6 +107,7 @@ def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_pa
     assert "has no tokenizer" in found and "has no weights" in found and proc.returncode == 2
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.skipif(not SHARED.is_dir(), reason="no ../shared/data/arpo in this clone (reference data)")
 def test_paper_run_on_the_reference_data(model_dir):
@@ -120,6 +124,7 @@ def test_paper_run_on_the_reference_data(model_dir):
     assert "search_cache.json with 1000 queries" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_eval_files_are_resolved_and_read():
     if not SHARED.is_dir():
