@@ -82,7 +82,7 @@ def toolchain_notice() -> str | None:
                        + ("compiled" if compile_enabled() else "eager") + " torch path runs instead")
     if not missing:
         return None
-    return ("aepo_kernels: " + "; ".join(missing) + ". Results are the same. Install gcc and g++ "
+    return ("aepo_kernels: " + "; ".join(missing) + ". The same maths (equal up to float rounding). Install gcc and g++ "
             "(e.g. `apt-get install gcc g++`) for the fast paths; figures in docs/benchmarks.md")
 
 
