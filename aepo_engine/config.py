@@ -8,7 +8,7 @@ problems of a config, and knows the presets. Loading, command-line overrides
 :mod:`aepo_engine.config_loader`.
 
 Defaults: every field's default is the one in its section class, and those are the values for a
-real-model run (AEPO_SPEC.md section 3 where the spec names one). Nothing else holds a default.
+real-model run (docs/algorithm.md §3 where it names one). Nothing else holds a default.
 
 Presets are partial TOML files in ``aepo_engine/presets/``, applied in the order given, below the
 user's ``--config`` files and overrides. ``embedded`` is the laptop-CPU job (a generated tool-use
@@ -217,7 +217,7 @@ def split_train_args(argv: Sequence[str]) -> ResolvedArgs:
     """``--preset NAME`` (repeatable), ``--config FILE`` (repeatable) and overrides.
 
     With neither ``--preset`` nor ``--config`` the embedded preset is applied (the CPU job the
-    README's main command runs); give ``--config`` alone to start from the section defaults.
+    README's first command runs); give ``--config`` alone to start from the section defaults.
     """
     presets, rest = pop_option(list(argv), "--preset")
     configs, overrides = pop_option(rest, "--config")

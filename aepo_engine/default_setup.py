@@ -27,6 +27,7 @@ import torch
 
 from aepo_engine import distributed
 from aepo_engine.data import Example
+from aepo_engine.errors import ToolUnavailable, Unavailable, entry_point
 from aepo_engine.models import build_tiny_qwen3
 from aepo_engine.seeding import section_seed
 from aepo_engine.sft import SFTConfig, build_examples, train_sft
@@ -53,10 +54,20 @@ def synthetic_tools_config(tools: ToolsConfig, corpus_path: Path) -> ToolsConfig
 
 
 def tool_fn_from_runner(runner: ToolRunner) -> Callable[[str, str], str]:
-    """``tool_fn(tool, payload) -> text`` through the engine's tool runner (demonstrations)."""
+    """``tool_fn(tool, payload) -> text`` through the engine's tool runner (demonstrations).
+
+    The demonstrations' calls are the gold plan's (an exact search, ``print`` of a sum): each
+    must succeed. A failed call means the tool does not work here, and is raised as that
+    (:class:`ToolUnavailable`, with the tool's own message) rather than surfacing later as a
+    demonstration whose result lacks the value to copy.
+    """
 
     def tool_fn(tool: str, payload: str) -> str:
         (result,) = runner.run([ToolCall(tool, payload)])
+        if not result.ok:
+            raise ToolUnavailable(
+                f"the {tool} tool failed while writing the warm-start demonstrations "
+                f"({result.error}): {result.text[-600:]}")
         return result.text
 
     return tool_fn
@@ -92,15 +103,19 @@ def prepare_in_subprocess(config_text: str, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "setup_config.toml"
     config_path.write_text(config_text)
-    subprocess.run([sys.executable, "-m", "aepo_engine.default_setup", str(config_path), str(run_dir)], check=True)
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.default_setup", str(config_path), str(run_dir)])
+    if proc.returncode != 0:  # the child printed its own error line
+        raise Unavailable(f"building the task set-up in a subprocess failed (exit {proc.returncode}); "
+                          "its error is printed above")
 
 
-def main() -> None:
+@entry_point
+def main(argv: list[str]) -> None:
     """``python -m aepo_engine.default_setup CONFIG.toml RUN_DIR`` (used by the trainer)."""
     from aepo_engine.config import TrainConfig
     from aepo_engine.config_loader import load_config
 
-    prepare_synthetic_run(load_config(TrainConfig, path=[sys.argv[1]]), Path(sys.argv[2]))
+    prepare_synthetic_run(load_config(TrainConfig, path=[argv[0]]), Path(argv[1]))
 
 
 def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:

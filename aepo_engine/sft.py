@@ -2,7 +2,7 @@
 
 Each example is a chat prompt plus a gold response that contains tool results. The loss covers
 exactly the tokens the model will write itself during rollouts: the prompt and every appended
-tool result (`` <result>\\n...\\n</result>``, tags included, as the rollout appends it - AEPO_SPEC
+tool result (`` <result>\\n...\\n</result>``, tags included, as the rollout appends it - docs/algorithm.md
 §1b) get loss mask 0; the model's own segments and the end-of-turn token get mask 1.
 
 Segments are tokenized one by one and their ids concatenated - the way a rollout builds a
@@ -34,7 +34,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Supervised warm-start settings.
 
     The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
-    4-layer, 128-wide tied-embedding Qwen3 (see the README).
+    4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md).
 
     Attributes:
         steps: optimizer steps.

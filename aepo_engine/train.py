@@ -1,6 +1,6 @@
 """``python -m aepo_engine.train``: the AEPO training driver.
 
-One step (AEPO_SPEC.md):
+One step (docs/algorithm.md):
     sample prompts -> entropy-balanced rollouts with real tools (§1) -> rewards -> group
     advantages (§2a) -> old log-probs and entropies (no grad, fused kernel) -> PPO mini-batch
     updates with the fused AEPO loss (§2b-2d; token-mean over the global token count) ->
@@ -29,12 +29,14 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+from aepo_kernels.compile import give_toolchain_notice
 
 from aepo_engine import distributed
 from aepo_engine.algorithms.advantages import group_advantages
 from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
+from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
 from aepo_engine.eval.benchmarks import EvalSet, eval_messages, load_eval_source
 from aepo_engine.eval.core import evaluate, judge_records, merge_eval_results, sample_records
@@ -78,6 +80,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
+        give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed()
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
@@ -378,36 +381,33 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
     return {name: metrics[key] for name, key in keys.items() if key in metrics}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+@entry_point
+def main(argv: list[str]) -> dict[str, Any] | None:
     """``python -m aepo_engine.train [--preset NAME ...] [--config FILE ...] [--section.key=value ...]
-    [--dry-run [--gpu NAME|GiB] [--world-size N]] [-h]``: exit status 2 on a config error (and on
-    problems found by --dry-run, a memory plan that does not fit included)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    [--dry-run [--gpu NAME|GiB] [--world-size N]] [--debug] [-h]``: exit status 2 on bad input or an
+    unavailable part (and on problems found by --dry-run, a memory plan that does not fit included),
+    with one ``error:`` line (:mod:`aepo_engine.errors`)."""
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
-    try:
-        gpu, argv = _take_flag(argv, "--gpu")
-        world_size, argv = _take_flag(argv, "--world-size")
-        args = split_train_args(argv)
-        if "-h" in argv or "--help" in argv:
-            overrides = [a for a in args.overrides if a not in ("-h", "--help")]
-            cfg = load_config(TrainConfig, path=args.files, overrides=overrides)
-            source = f"{args.describe()}\n(presets, for --preset: {', '.join(list_presets())})"
-            print(format_help(TrainConfig, PROG, defaults=cfg, defaults_from=source,
-                              usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] "
-                                    "[--dry-run [--gpu h100-80gb|h200|a100-80gb|GiB] [--world-size N]]"))
-            return None
-        cfg = load_config(TrainConfig, path=args.files, overrides=args.overrides)
-        if (gpu or world_size) and not dry_run:
-            raise ConfigError("--gpu and --world-size plan a run's memory: use them with --dry-run")
-        if dry_run:
-            from aepo_engine.dry_run import dry_run as check
+    gpu, argv = _take_flag(argv, "--gpu")
+    world_size, argv = _take_flag(argv, "--world-size")
+    args = split_train_args(argv)
+    if "-h" in argv or "--help" in argv:
+        overrides = [a for a in args.overrides if a not in ("-h", "--help")]
+        cfg = load_config(TrainConfig, path=args.files, overrides=overrides)
+        source = f"{args.describe()}\n(presets, for --preset: {', '.join(list_presets())})"
+        print(format_help(TrainConfig, PROG, defaults=cfg, defaults_from=source,
+                          usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] "
+                                "[--dry-run [--gpu h100-80gb|h200|a100-80gb|GiB] [--world-size N]] [--debug]"))
+        return None
+    cfg = load_config(TrainConfig, path=args.files, overrides=args.overrides)
+    if (gpu or world_size) and not dry_run:
+        raise ConfigError("--gpu and --world-size plan a run's memory: use them with --dry-run")
+    if dry_run:
+        from aepo_engine.dry_run import dry_run as check
 
-            raise SystemExit(check(cfg, args.describe(), gpu=gpu, world_size=world_size))
-        return Trainer(cfg).run()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
+        raise SystemExit(check(cfg, args.describe(), gpu=gpu, world_size=world_size))
+    return Trainer(cfg).run()
 
 
 def _take_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:

@@ -8,12 +8,12 @@ Modes (same backend, model, prompts, k, seeds and token limits; only the branchi
   steps, consecutive-branch penalty.
 - ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False,
   speculative_branches=0``: the probe runs alone and takes its decisions once it has ended,
-  before the other global samples start (the spec's strict order; what ``aepo`` was before the
-  overlap).
+  before the other global samples start (the strict order of docs/algorithm.md §1a; what
+  ``aepo`` was before the overlap).
 - ``aepo_presample``: ``aepo`` with ``presample_children=True`` (a would-be child samples its
   reaction beside its parent's; off by default): the option's effect alone.
 - ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
-  tool result (a faster rule than the spec's, see ``RolloutConfig``).
+  tool result (a faster rule than that of docs/algorithm.md §1a, see ``RolloutConfig``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
 
 The workload is the synthetic tool-use task (``aepo_engine.tasks.synthetic``): held-out questions

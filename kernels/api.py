@@ -182,7 +182,7 @@ def aepo_policy_loss(
     logit_scale: float = 1.0,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """AEPO policy loss from logits in one pass (spec §0, §2b-2d).
+    """AEPO policy loss from logits in one pass (docs/algorithm.md §0, §2b-2d).
 
     Args:
         logits: ``[N, V]`` or ``[B, T, V]`` (logits of position t predict ``labels[t]``), unit

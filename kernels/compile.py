@@ -1,4 +1,5 @@
-"""How the CPU paths use ``torch.compile``: compiled, or eager only when asked, never silently.
+"""How the CPU paths use ``torch.compile``: compiled, or eager when asked or when no compiler is
+here, never silently.
 
 The CPU fast paths are small chunk functions that inductor turns into fused C++ loops; eager
 torch runs the same maths several times slower and with chunk-sized temporaries. A compiler
@@ -7,8 +8,11 @@ slow run. Now:
 - by default each function is compiled (``dynamic=True``: new row counts do not recompile;
   ``fullgraph=True``: a graph break is an error, not a partly eager function) and a compile
   failure raises, naming the cause and the switch below;
-- ``AEPO_TORCH_COMPILE=0`` runs eager on purpose (e.g. a machine without a C++ compiler), and
-  says so once;
+- a machine without the C++ compiler inductor uses (``$CXX``, else ``g++``; e.g. the
+  ``python:3.11-slim`` image) runs eager and says so once, with what it costs
+  (:func:`toolchain_notice`); so does one without the C compiler of the native row kernel
+  (:mod:`aepo_kernels.native`), which then leaves the fp32 loss to the compiled path;
+- ``AEPO_TORCH_COMPILE=0`` runs eager on purpose, and says so once;
 - under a caller's ``TorchDispatchMode`` (``FlopCounterMode``, a memory or dtype recorder) the
   eager function runs: dynamo does not trace under an active mode, and the mode sees every op.
 ``CompiledFunction.mode`` tells which one ran; tests check that it is ``"compiled"`` on CPU.
@@ -20,19 +24,83 @@ limit is raised to :data:`RECOMPILE_LIMIT` for these functions only, for the cal
 """
 from __future__ import annotations
 
+import functools
 import os
+import shlex
+import shutil
 import warnings
 from typing import Callable
 
 import torch
 import torch._dynamo.exc
 
-_EAGER_NOTICE_GIVEN = False
+_NOTICE_GIVEN = False
 RECOMPILE_LIMIT = 64
 
 
+@functools.lru_cache(maxsize=None)
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would run (``torch._inductor.config.cpp.cxx``:
+    ``$CXX``, else ``g++``) when it is on PATH, else None."""
+    from torch._inductor import config as inductor_config
+
+    names = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) \
+        else (inductor_config.cpp.cxx,)
+    for name in names:
+        if name and shutil.which(shlex.split(name)[0]):
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def c_compiler() -> str | None:
+    """The C compiler of the native row kernel (``$CC``, else ``cc``) when it is on PATH, else None."""
+    command = os.environ.get("CC") or "cc"
+    return command if shutil.which(shlex.split(command)[0]) else None
+
+
 def compile_enabled() -> bool:
-    return os.environ.get("AEPO_TORCH_COMPILE", "1") != "0"
+    """Whether the CPU chunk functions are compiled: not with ``AEPO_TORCH_COMPILE=0``, and not
+    without a C++ compiler (then eager, with :func:`toolchain_notice`)."""
+    return os.environ.get("AEPO_TORCH_COMPILE", "1") != "0" and cxx_compiler() is not None
+
+
+def toolchain_notice() -> str | None:
+    """What runs slower here and why, in one line, or None when every CPU path runs at speed.
+
+    Costs, measured and dated in docs/benchmarks.md: eager chunks instead of compiled ones make
+    the fused loss several times slower at large vocabularies; without the native kernel the
+    fp32 one-pass loss takes the compiled path, under 2x slower.
+    """
+    missing = []
+    if os.environ.get("AEPO_TORCH_COMPILE", "1") == "0":
+        missing.append("AEPO_TORCH_COMPILE=0 is set: the CPU loss kernels run in eager torch, several "
+                       "times slower than compiled at large vocabularies")
+    elif cxx_compiler() is None:
+        missing.append("no C++ compiler (g++, or $CXX) on PATH: the CPU loss kernels run in eager torch "
+                       "instead of compiled, several times slower at large vocabularies")
+    if os.environ.get("AEPO_CPU_NATIVE", "1") != "0" and c_compiler() is None:
+        missing.append("no C compiler (cc, or $CC) on PATH: the native fp32 loss kernel is off, the "
+                       + ("compiled" if compile_enabled() else "eager") + " torch path runs instead")
+    if not missing:
+        return None
+    return ("aepo_kernels: " + "; ".join(missing) + ". The same maths (equal up to float rounding). Install gcc and g++ "
+            "(e.g. `apt-get install gcc g++`) for the fast paths; figures in docs/benchmarks.md")
+
+
+def give_toolchain_notice(emit: Callable[[str], None] | None = None) -> None:
+    """Emit :func:`toolchain_notice` once per process (``emit``: a logger; default: a warning).
+    The trainer calls it at start; the kernels call it on first use otherwise."""
+    global _NOTICE_GIVEN
+    if _NOTICE_GIVEN:
+        return
+    _NOTICE_GIVEN = True
+    notice = toolchain_notice()
+    if notice:
+        if emit is None:
+            warnings.warn(notice, stacklevel=3)
+        else:
+            emit(notice)
 
 
 class CompiledFunction:
@@ -70,13 +138,10 @@ class CompiledFunction:
             ) from exc
 
     def _choose(self) -> None:
-        global _EAGER_NOTICE_GIVEN
         if compile_enabled():
             self.impl, self.mode = torch.compile(self.fn, dynamic=True, fullgraph=True), "compiled"
             return
-        if not _EAGER_NOTICE_GIVEN:
-            warnings.warn("aepo_kernels: AEPO_TORCH_COMPILE=0, the CPU kernels run in eager torch (slower)")
-            _EAGER_NOTICE_GIVEN = True
+        give_toolchain_notice()
         self.impl, self.mode = self.fn, "eager"
 
 

@@ -1,4 +1,4 @@
-"""Hyper-parameters of the AEPO policy loss (AEPO_SPEC.md §2), one frozen object.
+"""Hyper-parameters of the AEPO policy loss (docs/algorithm.md §2), one frozen object.
 
 Independent choices stay independent fields: the clip rule, the entropy-aware advantage, KL,
 the entropy bonus and the aggregation. Every value is a runtime argument of plain torch code or a
@@ -25,7 +25,7 @@ class LossConfig:
 
     Attributes:
         clip: ratio clip rule. ``ppo``: PPO clip (+ dual clip). ``aepo``: stop-gradient high clip
-            (spec §2c: value as PPO, gradient -A(1+eps_high) above the high bound when A>0).
+            (docs/algorithm.md §2c: value as PPO, gradient -A(1+eps_high) above the high bound when A>0).
             ``gppo``: gradient-preserving clip on both bounds. ``cispo``: REINFORCE with a
             clipped, stop-gradient importance weight, ``-sg(clip(r)) * A * logp``.
         eps_low: lower clip range, bound ``1 - eps_low``.
@@ -33,7 +33,7 @@ class LossConfig:
         dual_clip: dual-clip constant c for A<0 (0 disables; not used by cispo).
         log_ratio_clamp: log(r) is clamped to [-x, x] before exp.
         entropy_adv_alpha: alpha_H of the entropy-aware advantage
-            ``A_t = A * (1 + alpha_H * zscore(H_t))`` (spec §2b); 0 turns it off.
+            ``A_t = A * (1 + alpha_H * zscore(H_t))`` (docs/algorithm.md §2b); 0 turns it off.
         kl_coef: coefficient of the k3 KL to reference log-probs (0 = off).
         entropy_coef: entropy bonus coefficient (subtracted from the loss; 0 = off).
         aggregation: ``token-mean`` (over valid tokens; pass a global token count for

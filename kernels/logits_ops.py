@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropies from logits, in one pass, with a recomputing backward.
 
-Maths (AEPO_SPEC.md §0), per row t with u = z / T and p = softmax(u):
+Maths (docs/algorithm.md §0), per row t with u = z / T and p = softmax(u):
     lse  = log sum_v exp(u_v)              Eu = sum_v p_v u_v
     logp = u_y - lse                        H  = lse - Eu
     dL/dz = ( g_lp (onehot(y) - p) + g_H p (Eu - u) ) du/dz,     du/dz = 1 / T

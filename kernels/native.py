@@ -21,9 +21,10 @@ source, the flags, the compiler's version and the CPU's feature flags, and writt
 concurrent ranks and machines sharing a home directory are safe. Threads: one ctypes call per
 thread (``torch.get_num_threads()``), each on a contiguous range of rows; ctypes releases the GIL.
 
-Switch: ``AEPO_CPU_NATIVE=0`` disables it (the compiled torch path runs instead). When enabled and
-the build fails, the first call raises with the compiler's message and names the switch: a slow
-path is never chosen silently (as for ``torch.compile``, :mod:`aepo_kernels.compile`).
+Switch: ``AEPO_CPU_NATIVE=0`` disables it (the compiled torch path runs instead). Without a C
+compiler on PATH it is off too, with one notice saying so (:mod:`aepo_kernels.compile`). When
+enabled and the build fails, the first call raises with the compiler's message and names the
+switch: a slow path is never chosen silently.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .compile import c_compiler, give_toolchain_notice
 from .config import LossConfig
 
 SOURCE = Path(__file__).with_name("native") / "one_pass_rows.c"
@@ -57,7 +59,14 @@ _pool_key = (0, 0)  # (threads, pid): a forked child gets its own pool (the pare
 
 
 def enabled() -> bool:
-    return os.environ.get("AEPO_CPU_NATIVE", "1") != "0"
+    """Off with ``AEPO_CPU_NATIVE=0``, and where no C compiler is on PATH (then with one notice,
+    :func:`aepo_kernels.compile.give_toolchain_notice`)."""
+    if os.environ.get("AEPO_CPU_NATIVE", "1") == "0":
+        return False
+    if c_compiler() is None:
+        give_toolchain_notice()
+        return False
+    return True
 
 
 def supports(logits: torch.Tensor, out: torch.Tensor, tanh_scale: float | None) -> bool:

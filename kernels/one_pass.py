@@ -127,7 +127,7 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
     pg_clipped = -shaped * torch.where(is_high, high, torch.where(is_low, low, ratio))
     d_plain = torch.where(in_clamp, pg_plain, zero)  # d(-A r)/dlogp = -A r dlogr/dlogp
     # The clipped branch's gradient: 0 for a constant bound (ppo), bound * dlogr/dlogp for the
-    # stop-gradient bound of spec §2c (aepo: high bound; gppo: both bounds).
+    # stop-gradient bound of docs/algorithm.md §2c (aepo: high bound; gppo: both bounds).
     high_grad = torch.where((rule == 1) | (rule == 2), -shaped * high, zero)
     low_grad = torch.where(rule == 2, -shaped * low, zero)
     d_clipped = torch.where(is_high, torch.where(in_clamp, high_grad, zero),

@@ -1,4 +1,4 @@
-"""The AEPO policy loss on per-token log-probs and entropies (AEPO_SPEC.md §2b-2d).
+"""The AEPO policy loss on per-token log-probs and entropies (docs/algorithm.md §2b-2d).
 
 The ``[N, V]`` work (log-probs and entropies from logits or from hidden states) is done once by
 :func:`aepo_kernels.logprob_entropy` or :func:`aepo_kernels.fused_linear_logprob_entropy`; what is
@@ -81,7 +81,7 @@ def entropy_aware_advantages(
     entropy_mean: torch.Tensor | None = None,
     entropy_std: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Spec §2b: ``A_t = A * (1 + alpha * (H_t - mean) / std)``, H detached, std 0 -> 1."""
+    """docs/algorithm.md §2b: ``A_t = A * (1 + alpha * (H_t - mean) / std)``, H detached, std 0 -> 1."""
     if alpha == 0.0:
         return advantages
     if entropy_mean is None or entropy_std is None:
@@ -119,7 +119,7 @@ def aggregate(
     global_token_count: torch.Tensor | float | None = None,
     global_num_seqs: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses to a scalar (spec §2d).
+    """Reduce per-token losses to a scalar (docs/algorithm.md §2d).
 
     ``token-mean`` divides the masked sum by ``global_token_count`` when given (the number of
     valid tokens of the whole optimizer step, over all micro-batches and ranks), so that summing

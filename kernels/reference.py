@@ -1,7 +1,7 @@
-"""Plain fp32 reference for the AEPO loss: the spec written as torch code, the test oracle.
+"""Plain fp32 reference for the AEPO loss: docs/algorithm.md's maths as torch code, the test oracle.
 
 Everything here is written for clarity, not speed: full ``[N, V]`` fp32 log-softmax and softmax,
-autograd for every gradient, the clip rule written literally as in AEPO_SPEC.md §2c with
+autograd for every gradient, the clip rule written literally as in docs/algorithm.md §2c with
 ``torch.clamp`` and a stop-gradient, one loop-free expression per formula. The fast backends
 (`aepo_kernels.logprob_entropy`, `aepo_kernels.policy_loss`) are tested against these functions.
 """
@@ -16,7 +16,7 @@ def logprob_entropy_reference(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100,
     logit_scale: float = 1.0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_t) and H_t of softmax(z_t / T) (spec §0), fp32, differentiable in both.
+    """log pi(y_t) and H_t of softmax(z_t / T) (docs/algorithm.md §0), fp32, differentiable in both.
 
     Args:
         logits: ``[..., V]`` any float dtype (fp64 stays fp64, for gradchecks).
@@ -53,7 +53,7 @@ def token_loss_reference(
     entropy_std: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token loss ``L_t`` (before aggregation), spec §2b-2c, written literally."""
+    """Per-token loss ``L_t`` (before aggregation), docs/algorithm.md §2b-2c, written literally."""
     mask = loss_mask.float()
     if config.entropy_adv_alpha != 0.0:
         h = entropy.detach()
@@ -91,7 +91,7 @@ def token_loss_reference(
 def aggregate_reference(
     token_loss: torch.Tensor, loss_mask: torch.Tensor, config: LossConfig
 ) -> torch.Tensor:
-    """Aggregate ``[B, T]`` (or ``[N]`` for token-mean) per-token losses, spec §2d."""
+    """Aggregate ``[B, T]`` (or ``[N]`` for token-mean) per-token losses, docs/algorithm.md §2d."""
     mask = loss_mask.float()
     if config.aggregation == "token-mean":
         return (token_loss * mask).sum() / mask.sum().clamp(min=1)

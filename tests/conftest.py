@@ -2,7 +2,13 @@
 
 Triton kernels run on CPU tensors in interpreter mode; the variable must be set before any
 ``@triton.jit`` function is decorated, i.e. before ``aepo_kernels.triton_kernels`` is imported.
+
+Tests that run the python tool's sandbox carry ``@pytest.mark.sandbox`` (or call
+:func:`skip_without_sandbox`): where the sandbox cannot run (no bwrap, no libseccomp, a host that
+forbids the namespaces bwrap needs) they skip with the cause instead of failing. ``-m "not slow"``
+leaves out the tests marked ``slow`` (pytest.ini): the fast tier for development.
 """
+import functools
 import os
 from pathlib import Path
 
@@ -23,6 +29,29 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@functools.lru_cache(maxsize=None)
+def sandbox_problem() -> str | None:
+    """Why the python tool's default sandbox cannot run here (None when it can): the same probe
+    the tool runs at start, so a skip says what a user would be told."""
+    from aepo_engine.tools.config import PythonConfig
+    from aepo_engine.tools.sandbox import isolation_problem
+
+    return isolation_problem(PythonConfig())
+
+
+def skip_without_sandbox() -> None:
+    """Skip the calling test, with the cause, where the default sandbox cannot run."""
+    problem = sandbox_problem()
+    if problem:
+        pytest.skip(f"no python sandbox here: {problem}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures (some run a training job)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("sandbox"):
+        skip_without_sandbox()
+
+
 def vllm_missing() -> str | None:
     """Why ``import vllm`` fails here (None when it works): the skip reason of the vLLM tests."""
     try:
@@ -30,6 +59,14 @@ def vllm_missing() -> str | None:
     except Exception as exc:  # noqa: BLE001 - any import failure means "no vLLM here"
         return f"import vllm failed: {type(exc).__name__}: {exc}"
     return None
+
+
+def backend_params(backends: list[str]) -> list:
+    """``backends`` for ``parametrize``, the Triton one marked ``slow`` where it runs in the Triton
+    interpreter (CPU): a few seconds per case, so the fast tier tests the CPU paths and CI (the
+    full suite) all of them."""
+    slow_triton = not torch.cuda.is_available()
+    return [pytest.param(b, marks=pytest.mark.slow) if b == "triton" and slow_triton else b for b in backends]
 
 
 def triton_available() -> bool:

@@ -1,4 +1,4 @@
-"""Tests for GRPO group advantages (spec §2a) and their broadcast to tokens."""
+"""Tests for GRPO group advantages (docs/algorithm.md §2a) and their broadcast to tokens."""
 import math
 
 import pytest

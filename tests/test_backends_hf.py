@@ -49,6 +49,7 @@ def test_logprobs_and_entropy_match_full_forward(backend, temperature, top_p):
             assert bool((entropy <= -(full.exp() * full).sum(-1) + 1e-5).all())
 
 
+@pytest.mark.slow
 def test_length_and_determinism_and_batch_invariance(backend):
     tok = backend.tokenizer
     prompts = [_prompt(tok, t) for t in ("one", "two words here", "three is a longer prompt than the others")]
@@ -195,6 +196,7 @@ def _rounds(backend, prompts, rounds: int, tool_text: str, group: int = 1):
     return history
 
 
+@pytest.mark.slow
 def test_prefix_reuse_matches_full_recompute_over_rounds(model_dir):
     """Three rounds with reuse against a backend that re-prefills everything and against one full
     forward pass per request: same tokens, logprobs and entropies to float rounding, and most
@@ -234,6 +236,7 @@ def test_prefix_reuse_matches_full_recompute_over_rounds(model_dir):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_identical_contexts_prefill_once_and_sample_alone(backend):
     """Rows with the same context share one prefill row, yet each samples as it would alone."""
     tok = backend.tokenizer

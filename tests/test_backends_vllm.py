@@ -104,7 +104,7 @@ def _run_scenarios(model_dir: str, out_path: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The pytest side.
 SKIP_REASON = vllm_missing()
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or ""), pytest.mark.slow]  # an engine start: ~1 min
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,8 @@ def case(workload, mode: str) -> dict:
     return bench_rollout.run_case(spec)
 
 
+@pytest.mark.slow
+@pytest.mark.sandbox
 def test_cases_give_complete_rows_and_a_ratio(workload):
     rows = [case(workload, "plain"), case(workload, "aepo")]
     for row in rows:
@@ -83,6 +85,8 @@ def test_modes_differ_only_in_the_branching_rule():
         bench_rollout.mode_config("grpo", **limits)
 
 
+@pytest.mark.slow
+@pytest.mark.sandbox
 def test_prefix_store_leaves_the_rollout_as_it_was(workload):
     """A whole AEPO rollout (real tools, branching) through the HF backend with and without its
     prefix store: the same trajectories, token for token, and most of the context reused."""

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from aepo_engine.tools.sandbox import bwrap_problem, seccomp_problem
-
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -20,10 +18,8 @@ def test_percentile_is_nearest_rank():
     assert percentile(list(reversed(values)), 1.0) == 20.0 and percentile([3.0], 0.95) == 3.0
 
 
-PROBLEM = bwrap_problem("bwrap") or seccomp_problem()
-
-
-@pytest.mark.skipif(PROBLEM is not None, reason=f"no bwrap sandbox here: {PROBLEM}")
+@pytest.mark.slow
+@pytest.mark.sandbox
 def test_bench_sandbox_smoke():
     proc = subprocess.run([sys.executable, str(BENCH / "bench_sandbox.py"), "--cases", "print",
                            "--repeats", "2", "--warmup", "0", "--no-write", "--label", "smoke"],

@@ -17,6 +17,7 @@ from conftest import vllm_missing
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     """The GPU acceptance script's --smoke run: every section's check functions at tiny shapes on
     CPU (Triton interpreter), the summary table, the JSON rows; engine groups run or SKIP with why."""
@@ -157,6 +158,8 @@ def test_default_run_bench_summary_hand_worked():
     assert summary["min_gain"] == pytest.approx(0.1) and summary["max_wall_s"] == 420.0
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_default_run_bench_smoke(tmp_path):
     """One seed of a shrunken default run through the benchmark script (the real trainer)."""
     tiny = ["--train.steps=1", "--task.warm_start.steps=2", "--task.warm_start.warmup_steps=1",
@@ -189,6 +192,7 @@ def test_harness_measure_keeps_every_sample_and_the_minimum():
     assert len(row["samples"]["total_s"]) == 3 and row["total_min_s"] <= row["total_s"]
 
 
+@pytest.mark.slow
 def test_aepo_loss_bench_interleaved_cases_take_turns():
     """--interleave: one row per case with all its samples; cases needing their own environment
     (an @ suffix) are refused with the reason."""
@@ -203,6 +207,7 @@ def test_aepo_loss_bench_interleaved_cases_take_turns():
         run_interleaved("logits", ["one_pass@compiled"], "small", warmup=0, repeats=1)
 
 
+@pytest.mark.slow
 def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
     """bench_hf_decode: every case has a row per round, the two caches sample the same tokens, the
     decode time is the total less the prefill case's, and the byte count is the formula by hand."""

@@ -118,6 +118,8 @@ def compare(out: Path, results: Path, *extra: str) -> subprocess.CompletedProces
     return subprocess.run(argv, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_smoke_grid_rows_table_plots_resume(tmp_path):
     out, results = tmp_path / "grid", tmp_path / "results"
     proc = compare(out, results, "--setup-only", *TINY)  # the per-seed set-up alone, ahead of the runs

@@ -42,6 +42,7 @@ def qa_file(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.sandbox
 def test_embedded_default_is_clean_and_prints_its_config():
     t0 = time.perf_counter()
     proc = dry_run()
@@ -52,6 +53,7 @@ def test_embedded_default_is_clean_and_prints_its_config():
     assert proc.stderr.rstrip().endswith("dry run: no problems found")
 
 
+@pytest.mark.slow
 def test_every_problem_is_reported_not_the_first():
     proc = dry_run(*PAPER, "--model.path=/nonexistent/model", "--data.train_files=/nonexistent/a.parquet",
                    "--tools.search.backend=cache", "--tools.search.cache_path=/nonexistent/cache.json",
@@ -64,6 +66,7 @@ def test_every_problem_is_reported_not_the_first():
     loads_config(TrainConfig, proc.stdout)  # the config is printed even when it cannot run
 
 
+@pytest.mark.slow
 def test_missing_inputs_of_the_paper_preset():
     proc = dry_run(*PAPER)
     assert proc.returncode == 2
@@ -71,6 +74,8 @@ def test_missing_inputs_of_the_paper_preset():
     assert "model.path is required" in found and "data.train_files is required" in found
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_model_directory_and_data_rows(model_dir, qa_file, tmp_path):
     proc = dry_run(*PAPER, *CPU, f"--model.path={model_dir}", f"--data.train_files={qa_file}",
                    "--train.prompts_per_step=2", "--tools.search.backend=corpus",
@@ -92,6 +97,7 @@ def test_model_directory_and_data_rows(model_dir, qa_file, tmp_path):
     assert "expected JSONL rows with 'contents'" in found  # a QA file is no search corpus
 
 
+@pytest.mark.slow
 def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -101,6 +107,8 @@ def test_model_directory_without_tokenizer_or_weights(model_dir, qa_file, tmp_pa
     assert "has no tokenizer" in found and "has no weights" in found and proc.returncode == 2
 
 
+@pytest.mark.slow
+@pytest.mark.sandbox
 @pytest.mark.skipif(not SHARED.is_dir(), reason="no ../shared/data/arpo in this clone (reference data)")
 def test_paper_run_on_the_reference_data(model_dir):
     """The paper's run as a user would launch it, with the search cache standing in for the
@@ -116,6 +124,8 @@ def test_paper_run_on_the_reference_data(model_dir):
     assert "search_cache.json with 1000 queries" in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.sandbox
 def test_eval_files_are_resolved_and_read():
     if not SHARED.is_dir():
         pytest.skip(f"public benchmark data not found at {SHARED}")

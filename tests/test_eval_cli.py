@@ -112,6 +112,7 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_skips_finished_questions(tiny, shared_data, tmp_path):
     out = tmp_path / "killed"
     args = _args(tiny, shared_data, out, "--data", "hotpotqa", "--k", "2", "--max-questions", "8",
@@ -218,6 +219,8 @@ def shared_data_module():
     return SHARED_DATA
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_eval_files_during_training(run_dir):
     from aepo_engine.metrics import read_metrics
 
@@ -232,6 +235,8 @@ def test_eval_files_during_training(run_dir):
     assert len(samples) == 4 and json.loads(samples[0])["dataset"] == "bamboogle"
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
     source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))
     assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000001" / "hf_model"
@@ -250,6 +255,8 @@ def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch
     assert heldout["pass@1"] == pytest.approx(after)
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 @pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_vllm_backend(tiny, shared_data, tmp_path):
     """The same command on vLLM-CPU (a subprocess: the engine spawns workers)."""

@@ -88,11 +88,13 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
         resolve_source("gaiaa", tmp_path)
     with pytest.raises(FileNotFoundError, match="benchmark 'aime24'.*data_root"):
         resolve_source("AIME24", tmp_path)  # known name (any case), but no file under this root
+    with pytest.raises(FileNotFoundError, match="eval.data_root is not set; pass --data-root DIR"):
+        resolve_source("gaia", "")  # the default: no data root outside the repository is assumed
     assert set(BENCHMARKS) == set(EXPECTED) | {"math"}  # MATH: the paper's 14th set, not in the shared data
 
 
 def test_math_is_named_and_read_in_the_reference_format(tmp_path, shared_data):
-    with pytest.raises(FileNotFoundError, match="shared eval data .* has no MATH set.*math/test.jsonl"):
+    with pytest.raises(FileNotFoundError, match="ARPO eval data has no MATH set.*math/test.jsonl"):
         resolve_source("math", shared_data / "eval")
     # the reference's evaluation/data/math/test.jsonl rows: problem, solution, answer, ...
     rows = [{"problem": "What is $1+1$?", "solution": "So $\\boxed{2}$.", "answer": "2", "level": "Level 1",

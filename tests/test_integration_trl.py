@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = Path(__file__).with_name("trl_integration_cases.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed: pip install -e '.[trl]'")
 def test_trl_integration_in_its_own_process():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", str(CASES)],

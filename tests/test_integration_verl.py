@@ -38,6 +38,7 @@ def _verl_importable() -> bool:
 
 
 # --- the main environment's launcher ---------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.skipif(_verl_importable(), reason="verl importable here: this file's tests run directly")
 def test_verl_suite_in_its_venv():
     python = VENV / "bin" / "python"
@@ -258,8 +259,8 @@ def test_entry_point_registers_the_loss_in_a_fresh_process():
 
 
 @verl_only
-def test_readme_config_lines_configure_the_loss():
-    """The README's verl command: its overrides, composed with verl's own Hydra config, give an
+def test_documented_config_lines_configure_the_loss():
+    """The verl command of docs/integrations.md: its overrides, composed with verl's own Hydra config, give an
     actor whose loss is aepo with the stated options; the entry module it runs exists."""
     import importlib.util
 
@@ -267,7 +268,7 @@ def test_readme_config_lines_configure_the_loss():
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "integrations.md").read_text()
     section = text.split("## Use the fused loss in your trainer", 1)[1].split("\n## ", 1)[0]
     block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "verl.trainer.main_ppo" in b)
     overrides = re.findall(r"(\+?actor_rollout_ref\.\S+=\S+)", block)
@@ -287,6 +288,7 @@ def test_readme_config_lines_configure_the_loss():
     assert config_loss(actor) == LossConfig(kl_coef=0.0, entropy_coef=0.0)
 
 
+@pytest.mark.slow
 def test_aepo_kernels_imports_no_trainer():
     """``import aepo_kernels`` (and its integrations package) pulls in neither TRL nor verl nor transformers."""
     code = ("import sys, aepo_kernels, aepo_kernels.integrations\n"

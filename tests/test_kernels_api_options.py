@@ -16,7 +16,7 @@ from aepo_kernels import (
 from aepo_kernels.logits_ops import logit_map
 from aepo_kernels.reference import aepo_loss_reference, logprob_entropy_reference, token_loss_reference
 
-from conftest import triton_available
+from conftest import backend_params, triton_available
 from fresh_process import in_fresh_process
 
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
@@ -91,7 +91,8 @@ def test_reference_soft_cap_is_literal():
     assert abs(logp.item() - (-0.0650444)) < 1e-6
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("scale,cap", CAPS)
 def test_logprob_entropy_with_scale_and_softcap(backend, scale, cap):
     logits, labels, *_ = _batch(1)
@@ -110,7 +111,8 @@ def test_logprob_entropy_with_scale_and_softcap(backend, scale, cap):
         assert (plain - ref_logp.detach()).abs().max() > 1.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("scale,cap", CAPS[1:])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_pass_with_scale_and_softcap_matches_reference(backend, scale, cap, dtype):
@@ -138,6 +140,7 @@ def test_one_pass_with_scale_and_softcap_matches_reference(backend, scale, cap, 
         assert (leaf.grad[1] == 0).all() and (leaf.grad[0, 2] == 0).all()  # masked / no-target rows
 
 
+@pytest.mark.slow
 def test_float64_gradcheck_scale_and_softcap_cpu_path():
     """Finite differences through c tanh(s z / c): logits path (logprob_entropy and the one-pass
     loss) and fused-linear (hidden, weight, bias). ppo with alpha_H = 0 (the stop-gradient rules
@@ -187,6 +190,7 @@ def test_triton_tanh_from_exp_is_accurate():
     assert ((y.double() - expected).abs() <= 2.4e-7 * expected.abs() + 1e-38).all()
 
 
+@pytest.mark.slow
 def test_changing_softcap_or_scale_does_not_recompile_and_off_is_the_old_graph():
     from torch._dynamo.utils import counters
 
@@ -217,7 +221,7 @@ def _by_hand(t):
     return t[..., 1:]
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("backend", backend_params(BACKENDS + ["reference"]))
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_shift_labels_equals_manual_shifting(backend, aggregation):
     """input_ids-aligned labels and per-token tensors + shift_labels == logits[:, :-1] with every
@@ -248,7 +252,7 @@ def test_shift_labels_equals_manual_shifting(backend, aggregation):
     assert not torch.allclose(unshifted, loss)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_shift_labels_fused_linear_equals_manual_shifting(backend):
     """From hidden states: shift_labels (hidden not copied) == hidden[:, :-1] by hand."""
     _, labels, old, adv, mask, ref, weights = _shift_case(9, vocab=301)
@@ -316,7 +320,7 @@ def test_ignore_index_on_every_path():
     assert (logp[labels == -1] == 0).all() and (logp[labels != -1] != 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("backend", backend_params(BACKENDS + ["reference"]))
 def test_token_loss_on_request_and_only_then(backend):
     """return_token_loss: stats carry L_t (0 off the mask), log-probs and entropies matching the
     reference; sum_t w_t L_t is the loss; without the flag the stats are the old ones."""
@@ -343,7 +347,7 @@ def test_token_loss_on_request_and_only_then(backend):
 # --- fused-linear == materialised logits, with every option ----------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_linear_equals_materialised_logits_with_all_options(backend, dtype):
     """Same options on both: shift_labels, logit_scale + softcap, a custom ignore_index, token
@@ -397,6 +401,7 @@ def test_fused_linear_logprob_entropy_with_scale_and_softcap(scale, cap):
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @in_fresh_process
 def test_callers_torch_compile_traces_the_options():
     """torch.compile(fullgraph=True) of a step using softcap, logit_scale, shift_labels and
@@ -442,7 +447,7 @@ def test_more_kernel_variants_than_dynamos_default_limit_compile():
     assert compiled.mode == "compiled" and counters["stats"]["unique_graphs"] - before == len(variants) > 8
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("backend", backend_params(BACKENDS + ["reference"]))
 def test_logprob_entropy_shift_labels_round_trip(backend):
     """logprob_entropy(shift_labels=True) == slicing by hand, aligned with the labels; fed back
     as old log-probs to the shifted loss (same alignment) every ratio is 1 (no clipping)."""

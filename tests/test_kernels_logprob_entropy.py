@@ -5,7 +5,7 @@ import torch
 from aepo_kernels import logprob_entropy
 from aepo_kernels.reference import logprob_entropy_reference
 
-from conftest import triton_available
+from conftest import backend_params, triton_available
 
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
 # bf16 gradients: the reference rounds its fp32 gradient to bf16 once; the Triton interpreter
@@ -31,7 +31,7 @@ def _run(logits, labels, temperature, backend, g_lp, g_h, **kw):
     return logp.detach(), entropy.detach(), leaf.grad
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,vocab,temperature", [((7,), 1000, 1.0), ((2, 5), 32003, 0.7), ((3,), 151936, 1.3)])
 def test_matches_reference(backend, dtype, shape, vocab, temperature):
@@ -47,7 +47,7 @@ def test_matches_reference(backend, dtype, shape, vocab, temperature):
     torch.testing.assert_close(grad.float(), grad_ref.float(), **GRAD_TOL[dtype])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_strided_token_dim_and_in_place_backward(backend):
     # logits[:, :-1] of a [B, T, V] tensor: a non-contiguous token dim, never copied.
     logits, labels = _inputs((3, 9), 777, torch.float32, seed=3, ignore_frac=0.0)

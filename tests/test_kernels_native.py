@@ -143,6 +143,7 @@ def test_peaked_rows_underflow_to_zero_and_nan_stays_in_its_row():
     assert torch.isfinite(rows[:, 0, keep]).all() and torch.isfinite(out[0, keep]).all()
 
 
+@pytest.mark.slow
 def test_dispatch_takes_native_only_where_it_applies(monkeypatch):
     calls = []
     real = native.native_one_pass
@@ -179,6 +180,7 @@ def test_build_errors_name_the_switch(monkeypatch, tmp_path):
         native.build()
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_shared_by_concurrent_processes(tmp_path):
     """Two processes build into an empty cache at once (as torchrun ranks do): both load a working
     library, one file is left, and a third process reuses it without compiling."""

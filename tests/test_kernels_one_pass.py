@@ -9,7 +9,7 @@ from aepo_kernels.compile import CompiledFunction
 from aepo_kernels.one_pass import aggregation_weights, hyper_params, token_head
 from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 
-from conftest import triton_available
+from conftest import backend_params, triton_available
 from fresh_process import in_fresh_process
 
 # "torch" runs the native C row kernel for fp32 CPU logits (aepo_kernels.native); "torch-compiled"
@@ -103,7 +103,7 @@ def test_aggregation_weights_reproduce_aggregate(aggregation):
 # --- logits-level one pass -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS), indirect=True)
 @pytest.mark.parametrize("clip", CLIPS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_one_pass_matches_reference(backend, clip, aggregation):
@@ -122,7 +122,7 @@ def test_one_pass_matches_reference(backend, clip, aggregation):
         assert (leaf.grad[1] == 0).all()  # the fully masked sequence gets no gradient
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS), indirect=True)
 @pytest.mark.parametrize("clip", CLIPS)
 def test_one_pass_bf16_and_supplied_statistics(backend, clip):
     """bf16 logits, T != 1, global statistics supplied (the trainer's path): against the reference
@@ -169,7 +169,7 @@ def test_cpu_row_chunks_match_the_reference(monkeypatch, rows_per_chunk, in_plac
     torch.testing.assert_close(leaf.grad, expected_grad, atol=1e-7, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS), indirect=True)
 def test_strided_logits_and_flat_inputs(backend):
     """logits[:, :-1] (strided token dim, not copied), and [N, V] / [N] inputs."""
     cfg = LossConfig()
@@ -189,7 +189,7 @@ def test_strided_logits_and_flat_inputs(backend):
     torch.testing.assert_close(loss_flat.detach(), expected_flat, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS), indirect=True)
 def test_fully_masked_micro_batch(backend):
     logits, labels, old, adv, mask, _ = _batch(seed=8)
     leaf = logits.clone().requires_grad_()
@@ -246,7 +246,7 @@ def _linear_inputs(n, d, vocab, dtype, seed):
     return hidden, weight, bias
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS), indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clip,aggregation", [("aepo", "token-mean"), ("ppo", "seq-mean-token-mean"),
                                               ("gppo", "seq-mean-token-sum-norm"), ("cispo", "token-mean")])
@@ -369,6 +369,7 @@ def test_bad_inputs_say_what_is_wrong():
         aepo_policy_loss(logits, labels, old, adv, mask, temperature=0.0)
 
 
+@pytest.mark.slow
 @in_fresh_process
 def test_callers_torch_compile_fullgraph_traces_through_the_loss():
     """torch.compile(fullgraph=True) of a caller's step containing aepo_policy_loss: the custom op

@@ -15,7 +15,7 @@ from aepo_kernels import (
 )
 from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 
-from conftest import triton_available
+from conftest import backend_params, triton_available
 
 NO_SHAPING = dict(entropy_adv_alpha=0.0)
 
@@ -137,7 +137,7 @@ def _batch(seed, batch=4, seq=16, vocab=97, dtype=torch.float32):
 BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("clip", ["ppo", "aepo", "gppo", "cispo"])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_full_loss_matches_reference(backend, clip, aggregation):

@@ -54,7 +54,8 @@ def tiny_model(tmp_path_factory):
     from aepo_engine.models import build_tiny_qwen3
 
     # initializer_range 0.3: peaked distributions (entropy std ~0.5 nats). With the default 0.02 the
-    # entropies all sit within 1e-3 of log V, and the z-score of spec §2b divides fp32 noise by that.
+    # entropies all sit within 1e-3 of log V, and the z-score (docs/algorithm.md §2b) divides
+    # fp32 noise by that.
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), vocab_size=300, hidden_size=64,
                             intermediate_size=128, num_heads=2, num_kv_heads=1, head_dim=32,
                             initializer_range=0.3)
@@ -156,7 +157,7 @@ def test_policy_config_rejects_bad_values():
     with pytest.raises(ValueError, match="token-mean"):
         PolicyConfig(loss=LossConfig(aggregation="seq-mean-token-mean"))
     assert msgspec.convert({"loss": {"clip": "ppo"}}, PolicyConfig).loss.clip == "ppo"
-    # spec §3: 64 prompts per step, mini-batches of 8 prompts -> 8 optimizer steps (x epochs)
+    # docs/algorithm.md §3: 64 prompts per step, mini-batches of 8 prompts -> 8 optimizer steps (x epochs)
     assert PolicyConfig().steps_per_update(64) == 8 and PolicyConfig(ppo_epochs=2).steps_per_update(65) == 18
 
 

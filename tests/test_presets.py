@@ -1,6 +1,6 @@
 """Every shipped preset resolves to the run it names.
 
-The paper preset is checked against every value AEPO_SPEC.md sections 1-3 name; each other preset
+The paper preset is checked against every value docs/algorithm.md §1-§3 name; each other preset
 against the values that define it. Every preset also loads alone, round-trips through its TOML
 dump and survives ``--dry-run`` (exit 0 or 2, never a crash, the printed TOML loads back equal).
 """
@@ -22,7 +22,7 @@ def value(cfg, dotted: str):
     return node
 
 
-# AEPO_SPEC.md §1 (rollout), §2 (loss), §3 (the Qwen3-14B deep-research scripts).
+# docs/algorithm.md §1 (rollout), §2 (loss), §3 (the Qwen3-14B deep-research scripts).
 PAPER = {
     "rollout.k": 12, "rollout.beta": 0.5, "rollout.gamma": 0.2, "rollout.tau": 0.5,
     "rollout.n_entropy_tokens": 20, "rollout.penalty_slope": 0.05, "rollout.max_tool_calls": 6,
@@ -123,6 +123,7 @@ def test_paper_preset_never_cuts_a_response_short():
     assert cfg.train.resolved_steps(1071) == 84
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_preset_dry_run_prints_a_config_that_loads_back(name):
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", name, "--dry-run"],

@@ -123,7 +123,7 @@ def test_math_reward_takes_the_box_of_the_answer_block():
 
 
 # ---------------------------------------------------------------------------------------------
-# deep_research (spec §3).
+# deep_research (docs/algorithm.md §3).
 
 
 def test_deep_research_exact_with_both_tools():

@@ -1,4 +1,4 @@
-"""Tests of the entropy-balanced rollout scheduler (spec §1) against a scripted backend.
+"""Tests of the entropy-balanced rollout scheduler (docs/algorithm.md §1) against a scripted backend.
 
 The scripted backend is a character-level fake model: a policy function maps the decoded context
 to the next segment's text and per-token entropies; the backend applies stop strings, EOS and
@@ -499,6 +499,7 @@ def test_branch_before_m_is_m_known_from_the_start():
     assert waited >= 10 and branched >= 50  # the cases that could differ did occur
 
 
+@pytest.mark.slow
 def test_branching_statistics_unchanged_in_distribution():
     # 240 seeded single-prompt calls, each run three ways: the strict order, m known from the
     # start (above), and the default (k // 2 - 1 speculative globals, top-up to m_max - 1, online

@@ -244,6 +244,8 @@ def test_entropy_bench_finds_the_heads_of_the_segments_after_tool_results():
     assert bench.segment_heads(mask, 9) == [[3, 4, 5, 6], [9, 10], [12]]
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_a_tiny_namesake_run_goes_through_the_trainer(tmp_path):
     """``--preset embedded --preset namesakes`` end to end at toy size: real BM25 listings in the
     warm-start demonstrations, rollouts with two searches, per-kind evaluation."""

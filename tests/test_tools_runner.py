@@ -127,6 +127,7 @@ def test_config_rejects_bad_values(raw, message):
         msgspec.convert(raw, ToolsConfig)
 
 
+@pytest.mark.sandbox
 def test_build_tools_from_config(tmp_path):
     cache = tmp_path / "cache.json"
     cache.write_text(json.dumps({"q": "Page 1: " + "long text " * 100}))

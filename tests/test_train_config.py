@@ -109,6 +109,7 @@ def _help(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_help_shows_the_defaults_a_run_gets_and_where_they_come_from():
     text = _help()
     assert "preset 'embedded'" in text and "qwen3_14b_deep_research" in text

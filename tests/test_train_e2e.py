@@ -51,6 +51,8 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_run_writes_everything_a_user_looks_at(uninterrupted):
     summary = json.loads((uninterrupted / "summary.json").read_text())
     for phase in ("eval_before", "eval_after"):
@@ -77,6 +79,8 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
     AutoModelForCausalLM.from_pretrained(uninterrupted / "checkpoints" / latest / "hf_model")
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tmp_path):
     run_dir = tmp_path / "killed"
     killed = train(run_dir, fault="checkpoint_write:2")
@@ -108,6 +112,7 @@ def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tm
     (["--task.source=files"], "data.train_files"),
     (["--preset", "nope"], "unknown preset"),
 ])
+@pytest.mark.slow
 def test_config_errors_say_why(args, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={tmp_path}", *args],
                           capture_output=True, text=True, timeout=120)
@@ -115,6 +120,8 @@ def test_config_errors_say_why(args, message, tmp_path):
     assert message in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
 def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
     """The trainer itself on 2 gloo ranks with FSDP2: rank 0 builds the set-up, each rank samples
@@ -138,6 +145,8 @@ def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_logging_switches_and_prompt_limit(tmp_path):
     """logging.print_every_n_steps=0 prints no progress line, logging.jsonl=false writes no
     metrics.jsonl, and data.max_prompt_tokens=1 with overlong_prompts=error refuses to start."""

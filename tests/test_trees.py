@@ -147,8 +147,11 @@ def test_command_errors_are_clear(tmp_path, capsys, case, message):
     else:
         write_dump(samples, 3, rows)
         args = ["--step", "7"] if case == "wrong_step" else ["--prompts", "0,5"]
-    assert main([str(run), "--out", str(tmp_path / "t.html"), *args]) == 2
-    assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(SystemExit) as info:
+        main([str(run), "--out", str(tmp_path / "t.html"), *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err
     assert not (tmp_path / "t.html").exists()
 
 
@@ -165,6 +168,8 @@ TINY = [
 ]
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_real_run_logs_the_measurements_and_its_trees_render(tmp_path):
     """A 2-step run on the embedded task (tiny model, short warm start): every step logs the
     comparison's measurements, dumps one whole tree (k rows) plus nothing else, and renders."""

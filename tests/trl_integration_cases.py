@@ -27,7 +27,7 @@ from aepo_kernels import LossConfig, aepo_policy_loss, entropy_moments, entropy_
 from aepo_kernels.integrations.trl import AEPOGRPOTrainer  # noqa: E402
 from trl.trainer.utils import split_tensor_dict  # noqa: E402
 
-GRPOConfig = trl.GRPOConfig  # bound once: the README test patches trl.GRPOConfig
+GRPOConfig = trl.GRPOConfig  # bound once: the documented-snippet test patches trl.GRPOConfig
 PROMPTS = ["Paris is the capital of", "def f(x):", "<think>Compute the sum.", "The answer is",
            "Who wrote Hamlet?", "1 2 3 4", "<search>population", "naïve café"]
 TEMPERATURE = 0.9
@@ -225,29 +225,30 @@ def test_dr_grpo_aggregation_uses_max_completion_length(model_dir, dataset, tmp_
                                                       seq_norm_length=12)
 
 
-def readme_block(language: str, contains: str) -> str:
-    """The README's ```language block of section "Use the fused loss in your trainer" containing ``contains``."""
+def doc_block(language: str, contains: str) -> str:
+    """The ```language block of docs/integrations.md's section "Use the fused loss in your trainer"
+    containing ``contains`` (the README shows the same TRL snippet: tests/test_docs.py)."""
     from pathlib import Path
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
     section = text.split("## Use the fused loss in your trainer", 1)[1].split("\n## ", 1)[0]
     blocks = [b for b in re.findall(rf"```{language}\n(.*?)```", section, re.S) if contains in b]
-    assert len(blocks) == 1, f"README: expected one {language} block with {contains!r}"
+    assert len(blocks) == 1, f"docs/integrations.md: expected one {language} block with {contains!r}"
     return blocks[0]
 
 
-def test_readme_snippet_runs(model_dir, dataset, tmp_path, monkeypatch):
-    """The README's TRL snippet, as written, trains one step (GRPOConfig gets CPU test sizes)."""
+def test_documented_snippet_runs(model_dir, dataset, tmp_path, monkeypatch):
+    """The documented TRL snippet, as written, trains one step (GRPOConfig gets CPU test sizes)."""
     real_config = GRPOConfig
 
     def small_config(**kwargs):
         return make_args(tmp_path, **{**kwargs, "output_dir": str(tmp_path), "max_steps": 1, "per_device_train_batch_size": 4})
 
     monkeypatch.setattr(trl, "GRPOConfig", small_config)
-    code = readme_block("python", "AEPOGRPOTrainer")
+    code = doc_block("python", "AEPOGRPOTrainer")
     namespace = {"model": model_dir, "reward_funcs": length_reward, "train_dataset": dataset}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/integrations.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert isinstance(trainer, AEPOGRPOTrainer) and isinstance(trainer.args, real_config)
     assert trainer.state.global_step == 1 and trainer.loss_config.entropy_adv_alpha == 0.2

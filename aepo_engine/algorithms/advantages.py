@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO, spec §2a) and their broadcast to response tokens.
+"""Group-relative advantages (GRPO, docs/algorithm.md §2a) and their broadcast to response tokens.
 
     A_i = (R_i - mean_g(R)) / (std_g(R) + eps)        g = the group of trajectory i
 

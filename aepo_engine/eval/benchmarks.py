@@ -97,7 +97,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("math500", "math500/test.jsonl", "math"),
     Benchmark("gsm8k", "gsm8k/test.jsonl", "math"),
     Benchmark("math", "math/test.jsonl", "math", ("problem",),
-              missing="the shared eval data (../shared/data/arpo/eval) has no MATH set; the reference keeps it "
+              missing="the public ARPO eval data has no MATH set; the reference keeps it "
                       "as evaluation/data/math/test.jsonl in RUC-NLPIR/ARPO (problem/answer JSON lines): give "
                       "that file (--data PATH/math/test.jsonl) or a --data-root holding math/test.jsonl"),
 )}
@@ -133,6 +133,10 @@ def resolve_source(spec: str, data_root: str | Path) -> tuple[Path, Benchmark | 
         FileNotFoundError: a known benchmark whose file is not under ``data_root``.
     """
     bench = BENCHMARKS.get(spec.strip().lower())
+    if bench is not None and not str(data_root):
+        raise FileNotFoundError(f"benchmark {bench.name!r}: eval.data_root is not set; pass --data-root DIR "
+                                f"(eval.data_root), the folder holding {bench.path.split('/')[0]}/ (the "
+                                "reference data's layout), or give the file itself")
     if bench is not None:
         path = Path(data_root) / bench.path
         if not path.is_file():

@@ -1,7 +1,7 @@
 """``python -m aepo_engine.eval``: pass@k of a model on benchmarks, with the training rollout's tools.
 
     python -m aepo_engine.eval --model DIR --data gaia hle aime24 --k 5 \\
-        --data-root ../shared/data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
+        --data-root /data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
 
 ``--model`` is a Hugging Face model folder, a checkpoint (``step_XXXXXX/`` with ``hf_model/``) or a
 run folder (``config.toml`` + ``checkpoints/``: its latest checkpoint, and its backend, rollout,
@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import msgspec
 
 from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
+from aepo_engine.errors import entry_point
 from aepo_engine.eval.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.eval.config import EvalConfig
 from aepo_engine.eval.core import judge_records, sample_records
@@ -413,6 +414,9 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
 
 
 def list_benchmarks(data_root: str) -> str:
+    if not data_root:
+        return ("eval.data_root is not set: pass --data-root DIR to see which benchmark files are found\n"
+                + "\n".join(f"{b.name:10s} {b.check:5s} DIR/{b.path}" for b in BENCHMARKS.values()))
     lines = []
     for bench in BENCHMARKS.values():
         present = "found" if (Path(data_root) / bench.path).is_file() else "missing"
@@ -420,30 +424,27 @@ def list_benchmarks(data_root: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    """The command (module docstring); exit status 2 on a config error, 3 when the judge was asked
-    for but unreachable (the other scores are written)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+@entry_point
+def main(argv: list[str]) -> dict[str, Any] | None:
+    """The command (module docstring); exit status 2 on bad input or an unavailable part, with one
+    ``error:`` line (:mod:`aepo_engine.errors`), 3 when the judge was asked for but unreachable
+    (the other scores are written)."""
     flags = {a for a in argv if a in ("--dry-run", "--list", "-h", "--help")}
     argv = [a for a in argv if a not in flags]
-    try:
-        if flags & {"-h", "--help"}:
-            aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
-            print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
-                              "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list]")
-                  + f"\n\nshort options: {aliases}")
-            return None
-        if "--list" in flags:
-            files, overrides = pop_option(expand_aliases(argv), "--config")
-            print(list_benchmarks(load_config(EvalCommandConfig, path=files, overrides=overrides).eval.data_root))
-            return None
-        cfg, source = load_eval_command(argv)
-        if "--dry-run" in flags:
-            raise SystemExit(dry_run(cfg, source))
-        result = run(cfg, source)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
+    if flags & {"-h", "--help"}:
+        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
+        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
+                          "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list] [--debug]")
+              + f"\n\nshort options: {aliases}")
+        return None
+    if "--list" in flags:
+        files, overrides = pop_option(expand_aliases(argv), "--config")
+        print(list_benchmarks(load_config(EvalCommandConfig, path=files, overrides=overrides).eval.data_root))
+        return None
+    cfg, source = load_eval_command(argv)
+    if "--dry-run" in flags:
+        raise SystemExit(dry_run(cfg, source))
+    result = run(cfg, source)
     if result["judge_error"]:
         raise SystemExit(3)
     return result

@@ -69,7 +69,9 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
             JSONL). math (the paper's MATH set) is not in the shared data: set data_root to a folder
             holding the reference's math/test.jsonl, or give that file. In training they are
             evaluated beside the task's own held-out set.
-        data_root: folder the benchmark names resolve against (one sub-folder per benchmark).
+        data_root: folder the benchmark names resolve against (one sub-folder per benchmark, the
+            reference data's layout: gaia/, hle/, aime24/, ...); empty: names cannot be used,
+            only files (nothing outside the repository is assumed).
         num_questions: questions evaluated per benchmark (the first ones; 0 = all).
         samples: independent samples per question (n of pass@k); none = the largest k (1 if no k).
         k: pass@k values reported besides pass@1 (each <= samples); pass@n is always reported.
@@ -89,7 +91,7 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """
 
     files: list[str] = []
-    data_root: str = "../shared/data/arpo/eval"
+    data_root: str = ""
     num_questions: int = 0
     samples: int | None = None
     k: list[int] = []

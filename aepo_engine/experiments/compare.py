@@ -56,6 +56,7 @@ import msgspec
 
 from aepo_engine.config import TrainConfig, load_train_config
 from aepo_engine.config_loader import ConfigError, dump_config
+from aepo_engine.errors import ArgumentParser, entry_point
 from aepo_engine.rollout.config import RolloutConfig
 
 __all__ = ["ALGORITHMS", "DEFAULT_ORDER", "RunSpec", "check_grid", "main", "plan_runs"]
@@ -503,7 +504,7 @@ def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="Other --section.key=value arguments go to every run (the budget), "
                                             "e.g. --train.steps=30.")
     parser.add_argument("--task", nargs="+", default=["embedded"], metavar="PRESET",
@@ -517,7 +518,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run instead of cores // jobs (e.g. 1 on a machine others load too)")
     parser.add_argument("--results-dir", type=Path, default=None,
-                        help="where rows, table and plots go (default: bench/results of this checkout)")
+                        help="where rows, table and plots go (default: bench/results of the source checkout; "
+                             "OUT/results for an installed package)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="run nothing: rebuild rows, table and plots from the finished runs under --out")
     parser.add_argument("--plan", action="store_true", help="print the runs in order and the checks, run nothing")
@@ -533,39 +535,48 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@entry_point
+def main(argv: list[str]) -> int:
+    """The command; bad input ends with one ``error:`` line and status 2 (:mod:`aepo_engine.errors`);
+    1 when a run of the grid failed."""
     from aepo_engine.experiments.results import summarize_grid
 
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    results_dir = args.results_dir or Path(__file__).resolve().parents[2] / "bench" / "results"
-    try:
-        if args.summarize_only:
-            report = summarize_grid(args.out, results_dir)
-            print(report)
-            return 0
-        order = parse_order(args.algorithms)
-        specs = plan_runs(args.out, args.task, order, args.seeds, overrides)
-        configs = {spec: resolve(spec) for spec in specs}
-        check_grid(configs)
-        shareable = eval_before_shareable(configs)
-        _print_plan(specs, configs, shareable)
-        if args.plan:
-            return 0
-        if not args.setup_only:  # a set-up does not depend on the budget: record the grid with its runs
-            write_grid_file(args.out, {"task_presets": list(args.task), "overrides": list(overrides),
-                                       "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
-        # The results are rebuilt after every finished run, so they are current while the grid runs.
-        outcomes = run_grid(args.out, specs, configs, args.jobs,
-                            on_done=lambda: summarize_grid(args.out, results_dir), threads=args.threads,
-                            setup_only=args.setup_only)
-        if args.setup_only:
-            print("\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
-            return 0 if all(o == "done" for o in outcomes.values()) else 1
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    args, overrides = parse_args(argv)
+    results_dir = args.results_dir or default_results_dir(args.out)
+    if args.summarize_only:
+        report = summarize_grid(args.out, results_dir)
+        print(report)
+        return 0
+    order = parse_order(args.algorithms)
+    specs = plan_runs(args.out, args.task, order, args.seeds, overrides)
+    configs = {spec: resolve(spec) for spec in specs}
+    check_grid(configs)
+    shareable = eval_before_shareable(configs)
+    _print_plan(specs, configs, shareable)
+    if args.plan:
+        return 0
+    if not args.setup_only:  # a set-up does not depend on the budget: record the grid with its runs
+        write_grid_file(args.out, {"task_presets": list(args.task), "overrides": list(overrides),
+                                   "algorithms": [a for group in order for a in group], "seeds": list(args.seeds)})
+    # The results are rebuilt after every finished run, so they are current while the grid runs.
+    outcomes = run_grid(args.out, specs, configs, args.jobs,
+                        on_done=lambda: summarize_grid(args.out, results_dir), threads=args.threads,
+                        setup_only=args.setup_only)
+    if args.setup_only:
+        print("\n".join(f"{name}: {outcome}" for name, outcome in outcomes.items()))
+        return 0 if all(o == "done" for o in outcomes.values()) else 1
     print(summarize_grid(args.out, results_dir))
     return 0 if all(o in ("done", "skipped") for o in outcomes.values()) else 1
+
+
+def default_results_dir(out: Path) -> Path:
+    """Where rows, table and plots go without ``--results-dir``: ``bench/results`` of the source
+    checkout this module runs from, else (an installed package) ``OUT/results``: never a folder
+    inside the installed package."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "setup.py").is_file() and (checkout / "bench" / "results").is_dir():
+        return checkout / "bench" / "results"
+    return Path(out) / "results"
 
 
 def _print_plan(specs: list[RunSpec], configs: dict[RunSpec, TrainConfig], shareable: bool) -> None:

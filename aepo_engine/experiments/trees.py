@@ -20,16 +20,15 @@ Left out: interactive zoom/filtering (the HTML is static); token-level detail in
 """
 from __future__ import annotations
 
-import argparse
 import html
 import re
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
 from aepo_engine.config_loader import ConfigError, read_config_file
+from aepo_engine.errors import ArgumentParser, entry_point
 from aepo_engine.rollout.samples import SampleDumpError, read_sample_rows, sample_path
 
 PROG = "python -m aepo_engine.experiments.trees"
@@ -382,19 +381,17 @@ def dumped_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.glob("step_*.jsonl") if (m := re.fullmatch(r"step_(\d+)\.jsonl", p.name)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description="Draw one step's rollout trees from a run's sample dumps.")
+@entry_point
+def main(argv: list[str]) -> int:
+    """The command; bad input ends with one ``error:`` line and status 2 (:mod:`aepo_engine.errors`)."""
+    parser = ArgumentParser(prog=PROG, description="Draw one step's rollout trees from a run's sample dumps.")
     parser.add_argument("run_dir", type=Path, help="a run folder (or its logs/samples folder)")
     parser.add_argument("--step", type=int, default=None, help="training step (0-based); default: the last dumped")
     parser.add_argument("--out", type=Path, default=Path("trees.html"), help="HTML file to write")
     parser.add_argument("--png", type=Path, default=None, help="also write a PNG (matplotlib)")
     parser.add_argument("--prompts", type=str, default=None, help="comma-separated prompt indices to draw (default all)")
     args = parser.parse_args(argv)
-    try:
-        written = render_step(args.run_dir, args.step, args.out, args.png, _prompt_list(args.prompts))
-    except (SampleDumpError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    written = render_step(args.run_dir, args.step, args.out, args.png, _prompt_list(args.prompts))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

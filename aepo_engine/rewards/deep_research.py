@@ -1,4 +1,4 @@
-"""The ``deep_research`` reward of the AEPO reference runs (spec §3), under the engine's rules
+"""The ``deep_research`` reward of the AEPO reference runs (docs/algorithm.md §3), under the engine's rules
 (``rules="engine"``, the default, below) or the authors' (``rules="reference"``,
 :mod:`aepo_engine.rewards.reference`; the differences are listed in docs/scoring.md).
 

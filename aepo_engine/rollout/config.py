@@ -1,7 +1,9 @@
-"""Configuration of the entropy-balanced rollout (spec §1): one frozen struct, one source of truth.
+"""Configuration of the entropy-balanced rollout (docs/algorithm.md §1): one frozen struct, one
+source of truth.
 
 Every field's help text is in the ``Attributes:`` block (``aepo_engine.config_loader`` reads it for
-``--help`` and TOML dumps). Defaults follow the reference scripts (spec §3) where they exist.
+``--help`` and TOML dumps). Defaults follow the reference scripts (docs/algorithm.md §3) where
+they exist.
 ``__post_init__`` rejects values and combinations that cannot work and says why.
 """
 from __future__ import annotations
@@ -12,29 +14,30 @@ import msgspec
 
 
 class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, spec §1).
+    """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, docs/algorithm.md §1).
 
     Attributes:
         k: Trajectories per prompt (the GRPO group size); the rollout returns exactly k per prompt.
-        pre_monitoring: Entropy pre-monitoring (spec §1a): one probe trajectory per prompt sets the
-            number m of global samples from H_root and H_tool. Off: m = fixed_global_samples.
+        pre_monitoring: Entropy pre-monitoring (docs/algorithm.md §1a): one probe trajectory per
+            prompt sets the number m of global samples from H_root and H_tool. Off: m =
+            fixed_global_samples.
             Ignored (m = k, no probe) when branching is off, since m then trades against nothing.
         beta: Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
         reuse_probe_as_sample: Keep the probe as one of the m global samples (it is a valid
             on-policy sample); False throws it away like the reference code (one extra trajectory).
         speculative_global_samples: Global samples started beside the pre-monitoring probe, before
             m is known, so the probe does not run alone. They are the same trajectories (same ids,
-            same seeds) the spec's order would start after the probe. Those beyond the m the probe
-            sets go to the reserve (the branches they took are dropped; they go on sampling while
-            the prompt has fewer than k trajectories) and fill unused branch slots first; the
-            rest is discarded (their tokens counted as discarded).
+            same seeds) the order of docs/algorithm.md §1a would start after the probe. Those
+            beyond the m the probe sets go to the reserve (the branches they took are dropped;
+            they go on sampling while the prompt has fewer than k trajectories) and fill unused
+            branch slots first; the rest is discarded (their tokens counted as discarded).
             None = max(0, k // 2 - 1) from the start, one below the global samples of a neutral
             probe, then topped up to m_max - 1 once H_root is known after the probe's first round
             (m_max = the m of H_tool = 0, the most any probe can set); a number = exactly that
             many, no top-up; 0 = the probe first, alone (with branch_before_m=False and
-            speculative_branches=0: the spec's strict order). Starting k // 2 (the top-up always
-            reaches that many) would start one of them a round earlier, but in the rollout
-            benchmark it only added discarded tokens (README).
+            speculative_branches=0: the strict order of docs/algorithm.md §1a). Starting k // 2
+            (the top-up always reaches that many) would start one of them a round earlier, but in
+            the rollout benchmark it only added discarded tokens (docs/rollouts.md).
             Ignored without pre-monitoring.
         branch_before_m: Trajectories that run before m is known (the probe, speculative globals,
             their branches) take their branch decisions online, while the k - m_max branch slots
@@ -53,7 +56,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             counted as discarded). The decisions and their outcomes are unchanged; only the ids
             (hence seeds) of later trajectories can shift by the discarded children's. 0 = off; k
             or more = every trajectory's first waiting decision that wants a branch (fewer rounds,
-            more discarded tokens: README).
+            more discarded tokens: docs/rollouts.md).
         presample_children: A trajectory that has just received a tool result samples its
             reaction, and the branch decision (spec 1c) needs that reaction's entropy, so a child
             started after the decision runs one round behind its parent. With this on, while a
@@ -65,16 +68,19 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             distribution are unchanged (the child's reaction does not depend on the parent's);
             trajectory ids, hence seeds, of later trajectories shift by the discarded ones. Off by
             default: in the rollout benchmark (1-3 tool calls per trajectory, CPU) it left rounds,
-            wall time and kept tokens/s as they were and only added discarded tokens (README); it
-            can pay where tool chains are long and a round's latency, not its tokens, dominates.
+            wall time and kept tokens/s as they were and only added discarded tokens
+            (docs/rollouts.md); it can pay where tool chains are long and a round's latency, not
+            its tokens, dominates.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
-            soon as the probe has them (or has ended). None = all of them, the spec's rule (m once
-            the whole probe has ended); 1 = m from the probe's first reaction to a tool result
-            (a different, faster rule: it does not wait for the probe's later tool calls).
+            soon as the probe has them (or has ended). None = all of them, the rule of
+            docs/algorithm.md §1a (m once the whole probe has ended); 1 = m from the probe's
+            first reaction to a tool result (a different, faster rule: it does not wait for the
+            probe's later tool calls).
         fixed_global_samples: Global samples per prompt when pre-monitoring is off; None means
             max(1, k // 2), the reference scripts' fixed m = k/2.
         n_entropy_tokens: n_e; a segment's entropy is the mean over its first n_e tokens.
-        branching: Branch at tool-call steps (spec §1c). Off: k independent samples (GRPO rollout).
+        branching: Branch at tool-call steps (docs/algorithm.md §1c). Off: k independent samples
+            (GRPO rollout).
         branch_alpha_mode: Base term alpha of the branch probability: "random" draws alpha ~ U(0, 1)
             per decision from a seeded generator (reference code); "constant" uses branch_alpha
             (the paper's formula).

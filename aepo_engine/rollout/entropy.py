@@ -1,7 +1,7 @@
 """Token entropy: exact from full logits, and bounds/estimates from top-k log-probs only.
 
 vLLM returns, per generated position, only the k largest log-probs of the sampling distribution
-(k <= 20). AEPO's branching decisions need the entropy H = -sum_v p_v log p_v (spec §0, §1d).
+(k <= 20). AEPO's branching decisions need the entropy H = -sum_v p_v log p_v (docs/algorithm.md §0, §1d).
 
 Derivation. Let p_1 >= ... >= p_k be the top-k probabilities, S = sum_i p_i, r = 1 - S the mass
 left on the other n = V - k tokens, and p_min = p_k. Split

@@ -1,4 +1,4 @@
-"""Entropy-balanced rollout (spec §1): pre-monitoring, batched tool rounds, entropy branching.
+"""Entropy-balanced rollout (docs/algorithm.md §1): pre-monitoring, batched tool rounds, entropy branching.
 
 ``EntropyBalancedRollout.rollout(prompts, step)`` returns exactly ``k`` trajectories per prompt.
 Per prompt:
@@ -51,15 +51,16 @@ Per prompt:
    the probe takes all its decisions first, so its later tool steps win scarce slots that
    earlier tool steps of other samples win here. ``branch_before_m=False`` makes every decision
    wait for m (the children of late decisions then need extra rounds); together with
-   ``speculative_global_samples=0`` and ``speculative_branches=0`` it is the spec's strict
-   order: the probe alone, its decisions once it has ended, then the other globals.
+   ``speculative_global_samples=0`` and ``speculative_branches=0`` it is the strict order of
+   docs/algorithm.md §1a: the probe alone, its decisions once it has ended, then the other globals.
    What else can differ from the strict order: trajectory ids (hence the seeds of children and
    refills), once ids were spent on the reserve or on early branches.
    Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
    post-tool segments, and m is set as soon as they exist (or the probe ends), instead of after
    the whole probe; a reused probe then goes on as an ordinary sample deciding online. This is a
-   different rule from the spec's (H_tool from n tool steps, not all of them), offered because
-   it ends the wait for the probe's last tool calls; the default keeps the spec's.
+   different rule from that of docs/algorithm.md §1a (H_tool from n tool steps, not all of
+   them), offered because it ends the wait for the probe's last tool calls; the default keeps
+   §1a's.
 2. Rounds (§1b). Every active trajectory of every prompt generates in ONE ``backend.generate``
    call until a tool stop string, EOS or a length cap. The round's tool calls go to
    ``tool_runner.run`` in one batch; each result is appended as ``format_tool_result(text)``,
@@ -129,14 +130,15 @@ def sigmoid(x: float) -> float:
 
 
 def global_sample_count(k: int, beta: float, h_root: float, h_tool: float) -> int:
-    """m = clamp(floor(k * sigmoid(beta * (h_root - h_tool))) + 1, 1, k)  (spec §1a)."""
+    """m = clamp(floor(k * sigmoid(beta * (h_root - h_tool))) + 1, 1, k)  (docs/algorithm.md §1a)."""
     m = math.floor(k * sigmoid(beta * (h_root - h_tool))) + 1
     return min(max(m, 1), k)
 
 
 def branch_probability(alpha: float, gamma: float, delta_h: float, consecutive_branches: int,
                        penalty_slope: float, penalty: bool = True) -> float:
-    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l))  (spec §1c); no penalty: ARPO."""
+    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l)) (docs/algorithm.md §1c); no
+    penalty: ARPO."""
     phat = min(1.0, penalty_slope * consecutive_branches) if penalty else 0.0
     return (alpha + gamma * delta_h) * (1.0 - phat)
 

@@ -49,7 +49,7 @@ class ToolCallRecord:
 
 @dataclass(frozen=True)
 class BranchDecision:
-    """One branching decision, taken after the segment that reacts to a tool result (spec §1c).
+    """One branching decision, taken after the segment that reacts to a tool result (docs/algorithm.md §1c).
 
     Args:
         tool_step: number of tool results in the trajectory when the decision was taken.

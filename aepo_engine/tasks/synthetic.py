@@ -12,7 +12,7 @@ Questions need tools and come in three kinds:
                                                             then "Tarunu size" -> answer
     arithmetic  "What is the age of Zorva plus the score of Kelmu?"
                                                             two searches, then <python>
-Answers are short strings or integers. The intended response (AEPO_SPEC §3):
+Answers are short strings or integers. The intended response (docs/algorithm.md §3):
     <think></think>
     <search> Zorva age</search> <result>
     Page 1: Zorva age 34.
@@ -59,7 +59,7 @@ first result, and RL's headroom is there:
 - the entropy-aware advantage and the stop-gradient clip keep gradient on those high-entropy
   tokens, which are the ones that decide the reward here.
 Whether that makes AEPO better than GRPO at an equal budget is the question the comparison
-harness measures; the task does not assume it. Measured (README, "The namesake task"): the
+harness measures; the task does not assume it. Measured (docs/experiments.md, "The namesake task"): the
 uncertainty does sit after the first result, but the 800-step warm start of the preset leaves the
 pick near chance (it copies well-formed queries and answers but does not learn the match), and 30
 AEPO steps did not change that on seed 0.
@@ -83,7 +83,7 @@ Writing " Tarunu" copies the question's value; the surname after it is then an i
 transformers learn first; the second query copies the surname from the note. The wrong-pick
 teacher notes the question's value with another listed surname (it misreads the match) and
 follows that one. The ``namesakes_easy`` preset sets both; the world, questions, plans and
-answers are those of ``namesakes``. Measured (README): it raises the warm start's pick from
+answers are those of ``namesakes``. Measured (docs/experiments.md): it raises the warm start's pick from
 chance to p ~0.55 of the teacher's 0.7 (2400 warm-start steps), yet 20 GRPO steps still moved
 held-out accuracy by about one point only. Left out of the family: skipping the
 disambiguating call (answering from the listing alone), chains of more than one disambiguation,

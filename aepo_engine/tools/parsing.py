@@ -1,6 +1,6 @@
 """Finding the tool call at the end of a generated segment, and formatting its result.
 
-The rollout generates until a stop string such as ``</search>`` (spec §1b), so a segment that
+The rollout generates until a stop string such as ``</search>`` (docs/algorithm.md §1b), so a segment that
 calls a tool ends with the closing tag. The parser looks only at the end of the segment: the
 last complete ``<name>payload</name>``. Tags are exact (``<search>``, no attributes, no spaces).
 
@@ -25,7 +25,7 @@ _TRAILING_CLOSE = re.compile(r"</([A-Za-z_][A-Za-z0-9_]*)>\s*\Z")
 
 
 def format_tool_result(text: str) -> str:
-    """Wrap a (truncated) tool result for appending to the trajectory (spec §1b).
+    """Wrap a (truncated) tool result for appending to the trajectory (docs/algorithm.md §1b).
 
     Args:
         text: the result text.

@@ -5,7 +5,7 @@ stderr (the traceback) and a line saying why the run stopped (timeout, CPU limit
 signal). The result is cut to ``max_result_chars``.
 
 Deliberately left out: retries - the reference code re-runs code whose output was empty, which
-repeats side effects and doubles cost (spec §4); here every call runs exactly once. Also left
+repeats side effects and doubles cost (docs/algorithm.md §4); here every call runs exactly once. Also left
 out: persistent interpreter state across calls (each call is a fresh process, so a trajectory
 that needs earlier definitions must repeat them, as in the reference prompt format).
 """

@@ -14,13 +14,14 @@ front before exposing it), dense retrievers, and request batching across clients
 from __future__ import annotations
 
 import argparse
-import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 
+from aepo_engine.errors import ArgumentParser, entry_point
 from aepo_engine.tools.search import CorpusBackend, RetrieveRequest, RetrieveResponse
 
+PROG = "python -m aepo_engine.tools.retrieval_server"
 MAX_BODY_BYTES = 1 << 20
 MAX_TOPK = 100
 
@@ -86,17 +87,40 @@ class RetrievalServer(ThreadingHTTPServer):
         self.backend, self.default_topk, self.verbose = backend, default_topk, verbose
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, index the corpus and serve until interrupted."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _int_in(low: int, high: int, what: str):
+    """An argparse type: an integer in ``low..high`` (the message says which range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not {what} ({low}..{high})")
+        return value
+
+    return parse
+
+
+@entry_point
+def main(argv: list[str]) -> None:
+    """Parse arguments, index the corpus and serve until interrupted; bad input (a missing or
+    malformed corpus, a bad port, an address in use) ends with one ``error:`` line and status 2
+    (:mod:`aepo_engine.errors`)."""
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True, help="JSONL, one {id, contents} per line")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback default)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--topk", type=int, default=3, help="hits per query when not given")
+    parser.add_argument("--port", type=_int_in(0, 65535, "a TCP port"), default=8000, help="0 picks a free port")
+    parser.add_argument("--topk", type=_int_in(1, MAX_TOPK, "a hit count"), default=3, help="hits per query when not given")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     backend = CorpusBackend.from_jsonl(args.corpus, topk=args.topk)
-    server = RetrievalServer((args.host, args.port), backend, args.topk, args.verbose)
+    if not backend.documents:
+        raise ValueError(f"{args.corpus} holds no documents")
+    try:
+        server = RetrievalServer((args.host, args.port), backend, args.topk, args.verbose)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     host, port = server.server_address[:2]
     print(f"listening on http://{host}:{port} ({len(backend.documents)} documents)", flush=True)
     try:
@@ -108,4 +132,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -6,7 +6,7 @@ failures become ``ok=False`` results with a readable text, never exceptions, so 
 trajectory cannot stop a rollout.
 
 Deliberately left out: retries (a call is run exactly once: re-running code is not idempotent,
-spec §4), per-call cancellation (Python threads cannot be killed: tools enforce their own time
+docs/algorithm.md §4), per-call cancellation (Python threads cannot be killed: tools enforce their own time
 limits; ``call_timeout_s`` only stops *waiting* for a hung user tool, whose thread then keeps a
 pool slot until it returns) and process pools (the heavy tools already run in subprocesses or
 remote services).

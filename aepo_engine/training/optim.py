@@ -1,7 +1,7 @@
 """The optimizer section (``OptimConfig``) and the learning-rate schedule it describes.
 
 AdamW over all parameters (the policy worker builds it); ``build_lr_scheduler`` gives linear
-warm-up, then a constant or cosine schedule. Defaults follow AEPO_SPEC.md section 3 (lr 1e-6
+warm-up, then a constant or cosine schedule. Defaults follow docs/algorithm.md §3 (lr 1e-6
 constant, weight decay 0.01, grad clip 1.0).
 """
 from __future__ import annotations

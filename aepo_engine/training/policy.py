@@ -18,7 +18,7 @@ is the token-mean over the whole mini-batch, whatever the micro-batch split and 
 FSDP2 *averages* gradients over ranks (divides by W), so each rank's loss is multiplied by W
 before backward; the reported loss is not.
 
-Entropy statistics (``entropy_stats_scope="global"``): the z-score mean/std of spec §2b come from
+Entropy statistics (``entropy_stats_scope="global"``): the z-score mean/std of docs/algorithm.md §2b come from
 ``batch.entropy`` when present (set it from :meth:`PolicyWorker.compute_logprobs`, the pass that
 also gives ``old_logprobs``; this costs nothing extra and is exact for the first mini-batch of an
 on-policy step), otherwise from a no-grad pass of the current policy over the mini-batch. The

@@ -79,7 +79,7 @@ ROUTES = ("trl_logprobs", "fused_linear")
 # heavy shared load): vocab 32,768 fused_linear 9.3 s / 0.25 GiB vs trl_logprobs 25.8 s / 2.31 GiB;
 # vocab 151,936 23.6 s / 0.32 GiB vs 87.6 s / 2.39 GiB; vocab 1,024 within the noise. The fused-
 # linear kernel does 3 head matmuls to TRL's 4 (no logits recomputation in backward) and peaks 7-9x
-# lower in memory. Figures with dates: README "Use the fused loss in your trainer".
+# lower in memory. Figures with dates: docs/integrations.md.
 DEFAULT_ROUTE = "fused_linear"
 
 # GRPOConfig fields the AEPO loss replaces, with TRL 1.16's defaults: a changed value would be ignored.

@@ -71,7 +71,8 @@ _ENTROPY: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("
 
 @dataclass
 class AEPOPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the AEPO-only options (defaults: the project's, AEPO_SPEC.md §2).
+    """verl's ``PolicyLossConfig`` plus the AEPO-only options (defaults: the project's,
+    docs/algorithm.md §2).
 
     Args:
         clip: ratio clip rule, ``aepo`` (stop-gradient high clip) | ``ppo`` | ``gppo`` | ``cispo``.
