@@ -155,7 +155,7 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     assert "seed 0: identical across 2 runs" in table  # same model, same evaluation draws
     assert "Mechanisms" in table and "| aepo | 0 |" in table.split("Mechanisms")[1]
     assert all("loss/cf/kept_frac" in r["metrics_mean"] and "rollout/m_min" in r["metrics_mean"] for r in rows)
-    for name in ("compare_embedded_accuracy.png", "compare_embedded_curves.png"):
+    for name in ("compare_embedded_accuracy.png", "compare_embedded_curves.png", "compare_embedded_premonitoring.png"):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The set-up was built once and hard-linked into both runs.
     shared = out / "_setup" / "seed0" / "setup" / "warm_start" / "model.safetensors"

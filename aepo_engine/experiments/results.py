@@ -10,8 +10,10 @@ preset of the grid):
 - ``compare_<task>.jsonl``: one row per finished run (rewritten, not appended: it is a snapshot);
 - ``compare_<task>.md``: the table, the budget, the check that every algorithm of a seed measured
   the same held-out accuracy before RL, and the runs still missing;
-- ``compare_<task>_accuracy.png`` (held-out accuracy before/after per algorithm, seed error bars)
-  and ``compare_<task>_curves.png`` (per-step curves, mean over seeds with a +-1 std band).
+- ``compare_<task>_accuracy.png`` (held-out accuracy before/after per algorithm, seed error bars),
+  ``compare_<task>_curves.png`` (per-step curves, mean over seeds with a +-1 std band) and, when
+  some run pre-monitored, ``compare_<task>_premonitoring.png`` (the global budget m per step
+  against H_root - H_tool, with spec 1a's rule).
 
 Per-step metrics are summarised per run as the mean over all steps and over the first and last
 quarter of the steps (e.g. the entropy trend). Metrics a run did not log show as "-".
@@ -368,6 +370,52 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], pat
     return path
 
 
+def plot_premonitoring(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], path: Path,
+                       title: str) -> Path | None:
+    """The global budget m against the pre-monitoring entropies: one dot per RL step of each run that
+    pre-monitored (x: the step's mean H_root - mean H_tool, y: its mean m, bars: the step's min-max
+    of m), and the rule m = floor(k sigmoid(beta (H_root - H_tool))) + 1 of spec 1a as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from aepo_engine.rollout.scheduler import global_sample_count
+
+    points: dict[str, list[tuple[float, float, float, float]]] = {}
+    rule = None
+    for r in rows:
+        run_dir = Path(r["run_dir"])
+        config = tomllib.loads((run_dir / "config.toml").read_text())
+        for s in read_metrics(run_dir / config["logging"]["dir"] / "metrics.jsonl"):
+            if "rollout/h_root_mean" in s and "rollout/h_tool_mean" in s:
+                rule = (config["rollout"]["k"], config["rollout"]["beta"])
+                points.setdefault(r["algorithm"], []).append((
+                    s["rollout/h_root_mean"] - s["rollout/h_tool_mean"], s["rollout/global_samples"],
+                    s["rollout/m_min"], s["rollout/m_max"]))
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(algorithms)}
+    for algorithm in (a for a in algorithms if a in points):
+        gap, m, low, high = zip(*points[algorithm])
+        ax.errorbar(gap, m, yerr=[[a - b for a, b in zip(m, low)], [b - a for a, b in zip(m, high)]], fmt="o",
+                    ms=2.5, lw=0.5, alpha=0.5, color=colors[algorithm], label=f"{algorithm} ({len(gap)} steps)")
+    k, beta = rule
+    xs = [min(p[0] for v in points.values() for p in v), max(p[0] for v in points.values() for p in v)]
+    grid = [xs[0] + (xs[1] - xs[0]) * i / 200 for i in range(201)]
+    ax.plot(grid, [global_sample_count(k, beta, g, 0.0) for g in grid], color="black", lw=1,
+            label=f"rule (k={k}, beta={beta}) at the step's mean gap")
+    ax.set_xlabel("mean H_root - mean H_tool over the step's prompts (nats)")
+    ax.set_ylabel("global samples m (mean; bars: min-max)")
+    ax.set_title(f"{title}: pre-monitoring's global budget per RL step", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole summary
 
@@ -386,7 +434,8 @@ def summarize_grid(out: Path, results_dir: Path) -> str:
     stem = results_dir / f"compare_{task}"
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plots = [plot_accuracy(rows, grid["algorithms"], Path(f"{stem}_accuracy.png"), task),
-             plot_curves(rows, grid["algorithms"], Path(f"{stem}_curves.png"), task)] if rows else []
+             plot_curves(rows, grid["algorithms"], Path(f"{stem}_curves.png"), task),
+             plot_premonitoring(rows, grid["algorithms"], Path(f"{stem}_premonitoring.png"), task)] if rows else []
     report = _report(grid, rows, missing, [p for p in plots if p])
     stem.with_suffix(".md").write_text(report)
     return report
