@@ -95,6 +95,16 @@ PLOT_GROUPS = {
     "branching": ("rollout/branches", "rollout/global_samples"),
     "tree_depth": ("rollout/tree_depth_mean", "rollout/tree_depth_max", "rollout/branch_depth_mean"),
     "diversity": ("diversity/distinct_answers", "diversity/distinct_tool_sequences", "diversity/pairwise_distance"),
+    # training.counterfactual: what PPO's clip would zero that AEPO's keeps, on the top-20% entropy tokens
+    "counterfactual_clip": ("loss/cf/high_kept_frac", "loss/cf/high_kept_mass", "loss/cf/kept_frac",
+                            "loss/cf/high_kept_frac/global", "loss/cf/high_kept_frac/branch"),
+    # ... and the share of gradient mass on those tokens with the entropy-aware advantage on / off
+    "counterfactual_advantage": ("loss/cf/adv_high_share_on", "loss/cf/adv_high_share_off",
+                                 "loss/cf/adv_high_share_on/branch", "loss/cf/adv_high_share_off/branch"),
+    "branch_runs": ("rollout/branches_per_traj", "rollout/branch_concentration", "rollout/branch_run_mean",
+                    "rollout/consecutive_branch_share", "rollout/penalty_decisive_share"),
+    "premonitoring": ("rollout/global_samples", "rollout/m_min", "rollout/m_max", "rollout/h_root_mean",
+                      "rollout/h_tool_mean"),
 }
 
 

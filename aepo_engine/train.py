@@ -45,7 +45,8 @@ from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
-from aepo_engine.rollout.measures import depth_metrics, diversity_metrics, entropy_tail_metrics
+from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, diversity_metrics, entropy_tail_metrics,
+                                          premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
@@ -190,6 +191,7 @@ class Trainer:
             **{f"loss/{k}": v for k, v in update.items()},
             **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
+            **branching_metrics(trajectories, self.cfg.rollout),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
         log_cfg = self.cfg.logging
@@ -372,6 +374,7 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/fresh_global_samples": total("fresh_global_samples"),
         "rollout/entropy_mean": float(np.mean(model_entropies)) if model_entropies else 0.0,
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
+        **premonitoring_metrics(m_values, [h for s in stats for h in s.h_root], [h for s in stats for h in s.h_tool]),
     }
 
 

@@ -14,7 +14,7 @@ import pytest
 from aepo_engine.config_loader import ConfigError
 from aepo_engine.experiments.compare import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
                                              parse_order, plan_runs, resolve)
-from aepo_engine.experiments.results import aggregate, eval_before_check, markdown_table
+from aepo_engine.experiments.results import MECHANISM_COLUMNS, aggregate, clip_steps, eval_before_check, markdown_table
 
 # A few-step run (as in test_train_e2e): small world, short responses, 2 prompts x 2 trajectories.
 TINY = [
@@ -110,6 +110,24 @@ def test_aggregate_and_table_by_hand():
     assert eval_before_check([_row("grpo", 0, 0.3, 0.5), _row("aepo", 0, 0.31, 0.5)])[0].startswith("seed 0: DIFFERENT")
 
 
+def test_clip_steps_and_mechanism_table_by_hand():
+    # 4 steps: high+low > 0 in steps 0 and 2 -> 1/2; branched tokens logged in steps 1-2 only, clipped in 2 -> 1/2
+    steps = [{"loss/clipfrac_high": 0.1, "loss/clipfrac_low": 0.0, "loss/clipfrac_high/global": 0.0},
+             {"loss/clipfrac_high": 0.0, "loss/clipfrac_low": 0.0, "loss/clipfrac_high/global": 0.0,
+              "loss/clipfrac_high/branch": 0.0, "loss/clipfrac_low/branch": 0.0},
+             {"loss/clipfrac_high": 0.0, "loss/clipfrac_low": 0.2, "loss/clipfrac_high/global": 0.0,
+              "loss/clipfrac_high/branch": 0.0, "loss/clipfrac_low/branch": 0.3},
+             {"loss/clipfrac_high": 0.0, "loss/clipfrac_low": 0.0, "loss/clipfrac_high/global": 0.0}]
+    assert clip_steps(steps) == 0.5 and clip_steps(steps, "/branch") == 0.5 and clip_steps(steps, "/global") == 0.0
+    assert clip_steps([{"loss/entropy": 1.0}]) is None  # never logged: no value, not 0
+    rows = [{**_row("aepo", s, 0.3, 0.4), "clip_steps": c, "metrics_mean": {"rollout/m_min": 3.0, "rollout/m_max": m}}
+            for s, c, m in ((0, 0.5, 5.0), (1, 1.0, 7.0))]
+    table = markdown_table(rows, ["aepo"], MECHANISM_COLUMNS).splitlines()
+    # clip steps 50, 100 -> 75.0 ± 35.4; m spread 2, 4 -> 3.00 ± 1.41; columns no row has are left out
+    assert table[0] == "| algorithm | seeds | steps with a clipped token (%) | m min-max |", table[0]
+    assert table[2] == "| aepo | 0,1 | 75.0 ± 35.4 | 3.00 ± 1.41 |", table[2]
+
+
 # --- the smoke grid ------------------------------------------------------------------------------
 
 def compare(out: Path, results: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -137,7 +155,9 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     table = (results / "compare_embedded.md").read_text()
     assert "| grpo | 0 |" in table and "| aepo | 0 |" in table and "No run missing." in table
     assert "seed 0: identical across 2 runs" in table  # same model, same evaluation draws
-    for name in ("compare_embedded_accuracy.png", "compare_embedded_curves.png"):
+    assert "Mechanisms" in table and "| aepo | 0 |" in table.split("Mechanisms")[1]
+    assert all("loss/cf/kept_frac" in r["metrics_mean"] and "rollout/m_min" in r["metrics_mean"] for r in rows)
+    for name in ("compare_embedded_accuracy.png", "compare_embedded_curves.png", "compare_embedded_premonitoring.png"):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The set-up was built once and hard-linked into both runs.
     shared = out / "_setup" / "seed0" / "setup" / "warm_start" / "model.safetensors"

@@ -79,6 +79,11 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
     assert m1["optimizer_steps"] == m2["optimizer_steps"] == 3 and m1["tokens"] == m2["tokens"]
     for key in ("loss", "grad_norm", "entropy", "ratio", "clipfrac_low", "clipfrac_high"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    # the counterfactual shares (training.counterfactual): all-reduced sums, the same on any world size
+    counterfactual = sorted(k for k in m1 if k.startswith("cf/"))
+    assert counterfactual and counterfactual == sorted(k for k in m2 if k.startswith("cf/"))
+    for key in counterfactual:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert set(one["state"]) == set(two["state"]) == set(initial)  # HF names, full tensors

@@ -57,6 +57,7 @@ EXPECTED = {
         "task.synthetic.namesakes_per_group": 3, "tools.search.topk": 3, "train.steps": 30,
         "run_dir": "runs/namesakes",
     },
+    "offpolicy": {"policy.ppo_mini_batch_size": 2, "policy.ppo_epochs": 2, "run_dir": "runs/offpolicy"},
     "namesakes_easy": {"task.synthetic.namesake_listing": "value_first", "task.synthetic.namesake_note": True,
                        "task.warm_start.steps": 2400, "run_dir": "runs/namesakes-easy"},
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
@@ -113,6 +114,17 @@ def test_namesakes_easy_stacks_on_namesakes_and_changes_only_listing_note_and_wa
         base.task, synthetic=msgspec.structs.replace(base.task.synthetic, namesake_listing="value_first",
                                                      namesake_note=True),
         warm_start=msgspec.structs.replace(base.task.warm_start, steps=2400)))
+
+
+@pytest.mark.parametrize("task", [["embedded"], ["embedded", "namesakes"], ["embedded", "namesakes", "namesakes_easy"]])
+def test_offpolicy_stacks_on_a_task_and_changes_only_the_mini_batches(task):
+    presets = [token for name in task for token in ("--preset", name)]
+    base = load_train_config(presets)
+    cfg = load_train_config([*presets, "--preset", "offpolicy"])
+    assert cfg == msgspec.structs.replace(base, run_dir="runs/offpolicy", policy=msgspec.structs.replace(
+        base.policy, ppo_mini_batch_size=2, ppo_epochs=2))
+    # 16 prompts per step in mini-batches of 2, twice: 16 optimizer steps per rollout
+    assert cfg.policy.steps_per_update(cfg.train.prompts_per_step) == 16
 
 
 def test_paper_preset_never_cuts_a_response_short():

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from aepo_engine.rollout.measures import (depth_metrics, diversity_metrics, entropy_tail_metrics, jaccard_distance,
-                                          tree_depths)
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, diversity_metrics, entropy_tail_metrics,
+                                          jaccard_distance, premonitoring_metrics, tree_depths)
 from aepo_engine.rollout.samples import SampleDumpError, read_sample_rows, sample_rows
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
 from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED, TokenBatch
@@ -104,6 +105,77 @@ def test_tree_depth_by_hand():
     assert out["rollout/tree_depth_max"] == 2
     assert out["rollout/branch_depth_mean"] == pytest.approx((1 + 2 + 1 + 1) / 4)
     assert depth_metrics([traj(0, 0, [("model", [1])])])["rollout/branch_depth_mean"] == 0.0
+
+
+# --- branching mechanisms and pre-monitoring ---------------------------------------------------
+
+def decision(alpha, l, branched, h_init=1.0, h_now=1.0, step=1):
+    """A decision with P as the default rule computes it (gamma 0.2, slope 0.05, penalty on)."""
+    p = (alpha + 0.2 * (h_now - h_init)) * (1 - 0.05 * l)
+    return BranchDecision(tool_step=step, h_init=h_init, h_now=h_now, alpha=alpha, consecutive_branches=l,
+                          probability=p, branched=branched, budget_blocked=False)
+
+
+def test_branching_metrics_by_hand():
+    # prompt 0 (5 trajectories): t0 branches at tool step 1 (l 0, -> t1) and 2 (l 1, -> t3); t1, born
+    # with l 1, decides with alpha 0.42 and dH 0.5: P without the penalty 0.42 + 0.1 = 0.52 > 0.5,
+    # with it 0.52 * 0.95 = 0.494 <= 0.5 -> not branched, the one decision the penalty decides;
+    # t2 branches once (l 0, -> t4). prompt 1 (3): t0 branches once (l 0, -> t1).
+    # 4 branches / 8 trajectories; most by one trajectory 2; concentration (2/3 + 1/1) / 2;
+    # runs (l + 1 of each branch) [1, 2, 1, 1]: max 2, mean 5/4, share with l >= 1 1/4;
+    # 5 decisions, 1 decisive.
+    p0 = [traj(0, i, [("model", [1])], kind="global" if i in (0, 2) else "branch") for i in range(5)]
+    p0[0].decisions += [decision(0.6, 0, True), decision(0.7, 1, True, step=2)]
+    p0[1].decisions += [decision(0.42, 1, False, h_init=1.0, h_now=1.5, step=2)]
+    p0[2].decisions += [decision(0.8, 0, True)]
+    p1 = [traj(1, i, [("model", [1])], kind="branch" if i == 1 else "global") for i in range(3)]
+    p1[0].decisions += [decision(0.9, 0, True)]
+    out = branching_metrics(p0 + p1, RolloutConfig())
+    assert out == pytest.approx({
+        "rollout/branches_per_traj": 4 / 8, "rollout/branches_per_traj_max": 2.0,
+        "rollout/branch_concentration": (2 / 3 + 1) / 2, "rollout/branch_run_max": 2.0,
+        "rollout/branch_run_mean": 5 / 4, "rollout/consecutive_branch_share": 1 / 4,
+        "rollout/penalty_decisive": 1.0, "rollout/penalty_decisive_share": 1 / 5})
+    # the count follows the rule's constants: a steeper penalty also decides t0's second branch
+    # (0.7 * (1 - 0.3) = 0.49); with gamma 0 t1's P without the penalty is 0.42 (not decisive)
+    assert branching_metrics(p0 + p1, RolloutConfig(penalty_slope=0.3))["rollout/penalty_decisive"] == 2.0
+    assert branching_metrics(p0 + p1, RolloutConfig(gamma=0.0))["rollout/penalty_decisive"] == 0.0
+    # no decisions: counts 0, the shares that need a branch or a decision left out
+    assert branching_metrics([traj(0, 0, [("model", [1])])], RolloutConfig()) == {
+        "rollout/branches_per_traj": 0.0, "rollout/branches_per_traj_max": 0.0, "rollout/branch_run_max": 0.0,
+        "rollout/penalty_decisive": 0.0}
+
+
+@pytest.mark.parametrize("penalty", [True, False])
+def test_branching_metrics_of_real_rollouts(penalty):
+    """The scheduler with a scripted agent (3 tool calls) and alpha 0.9, gamma 0, slope 0.5: a
+    lineage at l >= 1 has P <= 0.45, so every such decision is decided by the penalty; with it on
+    no run is longer than 1 (AEPO), with it off (ARPO) the lineages branch on consecutive steps."""
+    from test_rollout_scheduler import make, tool_agent
+
+    scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
+                           branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0, penalty_slope=0.5,
+                           branch_penalty=penalty)
+    result = scheduler.rollout([[50], [60]], step=0)
+    trajs = result.trajectories
+    out = branching_metrics(trajs, scheduler.config)
+    decisions = [d for t in trajs for d in t.decisions]
+    assert out["rollout/branches_per_traj"] * len(trajs) == result.stats.branches > 0
+    assert out["rollout/penalty_decisive"] == sum(d.consecutive_branches >= 1 for d in decisions) > 0
+    if penalty:
+        assert out["rollout/branch_run_max"] == 1 and out["rollout/consecutive_branch_share"] == 0
+    else:
+        assert out["rollout/branch_run_max"] >= 2 and out["rollout/consecutive_branch_share"] > 0
+
+
+def test_premonitoring_metrics_by_hand():
+    out = premonitoring_metrics([5, 4, 6], [0.2, None, 0.4], [0.1, None, 0.3])
+    assert out == pytest.approx({"rollout/m_min": 4.0, "rollout/m_max": 6.0, "rollout/h_root_mean": 0.3,
+                                 "rollout/h_tool_mean": 0.2})
+    # without pre-monitoring (m = k/2 everywhere) only the budget is reported
+    assert premonitoring_metrics([4, 4], [None, None], [None, None]) == {"rollout/m_min": 4.0, "rollout/m_max": 4.0}
+    with pytest.raises(ValueError, match="length"):
+        premonitoring_metrics([4], [None, None], [None])
 
 
 # --- token origin and split clip statistics ----------------------------------------------------

@@ -61,7 +61,9 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
     rows = _metrics(uninterrupted)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reward/mean", "loss/entropy", "loss/clipfrac_high", "rollout/branches", "loss/grad_norm",
-                "rollout/rounds", "rollout/waited_decisions", "rollout/fresh_global_samples"):
+                "rollout/rounds", "rollout/waited_decisions", "rollout/fresh_global_samples", "loss/cf/kept_frac",
+                "rollout/branches_per_traj", "rollout/branch_run_max", "rollout/penalty_decisive", "rollout/m_min",
+                "rollout/h_root_mean"):
         assert all(key in r for r in rows), key
     assert all(r["rollout/rounds"] >= 1 for r in rows)
     # the HF backend samples with the very weights the policy holds: same log-probs up to fp32 noise
@@ -70,7 +72,7 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
     assert all(abs(r["rollout_correction/ratio_mean"] - 1) < 1e-4 and r["rollout_correction/kl_k3"] < 1e-6
                for r in rows)
     assert (uninterrupted / "config.toml").read_text().startswith("#")
-    assert sorted(p.name for p in (uninterrupted / "plots").glob("*.png"))
+    assert {"counterfactual_clip.png", "premonitoring.png"} <= {p.name for p in (uninterrupted / "plots").glob("*.png")}
     assert len(list((uninterrupted / "logs" / "samples").glob("step_*.jsonl"))) == 3
     from transformers import AutoModelForCausalLM
 

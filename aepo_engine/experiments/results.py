@@ -10,8 +10,10 @@ preset of the grid):
 - ``compare_<task>.jsonl``: one row per finished run (rewritten, not appended: it is a snapshot);
 - ``compare_<task>.md``: the table, the budget, the check that every algorithm of a seed measured
   the same held-out accuracy before RL, and the runs still missing;
-- ``compare_<task>_accuracy.png`` (held-out accuracy before/after per algorithm, seed error bars)
-  and ``compare_<task>_curves.png`` (per-step curves, mean over seeds with a +-1 std band).
+- ``compare_<task>_accuracy.png`` (held-out accuracy before/after per algorithm, seed error bars),
+  ``compare_<task>_curves.png`` (per-step curves, mean over seeds with a +-1 std band) and, when
+  some run pre-monitored, ``compare_<task>_premonitoring.png`` (the global budget m per step
+  against H_root - H_tool, with spec 1a's rule).
 
 Per-step metrics are summarised per run as the mean over all steps and over the first and last
 quarter of the steps (e.g. the entropy trend). Metrics a run did not log show as "-".
@@ -38,12 +40,18 @@ CURVES: tuple[tuple[str, str], ...] = (
     ("share of tokens above the high-entropy threshold", "entropy/high_frac"),
     ("clip fraction, high bound", "loss/clipfrac_high"),
     ("clip fraction, high bound, branched tokens", "loss/clipfrac_high/branch"),
+    ("clip fraction, high bound, global tokens", "loss/clipfrac_high/global"),
     ("clip fraction, low bound", "loss/clipfrac_low"),
+    ("top-20% entropy tokens PPO's clip zeroes, AEPO's keeps", "loss/cf/high_kept_frac"),
+    ("entropy-aware adv.: gradient-mass share on top-20% H, on - off", "loss/cf/adv_high_shift"),
     ("distinct final answers per prompt", "diversity/distinct_answers"),
     ("distinct tool-call sequences per prompt", "diversity/distinct_tool_sequences"),
     ("pairwise response distance (1 - Jaccard)", "diversity/pairwise_distance"),
     ("branches per step", "rollout/branches"),
     ("branch depth (mean)", "rollout/branch_depth_mean"),
+    ("branches taken by the most-branching trajectory (share)", "rollout/branch_concentration"),
+    ("position of a branch in its run of consecutive branches", "rollout/branch_run_mean"),
+    ("global samples m (mean over prompts)", "rollout/global_samples"),
     ("generated tokens per step", "rollout/tokens_generated"),
     ("seconds per step", "time/step_s"),
 )
@@ -74,11 +82,45 @@ COLUMNS: tuple[Column, ...] = (
     ("pairwise distance", lambda r: r["metrics_mean"].get("diversity/pairwise_distance")),
     ("branches / step", lambda r: r["metrics_mean"].get("rollout/branches")),
     ("branch depth", lambda r: r["metrics_mean"].get("rollout/branch_depth_mean")),
+    ("steps with a clipped token (%)", lambda r: _pct(r.get("clip_steps"))),
     ("tokens / step", lambda r: r["tokens_per_step"]),
     ("s / step", lambda r: r["step_s"]),
     ("points per 1M tokens", lambda r: r["gain_per_mtokens"]),
     ("points per RL hour", lambda r: r["gain_per_hour"]),
 )
+
+# The mechanisms table: what each part of AEPO did, per run (means over steps).
+MECHANISM_COLUMNS: tuple[Column, ...] = (
+    ("optimizer steps / RL step", lambda r: r["metrics_mean"].get("loss/optimizer_steps")),
+    ("steps with a clipped token (%)", lambda r: _pct(r.get("clip_steps"))),
+    ("... global tokens (%)", lambda r: _pct(r.get("clip_steps/global"))),
+    ("... branched tokens (%)", lambda r: _pct(r.get("clip_steps/branch"))),
+    ("clip high (%)", lambda r: _pct(r["metrics_mean"].get("loss/clipfrac_high"))),
+    ("top-20% H tokens PPO zeroes, AEPO keeps (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/high_kept_frac"))),
+    ("... global (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/high_kept_frac/global"))),
+    ("... branched (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/high_kept_frac/branch"))),
+    ("their share of AEPO's top-20% grad. mass (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/high_kept_mass"))),
+    ("kept tokens that are top-20% H (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/kept_high_share"))),
+    ("grad. mass on top-20% H, adv. off (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/adv_high_share_off"))),
+    ("... on (%)", lambda r: _pct(r["metrics_mean"].get("loss/cf/adv_high_share_on"))),
+    ("mass x on top-20% H", lambda r: r["metrics_mean"].get("loss/cf/adv_high_gain")),
+    ("mass x on the rest", lambda r: r["metrics_mean"].get("loss/cf/adv_low_gain")),
+    ("branches / trajectory", lambda r: r["metrics_mean"].get("rollout/branches_per_traj")),
+    ("branch concentration", lambda r: r["metrics_mean"].get("rollout/branch_concentration")),
+    ("branch run (mean)", lambda r: r["metrics_mean"].get("rollout/branch_run_mean")),
+    ("branch run (max)", lambda r: r["metrics_mean"].get("rollout/branch_run_max")),
+    ("branches after a branch (%)", lambda r: _pct(r["metrics_mean"].get("rollout/consecutive_branch_share"))),
+    ("penalty-decided decisions / step", lambda r: r["metrics_mean"].get("rollout/penalty_decisive")),
+    ("m (mean)", lambda r: r["metrics_mean"].get("rollout/global_samples")),
+    ("m min-max", lambda r: _spread(r["metrics_mean"], "rollout/m_min", "rollout/m_max")),
+    ("H_root (nats)", lambda r: r["metrics_mean"].get("rollout/h_root_mean")),
+    ("H_tool (nats)", lambda r: r["metrics_mean"].get("rollout/h_tool_mean")),
+)
+
+
+def _spread(means: dict[str, float], low: str, high: str) -> float | None:
+    """``high - low`` of two per-step means (e.g. the spread of m over a step's prompts)."""
+    return means[high] - means[low] if low in means and high in means else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,11 +138,22 @@ def _means(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def clip_steps(steps: Sequence[dict[str, Any]], suffix: str = "") -> float | None:
+    """The share of steps whose update clipped a token (``loss/clipfrac_high<suffix>`` +
+    ``loss/clipfrac_low<suffix>`` > 0); None when no step logged them (e.g. no branched token)."""
+    logged = [r for r in steps if f"loss/clipfrac_high{suffix}" in r]
+    if not logged:
+        return None
+    clipped = [r[f"loss/clipfrac_high{suffix}"] + r.get(f"loss/clipfrac_low{suffix}", 0.0) > 0 for r in logged]
+    return sum(clipped) / len(logged)
+
+
 def run_row(run_dir: Path, task: str, algorithm: str, seed: int) -> dict[str, Any] | None:
     """The result row of a finished run (None when ``summary.json`` is missing).
 
     Accuracies are fractions; ``gain`` is after - before; ``gain_per_mtokens`` and
-    ``gain_per_hour`` are in accuracy points per million generated tokens and per hour of RL steps.
+    ``gain_per_hour`` are in accuracy points per million generated tokens and per hour of RL steps;
+    ``clip_steps`` (``/global``, ``/branch``): :func:`clip_steps`.
     """
     if not (run_dir / "summary.json").exists():
         return None
@@ -127,6 +180,8 @@ def run_row(run_dir: Path, task: str, algorithm: str, seed: int) -> dict[str, An
         "gain_per_mtokens": 100 * gain / (tokens / 1e6) if tokens else None,
         "gain_per_hour": 100 * gain / (rl_s / 3600) if rl_s else None,
         "metrics_mean": _means(steps), "metrics_first": _means(steps[:quarter]), "metrics_last": _means(steps[-quarter:]),
+        "clip_steps": clip_steps(steps), "clip_steps/global": clip_steps(steps, "/global"),
+        "clip_steps/branch": clip_steps(steps, "/branch"),
         "wall_s": sum(a.get("wall_s", 0.0) for a in attempts) or None,
         "attempts": len(attempts),
         "loadavg_1min": _mean_or_none([x for a in attempts for x in (a["loadavg_start"][0], a["loadavg_end"][0])]),
@@ -188,10 +243,12 @@ def _fmt(stat: tuple[float, float, int] | None) -> str:
     return f"{mean:.{digits}f}" if math.isnan(sd) else f"{mean:.{digits}f} ± {sd:.{digits}f}"
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], algorithms: Sequence[str]) -> str:
-    """One line per algorithm with rows: ``mean ± std`` over its seeds in every column."""
+def markdown_table(rows: Sequence[dict[str, Any]], algorithms: Sequence[str],
+                   all_columns: Sequence[Column] = COLUMNS) -> str:
+    """One line per algorithm with rows: ``mean ± std`` over its seeds in every column of
+    ``all_columns`` that some row has a value for."""
     present = [a for a in algorithms if any(r["algorithm"] == a for r in rows)]
-    columns = [(label, get) for label, get in COLUMNS if any(get(r) is not None for r in rows)]
+    columns = [(label, get) for label, get in all_columns if any(get(r) is not None for r in rows)]
     lines = ["| algorithm | seeds | " + " | ".join(label for label, _ in columns) + " |",
              "|---" * (len(columns) + 2) + "|"]
     for algorithm in present:
@@ -313,6 +370,52 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], pat
     return path
 
 
+def plot_premonitoring(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], path: Path,
+                       title: str) -> Path | None:
+    """The global budget m against the pre-monitoring entropies: one dot per RL step of each run that
+    pre-monitored (x: the step's mean H_root - mean H_tool, y: its mean m, bars: the step's min-max
+    of m), and the rule m = floor(k sigmoid(beta (H_root - H_tool))) + 1 of spec 1a as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from aepo_engine.rollout.scheduler import global_sample_count
+
+    points: dict[str, list[tuple[float, float, float, float]]] = {}
+    rule = None
+    for r in rows:
+        run_dir = Path(r["run_dir"])
+        config = tomllib.loads((run_dir / "config.toml").read_text())
+        for s in read_metrics(run_dir / config["logging"]["dir"] / "metrics.jsonl"):
+            if "rollout/h_root_mean" in s and "rollout/h_tool_mean" in s:
+                rule = (config["rollout"]["k"], config["rollout"]["beta"])
+                points.setdefault(r["algorithm"], []).append((
+                    s["rollout/h_root_mean"] - s["rollout/h_tool_mean"], s["rollout/global_samples"],
+                    s["rollout/m_min"], s["rollout/m_max"]))
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(algorithms)}
+    for algorithm in (a for a in algorithms if a in points):
+        gap, m, low, high = zip(*points[algorithm])
+        ax.errorbar(gap, m, yerr=[[a - b for a, b in zip(m, low)], [b - a for a, b in zip(m, high)]], fmt="o",
+                    ms=2.5, lw=0.5, alpha=0.5, color=colors[algorithm], label=f"{algorithm} ({len(gap)} steps)")
+    k, beta = rule
+    xs = [min(p[0] for v in points.values() for p in v), max(p[0] for v in points.values() for p in v)]
+    grid = [xs[0] + (xs[1] - xs[0]) * i / 200 for i in range(201)]
+    ax.plot(grid, [global_sample_count(k, beta, g, 0.0) for g in grid], color="black", lw=1,
+            label=f"rule (k={k}, beta={beta}) at the step's mean gap")
+    ax.set_xlabel("mean H_root - mean H_tool over the step's prompts (nats)")
+    ax.set_ylabel("global samples m (mean; bars: min-max)")
+    ax.set_title(f"{title}: pre-monitoring's global budget per RL step", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole summary
 
@@ -331,7 +434,8 @@ def summarize_grid(out: Path, results_dir: Path) -> str:
     stem = results_dir / f"compare_{task}"
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plots = [plot_accuracy(rows, grid["algorithms"], Path(f"{stem}_accuracy.png"), task),
-             plot_curves(rows, grid["algorithms"], Path(f"{stem}_curves.png"), task)] if rows else []
+             plot_curves(rows, grid["algorithms"], Path(f"{stem}_curves.png"), task),
+             plot_premonitoring(rows, grid["algorithms"], Path(f"{stem}_premonitoring.png"), task)] if rows else []
     report = _report(grid, rows, missing, [p for p in plots if p])
     stem.with_suffix(".md").write_text(report)
     return report
@@ -352,6 +456,9 @@ def _report(grid: dict[str, Any], rows: list[dict], missing: list[str], plots: l
         lines += [f"Each run: {r['steps']} RL steps x {r['prompts_per_step']} prompts x k={r['k']} trajectories; "
                   f"pass@n with n = {r['pass_at_n']}. Code: {', '.join(commits) or 'unknown'}{load}.", "",
                   markdown_table(rows, grid["algorithms"]), "",
+                  "Mechanisms (per-step means; `training.counterfactual`, `rollout.measures`; top-20% H = "
+                  "the step's 20% highest-entropy tokens):", "",
+                  markdown_table(rows, grid["algorithms"], MECHANISM_COLUMNS), "",
                   "Held-out accuracy before RL per seed (must be identical across algorithms):", ""]
         lines += [f"- {line}" for line in eval_before_check(rows)]
         lines += ["", "Plots: " + ", ".join(p.name for p in plots), ""]

@@ -28,6 +28,25 @@ is not among the returned trajectories still counts 1 more than nothing known, i
 ``rollout/tree_depth_max`` the deepest of the step, ``rollout/branch_depth_mean`` the mean depth of
 the branch trajectories alone (0 when none branched).
 
+Branching mechanisms (:func:`branching_metrics`), from the branch decisions the returned
+trajectories took (``Trajectory.decisions``; a decision of a discarded trajectory is not counted):
+- ``rollout/branches_per_traj``: branches taken / trajectories returned; ``rollout/branches_per_traj_max``:
+  the most branches one trajectory took; ``rollout/branch_concentration``: per prompt with a branch,
+  the share of its branches taken by its most-branching trajectory (1: all from one), mean over those prompts;
+- runs of consecutive branched tool steps along a lineage (what the consecutive-branch penalty of
+  docs/algorithm.md §1c acts on): a branch taken with l = ``consecutive_branches`` (the lineage's run before the
+  decision) is the (l + 1)-th branch of its run. ``rollout/branch_run_max``: the longest run of the
+  step (0 without branches); ``rollout/branch_run_mean``: the mean of l + 1 over the branches taken;
+  ``rollout/consecutive_branch_share``: the share of branches taken with l >= 1;
+- ``rollout/penalty_decisive``: decisions the penalty decides, i.e. P without it
+  (alpha + gamma dH) > tau >= P with it; with the penalty on they were not branched, with it off
+  (ARPO) they were the branches it would have stopped (budget permitting); ``rollout/penalty_decisive_share``:
+  the same over all decisions (left out without decisions).
+Pre-monitoring (:func:`premonitoring_metrics`, docs/algorithm.md §1a), from the rollout statistics:
+``rollout/m_min`` / ``rollout/m_max`` (the global budget m over the step's prompts; its mean is
+``rollout/global_samples``), ``rollout/h_root_mean`` / ``rollout/h_tool_mean`` (prompts that were
+pre-monitored; left out without pre-monitoring).
+
 Left out: embedding-based (semantic) distances, which need a model pass; edit distances (order
 aware, but O(n^2) per pair).
 """
@@ -39,10 +58,12 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from aepo_engine.rewards.text import normalize_answer
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.scheduler import branch_probability
 from aepo_engine.rollout.trajectory import Trajectory
 
 __all__ = ["jaccard_distance", "normalized_answer", "tool_sequence", "tree_depths", "diversity_metrics",
-           "entropy_tail_metrics", "depth_metrics"]
+           "entropy_tail_metrics", "depth_metrics", "branching_metrics", "premonitoring_metrics"]
 
 
 def normalized_answer(answer: object) -> str | None:
@@ -147,3 +168,63 @@ def depth_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return {"rollout/tree_depth_mean": float(np.mean(list(per_prompt.values()))) if per_prompt else 0.0,
             "rollout/tree_depth_max": float(max(per_prompt.values(), default=0)),
             "rollout/branch_depth_mean": float(np.mean(branch)) if branch else 0.0}
+
+
+def branching_metrics(trajectories: Sequence[Trajectory], config: RolloutConfig) -> dict[str, float]:
+    """Branches per trajectory, their concentration, runs of consecutive branches and the
+    decisions the consecutive-branch penalty decides (module docstring).
+
+    Args:
+        trajectories: the step's returned trajectories.
+        config: the rollout section (gamma, tau, penalty_slope of the branch rule).
+    Returns:
+        The ``rollout/`` branching measures; zeros for a step without decisions (the shares that
+        need a decision or a branch are left out).
+    """
+    decisions = [d for t in trajectories for d in t.decisions]
+    taken = [d for d in decisions if d.branched]
+    per_traj = [sum(d.branched for d in t.decisions) for t in trajectories]
+    by_prompt: dict[int, list[int]] = {}
+    for traj, count in zip(trajectories, per_traj):
+        by_prompt.setdefault(traj.prompt_index, []).append(count)
+    concentration = [max(c) / sum(c) for c in by_prompt.values() if sum(c) > 0]
+    decisive = 0
+    for d in decisions:
+        without = branch_probability(d.alpha, config.gamma, d.h_now - d.h_init, d.consecutive_branches,
+                                     config.penalty_slope, penalty=False)
+        with_penalty = branch_probability(d.alpha, config.gamma, d.h_now - d.h_init, d.consecutive_branches,
+                                          config.penalty_slope, penalty=True)
+        decisive += without > config.tau >= with_penalty
+    runs = [d.consecutive_branches + 1 for d in taken]
+    out = {"rollout/branches_per_traj": len(taken) / len(trajectories) if trajectories else 0.0,
+           "rollout/branches_per_traj_max": float(max(per_traj, default=0)),
+           "rollout/branch_run_max": float(max(runs, default=0)),
+           "rollout/penalty_decisive": float(decisive)}
+    if concentration:
+        out["rollout/branch_concentration"] = float(np.mean(concentration))
+    if runs:
+        out["rollout/branch_run_mean"] = float(np.mean(runs))
+        out["rollout/consecutive_branch_share"] = float(np.mean([r > 1 for r in runs]))
+    if decisions:
+        out["rollout/penalty_decisive_share"] = decisive / len(decisions)
+    return out
+
+
+def premonitoring_metrics(m: Sequence[int], h_root: Sequence[float | None],
+                          h_tool: Sequence[float | None]) -> dict[str, float]:
+    """``rollout/m_min``, ``rollout/m_max`` and, over pre-monitored prompts, ``rollout/h_root_mean``
+    and ``rollout/h_tool_mean`` (module docstring).
+
+    Args:
+        m, h_root, h_tool: per prompt, as in ``RolloutStats`` (None: not pre-monitored).
+    """
+    if not len(m) == len(h_root) == len(h_tool):
+        raise ValueError(f"per-prompt lists differ in length: {len(m)}, {len(h_root)}, {len(h_tool)}")
+    out = {"rollout/m_min": float(min(m, default=0)), "rollout/m_max": float(max(m, default=0))}
+    roots = [h for h in h_root if h is not None]
+    tools = [h for h in h_tool if h is not None]
+    if roots:
+        out["rollout/h_root_mean"] = float(np.mean(roots))
+    if tools:
+        out["rollout/h_tool_mean"] = float(np.mean(tools))
+    return out

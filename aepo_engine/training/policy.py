@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
+from aepo_engine.training import counterfactual
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
@@ -134,6 +135,10 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             per-row position ids (HF's padding-free format): flash_attention_2 then runs its varlen
             kernel, sdpa/eager a block-diagonal causal mask. "auto" packs with flash_attention_2
             only (the sdpa/eager mask is [T, T] for T tokens per micro-batch); "on" / "off" force it.
+        counterfactual_stats: Every update also reports ``cf/*``: per-token gradients under PPO's
+            and AEPO's clip and with the entropy-aware advantage on and off, from the log-probs and
+            entropies the loss already computed (``training.counterfactual``; no model pass). Needs
+            the batch's old-policy entropies (``compute_logprobs``); without them it is skipped.
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -152,6 +157,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     activation_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     pack_sequences: Literal["auto", "on", "off"] = "auto"
+    counterfactual_stats: bool = True
 
     @property
     def packs(self) -> bool:
@@ -192,6 +198,7 @@ class LossInputs:
     entropy_mean: Tensor | None = None
     entropy_std: Tensor | None = None
     stats_masks: dict[str, Tensor] | None = None  # name -> [B, L] mask of split statistics
+    token_rows: bool = False  # also return per-token log-probs and entropies (return_token_loss)
 
     def packed(self, real: Tensor) -> "LossInputs":
         """The per-token fields at the real (non-padding) positions, as one ``[1, T]`` row."""
@@ -259,7 +266,8 @@ class PolicyModel(nn.Module):
         hidden = _in_compute_dtype(hidden)
         kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
                       global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
-                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks)
+                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks,
+                      return_token_loss=inputs.token_rows)
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
@@ -323,6 +331,7 @@ class PolicyWorker:
         # FSDP2 averages gradients over ranks; scale so the sum (the global token-mean) survives.
         self.loss_scale = float(self.world_size) if self.use_fsdp else 1.0
         self.skipped_steps = 0
+        self._cf_threshold: Tensor | None = None  # set per update() (counterfactual_stats)
 
     def _shard_or_place(self) -> None:
         if not self.use_fsdp:
@@ -424,6 +433,9 @@ class PolicyWorker:
         self.policy.train()
         start, records = time.perf_counter(), []
         cfg = self.config
+        # One high-entropy threshold per update (the step's old-policy entropies): counterfactual stats.
+        self._cf_threshold = None if not cfg.counterfactual_stats or batch.entropy is None else \
+            counterfactual.high_entropy_threshold(batch.entropy, batch.loss_mask).to(self.device)
         for _ in range(cfg.ppo_epochs):
             for mini in batch.mini_batches(cfg.ppo_mini_batch_size, by=cfg.mini_batch_unit):
                 records.append(self._train_step(mini))
@@ -432,7 +444,8 @@ class PolicyWorker:
 
     def _summarise(self, records: list[dict[str, float]], seconds: float) -> dict[str, float]:
         done = [r for r in records if not r["skipped"]] or records
-        out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in ("tokens", "skipped", "split")}
+        not_averaged = ("tokens", "skipped", "split", "counterfactual")
+        out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in not_averaged}
         out["grad_norm_max"] = max(r["grad_norm"] for r in records)
         out["tokens"] = sum(r["tokens"] for r in records)
         out["skipped_steps"] = float(sum(r["skipped"] for r in records))
@@ -444,6 +457,8 @@ class PolicyWorker:
             out[f"tokens/{origin}"] = count
             out.update({f"{key}/{origin}": sum(r["split"][origin][key] for r in done) / count
                         for key in SPLIT_STATS if count > 0})
+        if "counterfactual" in records[0]:
+            out.update(counterfactual.summarise(torch.tensor([r["counterfactual"] for r in done]).sum(0)))
         return out
 
     def _train_step(self, mini: TokenBatch) -> dict[str, float]:
@@ -456,7 +471,8 @@ class PolicyWorker:
             stats_kwargs = dict(zip(("entropy_mean", "entropy_std"), entropy_stats_from_moments(moments)))
         count = moments[2].clamp(min=1).float()
         split = mini.token_origin is not None
-        sums = torch.zeros(2 + len(TOKEN_MEAN_STATS) + split * len(TOKEN_ORIGINS) * (1 + len(SPLIT_STATS)),
+        n_cf = len(counterfactual.GROUPS) * len(counterfactual.SUMS) if self._cf_threshold is not None else 0
+        sums = torch.zeros(2 + len(TOKEN_MEAN_STATS) + split * len(TOKEN_ORIGINS) * (1 + len(SPLIT_STATS)) + n_cf,
                            dtype=torch.float64, device=self.device)
         for micro in parts:
             sums += self._micro_step(micro, count, stats_kwargs)
@@ -468,6 +484,8 @@ class PolicyWorker:
         for i, key in enumerate(TOKEN_MEAN_STATS):
             if key != "kl" or mini.ref_logprobs is not None:
                 record[key] = values[2 + i] / max(values[1], 1.0)
+        if n_cf:  # the counterfactual sums come last
+            record["counterfactual"], values = values[-1 - n_cf:-1], values[:-1 - n_cf] + values[-1:]
         if split:  # per origin: (token count, token-weighted sums of SPLIT_STATS)
             width = 1 + len(SPLIT_STATS)
             rest = values[2 + len(TOKEN_MEAN_STATS):-1]
@@ -483,8 +501,9 @@ class PolicyWorker:
             advantages = advantages[:, None].expand_as(micro.old_logprobs)
         masks = None if micro.token_origin is None else {
             name: micro.token_origin == value for name, value in TOKEN_ORIGINS.items()}
+        cf = self._cf_threshold is not None
         inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count,
-                            **stats_kwargs, stats_masks=masks)
+                            **stats_kwargs, stats_masks=masks, token_rows=cf)
         with self._autocast():
             loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
         (loss * self.loss_scale).backward()
@@ -493,7 +512,22 @@ class PolicyWorker:
         for name in masks or ():
             part = stats[f"num_tokens/{name}"].double()
             weighted += [part, *(stats[f"{k}/{name}"].double() * part for k in SPLIT_STATS)]
-        return torch.stack([loss.detach().double(), tokens, *weighted])
+        out = torch.stack([loss.detach().double(), tokens, *weighted])
+        return torch.cat([out, self._counterfactual_sums(micro, advantages, masks, stats, stats_kwargs)]) if cf else out
+
+    def _counterfactual_sums(self, micro: TokenBatch, advantages: Tensor, masks: dict | None, stats: dict,
+                             stats_kwargs: dict) -> Tensor:
+        """:func:`counterfactual.token_sums` of a micro-batch from the per-token rows its loss returned."""
+        logp, entropy = stats["token_logprobs"], stats["token_entropy"]
+        if self.policy.pack:  # the loss saw the real tokens as one [1, T] row
+            real = micro.attention_mask.bool()
+            logp, entropy = (t.new_zeros(real.shape).masked_scatter(real, t[0]) for t in (logp, entropy))
+        if stats_kwargs:
+            mean, std = stats_kwargs["entropy_mean"], stats_kwargs["entropy_std"]
+        else:  # micro_batch scope: the loss took this micro-batch's own statistics
+            mean, std = entropy_stats_from_moments(entropy_moments(entropy, micro.loss_mask))
+        return counterfactual.token_sums(logp, entropy, micro.old_logprobs, advantages, micro.loss_mask,
+                                         micro.entropy, self._cf_threshold, masks, self.config.loss, mean, std)
 
     def _entropy_moments(self, local: TokenBatch, parts: list[TokenBatch]) -> Tensor:
         """Global ``(sum H, sum H^2, count)`` of the mini-batch's valid tokens (one all-reduce)."""
