@@ -12,12 +12,9 @@ from typing import Literal
 import msgspec
 import torch
 
+from aepo_engine.errors import require
+
 __all__ = ["OptimConfig", "build_lr_scheduler"]
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 class OptimConfig(msgspec.Struct, kw_only=True):
@@ -44,16 +41,16 @@ class OptimConfig(msgspec.Struct, kw_only=True):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        _require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        _require(all(0 <= b < 1 for b in self.betas),
-                 f"betas must lie in [0, 1) because AdamW divides by 1 - beta**t, got {self.betas}")
-        _require(self.eps > 0, f"eps must be > 0 because AdamW divides by sqrt(v) + eps, got {self.eps}")
-        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        _require(self.schedule == "cosine" or self.min_lr_ratio == 0,
-                 "min_lr_ratio only applies to schedule='cosine'; set schedule='cosine' or leave it at 0")
+        require(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        require(all(0 <= b < 1 for b in self.betas),
+                f"betas must lie in [0, 1) because AdamW divides by 1 - beta**t, got {self.betas}")
+        require(self.eps > 0, f"eps must be > 0 because AdamW divides by sqrt(v) + eps, got {self.eps}")
+        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        require(self.schedule == "cosine" or self.min_lr_ratio == 0,
+                "min_lr_ratio only applies to schedule='cosine'; set schedule='cosine' or leave it at 0")
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
