@@ -242,7 +242,7 @@ class _Call(NamedTuple):
     stats_masks: dict[str, torch.Tensor] | None
     backend: str
     inv_t: float
-    tanh_scale: float
+    tanh_scale: float | None  # None without a soft cap (logit_map)
 
     def row_inputs(self, o: LossOptions, entropy_pass: Callable[[], torch.Tensor]) -> RowInputs:
         """The one pass's per-token inputs; ``entropy_pass`` gives this call's entropies when the
