@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from aepo_engine import distributed
+from aepo_engine.errors import require
 from aepo_engine.faults import fault_point
 
 __all__ = [
@@ -60,12 +61,6 @@ __all__ = [
 ]
 
 # --- config ---------------------------------------------------------------------------------------
-def _require(ok: bool, message: str) -> None:
-    """Raise ValueError(message) unless ``ok``; msgspec reports it with the section's path."""
-    if not ok:
-        raise ValueError(message)
-
-
 class CheckpointConfig(msgspec.Struct, kw_only=True):
     """Checkpoint saving and resuming.
 
@@ -88,13 +83,13 @@ class CheckpointConfig(msgspec.Struct, kw_only=True):
     export_hf: bool = True
 
     def __post_init__(self) -> None:
-        _require(bool(self.dir.strip()), "dir must be a non-empty path")
-        _require(self.every_n_steps >= 0, f"every_n_steps must be >= 0 (0 = only at the end), got {self.every_n_steps}")
-        _require(self.keep_last >= 1,
-                 f"keep_last must be >= 1 because resuming needs at least one checkpoint, got {self.keep_last}")
-        _require(bool(self.resume.strip()), 'resume must be "auto", "never" or a checkpoint path')
-        _require(self.every_n_steps > 0 or self.save_at_end,
-                 "every_n_steps=0 and save_at_end=false would never save a checkpoint; enable one of them")
+        require(bool(self.dir.strip()), "dir must be a non-empty path")
+        require(self.every_n_steps >= 0, f"every_n_steps must be >= 0 (0 = only at the end), got {self.every_n_steps}")
+        require(self.keep_last >= 1,
+                f"keep_last must be >= 1 because resuming needs at least one checkpoint, got {self.keep_last}")
+        require(bool(self.resume.strip()), 'resume must be "auto", "never" or a checkpoint path')
+        require(self.every_n_steps > 0 or self.save_at_end,
+                "every_n_steps=0 and save_at_end=false would never save a checkpoint; enable one of them")
 
 
 # --- layout ---------------------------------------------------------------------------------------

@@ -54,6 +54,19 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} -h)")
 
 
+def require(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error(message)`` unless ``ok``: the one check config sections and loaders use.
+
+    Args:
+        ok: the condition that must hold.
+        message: what is wrong and what to change (a config section's ``__post_init__`` raising
+            ``ValueError`` is reported by msgspec with the section's path).
+        error: the exception type to raise.
+    """
+    if not ok:
+        raise error(message)
+
+
 def debug_requested(argv: Sequence[str]) -> bool:
     """Whether tracebacks were asked for (``--debug`` in ``argv`` or ``AEPO_DEBUG=1``)."""
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")

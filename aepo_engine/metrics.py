@@ -19,9 +19,7 @@ from typing import Any, Iterable, Literal
 
 import msgspec
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+from aepo_engine.errors import require
 
 
 class LoggingConfig(msgspec.Struct, kw_only=True):
@@ -61,13 +59,13 @@ class LoggingConfig(msgspec.Struct, kw_only=True):
     plots_at_end: bool = True
 
     def __post_init__(self) -> None:
-        _check(bool(self.dir.strip()), "dir must be a non-empty path")
-        _check(not self.wandb or bool(self.wandb_project.strip()), "wandb=true needs a wandb_project")
-        _check(self.print_every_n_steps >= 0, f"print_every_n_steps must be >= 0, got {self.print_every_n_steps}")
-        _check(self.sample_trajectories >= 0, f"sample_trajectories must be >= 0, got {self.sample_trajectories}")
-        _check(self.sample_trees >= 0, f"sample_trees must be >= 0, got {self.sample_trees}")
-        _check(self.high_entropy_threshold >= 0, f"high_entropy_threshold must be >= 0 nats, got "
-               f"{self.high_entropy_threshold}")
+        require(bool(self.dir.strip()), "dir must be a non-empty path")
+        require(not self.wandb or bool(self.wandb_project.strip()), "wandb=true needs a wandb_project")
+        require(self.print_every_n_steps >= 0, f"print_every_n_steps must be >= 0, got {self.print_every_n_steps}")
+        require(self.sample_trajectories >= 0, f"sample_trajectories must be >= 0, got {self.sample_trajectories}")
+        require(self.sample_trees >= 0, f"sample_trees must be >= 0, got {self.sample_trees}")
+        require(self.high_entropy_threshold >= 0, f"high_entropy_threshold must be >= 0 nats, got "
+                f"{self.high_entropy_threshold}")
 
     def tensorboard_enabled(self) -> bool:
         """Resolve ``tensorboard`` against what is installed.

@@ -14,57 +14,58 @@ accumulation, mixed precision, distributed training - this runs for a few minute
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
-import msgspec
 import torch
 import torch.nn.functional as F
 
 from aepo_engine.data import encode_chat_prompt
+from aepo_engine.errors import require
 from aepo_engine.seeding import section_seed
+from aepo_engine.training.optim import OptimConfig, scheduled_lr
 
 # A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
 _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
 
 
-class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Supervised warm-start settings.
+class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
+    """Supervised warm-start settings: the optimizer fields of :class:`OptimConfig` (AdamW and
+    its schedule, the same keys and checks) plus the warm start's own.
 
     The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
     4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md).
 
     Attributes:
+        lr: peak AdamW learning rate; tiny freshly initialized models take large rates.
+        betas: AdamW (beta1, beta2); beta2 0.95 for the short, noisy warm start.
+        warmup_steps: linear warm-up from 0 to lr, in [0, steps].
+        schedule: after warm-up: "cosine" decays to lr * min_lr_ratio by the last step, "constant" keeps lr.
+        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
         steps: optimizer steps.
         batch_size: sequences per step (padded to the longest in the batch).
-        lr: peak AdamW learning rate; tiny freshly initialized models take large rates.
-        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
-        warmup_steps: linear warm-up from 0 to lr.
-        weight_decay: AdamW decoupled weight decay.
-        grad_clip: clip the global gradient norm to this (0 disables).
         max_length: longer examples are rejected (truncation would cut off the answer).
         seed: fixes the example order; the model's init is the caller's. none = derived from the run's root seed (``aepo_engine.seeding``).
     """
 
+    # The warm start's defaults where they differ from the RL run's optimizer (OptimConfig);
+    # weight_decay, grad_clip and eps are OptimConfig's.
+    lr: float = 1e-2
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = 0.1
     steps: int = 400
     batch_size: int = 16
-    lr: float = 1e-2
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
     max_length: int = 512
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError("warmup_steps must lie in [0, steps] because the schedule decays after it")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+        super().__post_init__()
+        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        require(self.warmup_steps <= self.steps,
+                "warmup_steps must lie in [0, steps] because the schedule decays after it")
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,9 @@ def masked_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.
 
 
 def learning_rate(step: int, config: SFTConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+    """The warm start's lr at ``step``: :func:`~aepo_engine.training.optim.scheduled_lr` over
+    ``config.steps`` peaking at ``config.lr`` (linear warm-up, then cosine to ``lr * min_lr_ratio``)."""
+    return scheduled_lr(step, config, config.steps, peak=config.lr)
 
 
 def _batches(num_examples: int, batch_size: int, generator: torch.Generator):
@@ -192,7 +190,7 @@ def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SF
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(0.9, 0.95))
+                                  lr=config.lr, betas=config.betas, eps=config.eps)
     model.train()
     batches = _batches(len(examples), config.batch_size, generator)
     for step in range(config.steps):

@@ -242,14 +242,13 @@ def touch_and_free(like: torch.Tensor) -> None:
     logits-level call.
 
     The cases that return a new [N, V] buffer (``one_pass``, ``copy``) fault its pages in inside
-    the timing. On this VM the balloon device reports freed guest memory to the host (virtio-balloon
-    free page reporting, feature bit 5), which takes the pages back: a later first touch then faults
-    in the host too. Measured at [4096, 151936] fp32 (2.3 GiB), one call each in turn, 6 times:
-    ``one_pass`` 7.2-8.0 s and ``copy`` 1.2-1.6 s without this, 0.88-1.09 s and 0.69-0.95 s with it
-    (the pages freed last are the ones the guest hands out next: those a trainer's steady state
-    reuses, and all that bare metal has). The faults inside the guest stay in the timing. At
-    [1024, 151936] it adds noise instead (``one_pass`` 0.23-0.49 s against 0.19-0.27 s without;
-    the host's reclaim of the freed buffer then overlaps the call), so it is off by default."""
+    the timing. On a VM whose balloon device reports freed guest memory to the host (virtio-balloon
+    free page reporting, feature bit 5) the host takes the pages back: a later first touch then
+    faults in the host too. The pages freed last are the ones the guest hands out next: those a
+    trainer's steady state reuses, and all that bare metal has. The faults inside the guest stay in
+    the timing. It helps at [4096, 151936] and adds noise at [1024, 151936] (the host's reclaim of
+    the freed buffer then overlaps the call), so it is off by default; the figures:
+    docs/benchmarks.md, "A new dlogits buffer at [4096, 151,936]"."""
     torch.empty_like(like).zero_()
 
 
@@ -264,10 +263,10 @@ def run_interleaved(level: str, names: list[str], shape: str, warmup: int, repea
                     hot_pages: bool = False) -> list[dict]:
     """Every case in this one process, one call of each in turn, ``warmup + repeats`` times;
     one row per case. For the cases that allocate a new [N, V] buffer per call (``one_pass``,
-    ``copy``): this VM's balloon device reports freed memory to the host (virtio-balloon free page
-    reporting), so a fresh 2.3 GiB buffer costs 0.6-8 s depending on whether its pages were
-    handed back meanwhile: with a subprocess per case that luck can differ between cases, taking
-    turns spreads it over all of them alike. The cases share the input tensors."""
+    ``copy``): a VM whose balloon device reports freed memory to the host (virtio-balloon free page
+    reporting) makes a fresh 2.3 GiB buffer's cost depend on whether its pages were handed back
+    meanwhile (several-fold, docs/benchmarks.md): with a subprocess per case that luck can differ
+    between cases, taking turns spreads it over all of them alike. The cases share the input tensors."""
     if (problem := interleave_problem(names)) is not None:
         raise ValueError(problem)
     n, d, vocab = SHAPES[level][shape]

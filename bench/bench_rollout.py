@@ -434,7 +434,7 @@ def main() -> None:
                         help="run the sweep of modes this many times, interleaved, so that a "
                              "change of machine load hits every mode alike")
     parser.add_argument("--threads", type=int, default=CaseSpec.threads,
-                        help="torch threads per case (1: two threads on a busy 2-core machine slowed the HF backend up to 30x at random)")
+                        help="torch threads per case (1: more slowed the HF backend at random on a busy 2-core machine, docs/rollouts.md)")
     parser.add_argument("--prefix-cache-gib", type=float, default=None,
                         help="HF backend: GiB of keys/values kept for prefix reuse across rounds "
                              "(0: none; default: the backend's)")

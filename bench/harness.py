@@ -84,9 +84,10 @@ def measure(setup: Callable[[], Any], body: Callable[[Any], dict[str, float] | N
 
     ``body`` may return named phase times (e.g. ``{"fwd_s": .., "bwd_s": ..}``); the whole body
     time is ``total_s``. Per key the row has the median (``total_s``), the spread (max - min,
-    ``total_spread_s``), the minimum (``total_min_s``) and every timed sample (``samples``): on
-    this VM a fresh multi-GiB buffer costs 0.5-8 s at random (host page faults), so a median of a
-    few repeats can hide what the code does.
+    ``total_spread_s``), the minimum (``total_min_s``) and every timed sample (``samples``): on a VM
+    that hands freed memory back to its host a fresh multi-GiB buffer's cost varies several-fold at
+    random (host page faults; figures in docs/benchmarks.md), so a median of a few repeats can
+    hide what the code does.
     """
     memory = PeakMemory(device)
     samples: dict[str, list[float]] = {}

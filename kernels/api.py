@@ -11,7 +11,8 @@ gradient. Its inputs must all be known before the sweep:
   one pass runs with them. The trainer supplies global statistics, so it never pays for that.
 ``backend="reference"`` runs :mod:`aepo_kernels.reference`-style full-fp32 autograd instead.
 
-Options both loss functions share (keyword arguments; each costs nothing when off):
+Options both loss functions share (keyword arguments, declared once in :class:`LossOptions`;
+each costs nothing when off):
 - ``shift_labels=True``: the HF ``labels`` convention. ``labels`` and every per-token tensor are
   aligned with ``input_ids`` (``[B, T]``: token t, its old log-prob, mask, weight ...); logits (or
   hidden states) row t predicts token t+1. The shift happens on the ``[B, T]`` side
@@ -38,6 +39,8 @@ Options both loss functions share (keyword arguments; each costs nothing when of
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +161,121 @@ def _prepare_stats_masks(stats_masks, labels, shift_labels):
     return stats_masks
 
 
+# ---------------------------------------------------------------------------------------------
+# The options both loss functions take, and the prologue/epilogue they share.
+
+class LossOptions(NamedTuple):
+    """The keyword options :func:`aepo_policy_loss` and :func:`fused_linear_aepo_policy_loss`
+    share: the one place their names and defaults live (each function lists them in its signature
+    through :func:`_takes_loss_options`). A ``NamedTuple``, so a caller's ``torch.compile`` traces it.
+
+    Attributes:
+        config: :class:`LossConfig`, the algorithm's hyper-parameters.
+        temperature: the sampling temperature.
+        backend: ``"auto" | "triton" | "torch" | "reference"`` (fused-linear: the row op on each
+            logits block, no ``"reference"``).
+        entropy_mean, entropy_std: global z-score statistics (see module docstring).
+        global_token_count, global_num_seqs: normalisers of the aggregation.
+        ref_logprobs: reference log-probs shaped like ``labels`` (needed when ``config.kl_coef != 0``).
+        ignore_index: a label with no target (log-prob 0, out of the loss whatever ``loss_mask`` says).
+        token_weights: detached per-token weights of the policy-gradient term, shaped like
+            ``labels`` (importance-sampling weights; :func:`aepo_kernels.apply_token_weights`).
+        stats_masks: name -> mask shaped like ``labels``: the statistics again over each mask's
+            valid tokens, as ``<stat>/<name>`` (e.g. tokens of branched trajectories); no extra pass.
+        shift_labels: ``labels`` and the per-token tensors are input_ids-aligned; logits (hidden
+            states) row t predicts ``labels[t+1]`` (module docstring). Nothing ``[N, V]``/``[N, D]`` is copied.
+        return_token_loss: also return the per-token loss, log-probs and entropies in ``stats``.
+        logit_scale, softcap: the softmax is taken of ``softcap * tanh(logit_scale * z / softcap) /
+            temperature`` -- on logits only for raw ones; from hidden states the model's values
+            (module docstring).
+    """
+
+    config: LossConfig = LossConfig()
+    temperature: float = 1.0
+    backend: str = "auto"
+    entropy_mean: torch.Tensor | None = None
+    entropy_std: torch.Tensor | None = None
+    global_token_count: torch.Tensor | float | None = None
+    global_num_seqs: torch.Tensor | float | None = None
+    ref_logprobs: torch.Tensor | None = None
+    ignore_index: int = -100
+    token_weights: torch.Tensor | None = None
+    stats_masks: dict[str, torch.Tensor] | None = None
+    shift_labels: bool = False
+    return_token_loss: bool = False
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+
+_DEFAULTS = LossOptions()
+
+
+def _loss_options(function: str, options: dict) -> LossOptions:
+    """``**options`` of a loss function as :class:`LossOptions`; an unknown keyword is the
+    ``TypeError`` Python raises for any function."""
+    for name in options:
+        if name not in LossOptions._fields:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return LossOptions(**options)
+
+
+def _takes_loss_options(fn: Callable) -> Callable:
+    """Give ``fn(..., **options)`` the signature ``help()`` and ``inspect`` show: its own
+    parameters, then every :class:`LossOptions` field as a keyword with its default. Changes
+    nothing at call time (``fn`` is returned as it is)."""
+    own = inspect.signature(fn)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    annotations = {name: getattr(a, "__forward_arg__", a) for name, a in LossOptions.__annotations__.items()}
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[name])
+               for name, default in LossOptions._field_defaults.items()]
+    fn.__signature__ = own.replace(parameters=params)
+    return fn
+
+
+class _Call(NamedTuple):
+    """One call after the shared prologue: labels and per-token tensors logits-aligned
+    (``shift_labels``), ``loss_mask`` without the ``ignore_index`` positions."""
+
+    labels: torch.Tensor
+    tokens: dict[str, torch.Tensor | None]  # old_logprobs, advantages, loss_mask, ref_logprobs, token_weights
+    config: LossConfig
+    stats_masks: dict[str, torch.Tensor] | None
+    backend: str
+    inv_t: float
+    tanh_scale: float | None  # None without a soft cap (logit_map)
+
+    def row_inputs(self, o: LossOptions, entropy_pass: Callable[[], torch.Tensor]) -> RowInputs:
+        """The one pass's per-token inputs; ``entropy_pass`` gives this call's entropies when the
+        z-score statistics are needed and not supplied (two-phase)."""
+        loss_mask = self.tokens["loss_mask"]
+        entropy_stats = _entropy_stats(self.config, loss_mask, o.entropy_mean, o.entropy_std, entropy_pass)
+        return _row_inputs(self.labels, self.tokens["old_logprobs"], self.tokens["advantages"], loss_mask,
+                           self.config, entropy_stats, o.global_token_count, o.global_num_seqs,
+                           self.tokens["ref_logprobs"], self.tokens["token_weights"])
+
+    def stats(self, rows, o: LossOptions) -> dict[str, torch.Tensor]:
+        """The statistics of the pass's rows, per-token outputs aligned with the caller's labels."""
+        stats = _stats(rows, self.tokens["loss_mask"], self.config, self.tokens["ref_logprobs"] is not None,
+                       o.return_token_loss, self.stats_masks)
+        return _finish_stats(stats, o.shift_labels)
+
+
+def _prologue(x: torch.Tensor, labels, old_logprobs, advantages, loss_mask, o: LossOptions) -> _Call:
+    """What both loss functions do first: the logit map, the backend for ``x`` (logits or hidden
+    states), the statistics masks, and the per-token checks, shift and target mask."""
+    inv_t, tanh_scale = logit_map(o.temperature, o.logit_scale, o.softcap)
+    backend = _resolve_backend(o.backend, x)
+    stats_masks = _prepare_stats_masks(o.stats_masks, labels, o.shift_labels)
+    labels, tokens, config = _prepare_tokens(labels, dict(
+        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, ref_logprobs=o.ref_logprobs,
+        token_weights=o.token_weights), o.config, o.ignore_index, o.shift_labels)
+    return _Call(labels, tokens, config, stats_masks, backend, inv_t, tanh_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public loss functions.
+
+@_takes_loss_options
 def aepo_policy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -165,22 +283,8 @@ def aepo_policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
-    config: LossConfig = LossConfig(),
-    temperature: float = 1.0,
-    backend: str = "auto",
     inplace_backward: bool = False,
-    entropy_mean: torch.Tensor | None = None,
-    entropy_std: torch.Tensor | None = None,
-    global_token_count: torch.Tensor | float | None = None,
-    global_num_seqs: torch.Tensor | float | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    token_weights: torch.Tensor | None = None,
-    stats_masks: dict[str, torch.Tensor] | None = None,
-    shift_labels: bool = False,
-    return_token_loss: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from logits in one pass (docs/algorithm.md §0, §2b-2d).
 
@@ -189,67 +293,53 @@ def aepo_policy_loss(
             stride on V (other strides are kept: ``logits[:, :-1]`` is not copied).
         labels: ``[N]`` / ``[B, T]`` sampled token ids; ``ignore_index`` positions have no target
             (log-prob 0, out of the loss whatever ``loss_mask`` says).
-        old_logprobs, loss_mask, ref_logprobs: shaped like ``labels``; advantages: the same or
-            ``[B]`` per sequence. See :func:`policy_loss_from_logprobs`.
-        config: :class:`LossConfig`; temperature: the sampling temperature.
-        backend: ``"auto" | "triton" | "torch" | "reference"``.
+        old_logprobs, loss_mask: shaped like ``labels``; advantages: the same or ``[B]`` per
+            sequence. See :func:`policy_loss_from_logprobs`.
         inplace_backward: the gradient is written over the logits buffer during the forward call
             (no second ``[N, V]`` tensor). Afterwards ``logits`` holds dL/dlogits (for an incoming
             gradient of 1); its version counter is bumped, so an autograd node that saved these
             logits earlier raises instead of reading gradients. Do not read them afterwards.
-        entropy_mean, entropy_std: global z-score statistics (see module docstring).
-        global_token_count, global_num_seqs: normalisers of the aggregation.
-        token_weights: detached per-token weights of the policy-gradient term, shaped like
-            ``labels`` (importance-sampling weights; :func:`aepo_kernels.apply_token_weights`).
-        stats_masks: name -> mask shaped like ``labels``: the statistics again over each mask's
-            valid tokens, as ``<stat>/<name>`` (e.g. tokens of branched trajectories); no extra pass.
-        shift_labels: ``labels`` and the per-token tensors are input_ids-aligned; logits row t
-            predicts ``labels[t+1]`` (module docstring). The logits are not copied.
-        return_token_loss: also return the per-token loss, log-probs and entropies in ``stats``.
-        logit_scale, softcap: the softmax is taken of ``softcap * tanh(logit_scale * logits /
-            softcap) / temperature`` -- only for raw logits (module docstring).
+        **options: the keywords of :class:`LossOptions` (``config``, ``temperature``, ``backend``,
+            ``entropy_mean``/``entropy_std``, ``global_token_count``/``global_num_seqs``,
+            ``ref_logprobs``, ``ignore_index``, ``token_weights``, ``stats_masks``,
+            ``shift_labels``, ``return_token_loss``, ``logit_scale``/``softcap``), documented there.
     Returns:
         ``(loss, stats)`` with stats a dict of detached scalar tensors (entropy, ratio,
         clipfrac_high/low(/dual), num_tokens, kl with ``ref_logprobs``), plus ``token_loss``,
         ``token_logprobs``, ``token_entropy`` (shaped like ``labels``) with ``return_token_loss``.
     """
-    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
-    backend = _resolve_backend(backend, logits)
-    stats_masks = _prepare_stats_masks(stats_masks, labels, shift_labels)
-    labels, tokens, config = _prepare_tokens(labels, dict(
-        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, ref_logprobs=ref_logprobs,
-        token_weights=token_weights), config, ignore_index, shift_labels)
+    o = _loss_options("aepo_policy_loss", options)
+    call = _prologue(logits, labels, old_logprobs, advantages, loss_mask, o)
+    labels, tokens, config, backend = call.labels, call.tokens, call.config, call.backend
     if backend == "reference":
-        logprobs, entropy = logprob_entropy(logits, labels, temperature, backend="reference", ignore_index=ignore_index,
-                                            logit_scale=logit_scale, softcap=softcap)
+        logprobs, entropy = logprob_entropy(logits, labels, o.temperature, backend="reference",
+                                            ignore_index=o.ignore_index, logit_scale=o.logit_scale, softcap=o.softcap)
         loss, stats = policy_loss_from_logprobs(
-            logprobs, entropy, **tokens, config=config, entropy_mean=entropy_mean, entropy_std=entropy_std,
-            global_token_count=global_token_count, global_num_seqs=global_num_seqs, return_token_loss=return_token_loss,
-            stats_masks=stats_masks)
-        if return_token_loss:
+            logprobs, entropy, **tokens, config=config, entropy_mean=o.entropy_mean, entropy_std=o.entropy_std,
+            global_token_count=o.global_token_count, global_num_seqs=o.global_num_seqs,
+            return_token_loss=o.return_token_loss, stats_masks=call.stats_masks)
+        if o.return_token_loss:
             stats["token_logprobs"], stats["token_entropy"] = logprobs.detach(), entropy.detach()
-        return loss, _finish_stats(stats, shift_labels)
-    loss_mask, ref_logprobs = tokens["loss_mask"], tokens["ref_logprobs"]
+        return loss, _finish_stats(stats, o.shift_labels)
     if torch.compiler.is_compiling():
         # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
         entropy_pass = lambda: _traceable(logits.detach(), labels, tokens, LossConfig(entropy_adv_alpha=0.0),  # noqa: E731
-                                          inv_t, tanh_scale, ignore_index, backend)[1][1]
+                                          call.inv_t, call.tanh_scale, o.ignore_index, backend)[1][1]
     else:
-        entropy_pass = lambda: logprob_entropy(logits.detach(), labels, temperature, backend=backend,  # noqa: E731
-                                               ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap)[1]
-    entropy_stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, entropy_pass)
-    inputs = _row_inputs(labels, tokens["old_logprobs"], tokens["advantages"], loss_mask, config, entropy_stats,
-                         global_token_count, global_num_seqs, ref_logprobs, tokens["token_weights"])
+        entropy_pass = lambda: logprob_entropy(logits.detach(), labels, o.temperature, backend=backend,  # noqa: E731
+                                               ignore_index=o.ignore_index, logit_scale=o.logit_scale,
+                                               softcap=o.softcap)[1]
+    inputs = call.row_inputs(o, entropy_pass)
     logits3, labels3 = _as_3d(logits, labels)
     inputs = _as_3d_inputs(inputs, labels3.shape)
     if torch.compiler.is_compiling():
-        loss, rows = one_pass_loss_traceable(logits3, labels3, inputs, config, inv_t, ignore_index, backend, tanh_scale)
+        loss, rows = one_pass_loss_traceable(logits3, labels3, inputs, config, call.inv_t, o.ignore_index, backend,
+                                             call.tanh_scale)
     else:
         in_place = inplace_backward and logits3.requires_grad and torch.is_grad_enabled()
-        loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, inv_t, ignore_index, backend, in_place,
-                                               tanh_scale)
-    stats = _stats(rows, loss_mask, config, ref_logprobs is not None, return_token_loss, stats_masks)
-    return loss, _finish_stats(stats, shift_labels)
+        loss, rows = OnePassLossFunction.apply(logits3, labels3, inputs, config, call.inv_t, o.ignore_index, backend,
+                                               in_place, call.tanh_scale)
+    return loss, call.stats(rows, o)
 
 
 def _traceable(logits, labels, tokens, config, inv_t, tanh_scale, ignore_index, backend):
@@ -264,6 +354,7 @@ def _traceable(logits, labels, tokens, config, inv_t, tanh_scale, ignore_index, 
     return None, rows.reshape(6, *labels.shape)
 
 
+@_takes_loss_options
 def fused_linear_aepo_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -272,37 +363,24 @@ def fused_linear_aepo_policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
-    config: LossConfig = LossConfig(),
-    temperature: float = 1.0,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
-    entropy_mean: torch.Tensor | None = None,
-    entropy_std: torch.Tensor | None = None,
-    global_token_count: torch.Tensor | float | None = None,
-    global_num_seqs: torch.Tensor | float | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    token_weights: torch.Tensor | None = None,
-    stats_masks: dict[str, torch.Tensor] | None = None,
-    shift_labels: bool = False,
-    return_token_loss: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from hidden states ``[N, D]``/``[B, T, D]`` and lm_head ``weight [V, D]``
     (optional ``bias [V]``), never materialising ``[N, V]``, gradient computed in the forward loop.
 
     Args (others as :func:`aepo_policy_loss`):
-        backend: the row op on each logits block: ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``.
         chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block in ``hidden``'s
             dtype (``token_chunk = chunk_bytes // (V * element size)``), unless ``token_chunk`` is given.
         vocab_chunk: vocab block of the no-grad entropy pass of the two-phase path only.
-        shift_labels: hidden row t predicts ``labels[t+1]``; hidden states are not copied.
-        logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
-            of ``z = hidden @ weight.T + bias`` (pass the model config's values).
+        **options: the keywords of :class:`LossOptions`. ``backend``: the row op on each logits
+            block, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``. ``shift_labels``: hidden
+            row t predicts ``labels[t+1]``; hidden states are not copied. ``logit_scale``,
+            ``softcap``: the model's logits are ``softcap * tanh(logit_scale * z / softcap)`` of
+            ``z = hidden @ weight.T + bias`` (pass the model config's values).
     Returns:
         ``(loss, stats)`` as :func:`aepo_policy_loss`; gradients flow to hidden, weight and bias.
     Cost: 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight) in ``hidden``'s dtype (a weight
@@ -310,37 +388,31 @@ def fused_linear_aepo_policy_loss(
     an fp32 ``[V, D]`` weight-gradient accumulator (the gradient itself for fp32 weights), one
     ``[token_chunk, V]`` block in ``hidden``'s dtype.
     """
-    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
+    o = _loss_options("fused_linear_aepo_policy_loss", options)
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
-    backend = _resolve_backend(backend, hidden)
-    if backend == "reference":
+    call = _prologue(hidden, labels, old_logprobs, advantages, loss_mask, o)
+    if call.backend == "reference":
         raise ValueError("backend='reference': use aepo_policy_loss on materialised logits")
-    stats_masks = _prepare_stats_masks(stats_masks, labels, shift_labels)
-    labels, tokens, config = _prepare_tokens(labels, dict(
-        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, ref_logprobs=ref_logprobs,
-        token_weights=token_weights), config, ignore_index, shift_labels)
-    loss_mask, ref_logprobs = tokens["loss_mask"], tokens["ref_logprobs"]
-    entropy_stats = _entropy_stats(config, loss_mask, entropy_mean, entropy_std, lambda: fused_linear_logprob_entropy(
-        hidden.detach(), weight.detach(), labels, temperature, bias=None if bias is None else bias.detach(),
-        ignore_index=ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes, logit_scale=logit_scale,
-        softcap=softcap)[1])
-    inputs = _row_inputs(labels, tokens["old_logprobs"], tokens["advantages"], loss_mask, config, entropy_stats,
-                         global_token_count, global_num_seqs, ref_logprobs, tokens["token_weights"])
+    labels = call.labels
+    inputs = call.row_inputs(o, lambda: fused_linear_logprob_entropy(
+        hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
+        ignore_index=o.ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes, logit_scale=o.logit_scale,
+        softcap=o.softcap)[1])
     n_tokens = labels.numel()
     inputs = _as_3d_inputs(inputs, (1, n_tokens))
     token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
     loss, rows = FusedLinearAEPOLossFunction.apply(
-        hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs, config,
-        inv_t, ignore_index, backend, token_chunk, tanh_scale)
-    stats = _stats(rows, loss_mask, config, ref_logprobs is not None, return_token_loss, stats_masks)
-    return loss, _finish_stats(stats, shift_labels)
+        hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs,
+        call.config, call.inv_t, o.ignore_index, call.backend, token_chunk, call.tanh_scale)
+    return loss, call.stats(rows, o)
 
 
 class AEPOLoss(nn.Module):
     """``nn.Module`` around :func:`aepo_policy_loss` holding the config, temperature and backend."""
 
-    def __init__(self, config: LossConfig = LossConfig(), temperature: float = 1.0, backend: str = "auto", inplace_backward: bool = False):
+    def __init__(self, config: LossConfig = _DEFAULTS.config, temperature: float = _DEFAULTS.temperature,
+                 backend: str = _DEFAULTS.backend, inplace_backward: bool = False):
         super().__init__()
         self.config, self.temperature = config, temperature
         self.backend, self.inplace_backward = backend, inplace_backward

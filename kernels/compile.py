@@ -68,9 +68,9 @@ def compile_enabled() -> bool:
 def toolchain_notice() -> str | None:
     """What runs slower here and why, in one line, or None when every CPU path runs at speed.
 
-    Costs, measured and dated in docs/benchmarks.md: eager chunks instead of compiled ones make
-    the fused loss several times slower at large vocabularies; without the native kernel the
-    fp32 one-pass loss takes the compiled path, under 2x slower.
+    Eager chunks instead of compiled ones make the fused loss several times slower at large
+    vocabularies; without the native kernel the fp32 one-pass loss takes the compiled path
+    instead. The figures, with dates and machines: docs/benchmarks.md, "Without a compiler".
     """
     missing = []
     if os.environ.get("AEPO_TORCH_COMPILE", "1") == "0":

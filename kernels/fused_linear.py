@@ -42,10 +42,9 @@ from .logits_ops import (
 )
 
 # The one memory budget of the fused-linear paths: bytes of the logits block(s) one step may hold.
-# At V = 151,936 fp32 it gives 331-row blocks for the one-pass loss. 192 MiB, not 256: at N=8192,
-# D=2048 the peak fell from 1.506 to 1.443 GiB (0.244 of materialising the logits; the fp32 weight
-# gradient alone is 1.159 GiB), and it was not slower side by side (bench/bench_aepo_loss.py
-# ':<M>MiB' cases, under load; quiet: 70.9 s vs 70.6 s for materialising, README).
+# At V = 151,936 fp32 it gives 331-row blocks for the one-pass loss. Why 192 MiB (its peak and time
+# against 256 MiB and against materialising the logits): docs/benchmarks.md, "The one-pass AEPO loss
+# on CPU" (bench/bench_aepo_loss.py ':<M>MiB' cases).
 DEFAULT_CHUNK_BYTES = 192 << 20
 
 

@@ -4,13 +4,14 @@ Triton and torch), shift_labels, ignore_index on every path, return_token_loss.
 The oracle is the fp32 reference (:mod:`aepo_kernels.reference`), which applies the scale and
 soft cap to the logits literally (``c * tanh(s z / c)``) and then does its usual maths; the
 shifted loss is checked against slicing by hand."""
+import inspect
 import math
 
 import pytest
 import torch
 
 from aepo_kernels import (
-    LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss, fused_linear_logprob_entropy, logprob_entropy,
+    AEPOLoss, LossConfig, LossOptions, aepo_policy_loss, fused_linear_aepo_policy_loss, fused_linear_logprob_entropy, logprob_entropy,
     policy_loss_from_logprobs,
 )
 from aepo_kernels.logits_ops import logit_map
@@ -472,3 +473,21 @@ def test_logprob_entropy_shift_labels_round_trip(backend):
     for got, want in zip(fused, by_hand):
         assert (got[:, 0] == 0).all()
         torch.testing.assert_close(got[:, 1:], want, atol=2e-5, rtol=1e-5)
+
+
+def test_both_loss_functions_take_every_shared_option_with_its_one_default():
+    """The shared keywords are declared once (LossOptions): both signatures list each with that
+    default, AEPOLoss's defaults are the same, and a misspelt keyword is a TypeError naming it."""
+    for fn in (aepo_policy_loss, fused_linear_aepo_policy_loss):
+        params = inspect.signature(fn).parameters
+        for name, default in LossOptions._field_defaults.items():
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default, (fn, name)
+    assert len(LossOptions._fields) == 15
+    module = AEPOLoss()
+    assert (module.config, module.temperature, module.backend) == (LossConfig(), 1.0, "auto")
+    logits, labels, old, adv, mask, _ = _batch(11)
+    with pytest.raises(TypeError, match="aepo_policy_loss\\(\\) got an unexpected keyword argument 'temprature'"):
+        aepo_policy_loss(logits, labels, old, adv, mask, temprature=0.7)
+    hidden, weight = torch.randn(3, 7, 5), torch.randn(1009, 5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'inplace_backward'"):
+        fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, inplace_backward=True)

@@ -505,11 +505,11 @@ def test_branching_statistics_unchanged_in_distribution():
     # start (above), and the default (k // 2 - 1 speculative globals, top-up to m_max - 1, online
     # decisions in certain slots). m is the same in every call (the probe is the same sample).
     # Paired per call, a mean difference beyond 4 standard errors has probability < 1e-4 under
-    # equal distributions (CLT; the calls are independent draws). Measured at 900 calls: every
-    # |z| vs m-known <= 1.4; vs the strict order the branch count and P agree (|z| <= 0.4)
-    # while the tree shape does not (branch tool steps z = -6.5, depth-1 z = +5): there the
-    # reused probe claims the budget first, so its later tool steps win slots. That is why the
-    # tree shape is compared with m known from the start, the order the docstring promises.
+    # equal distributions (CLT; the calls are independent draws). Against the strict order the
+    # branch count and P agree while the tree shape does not (the z-scores at 900 calls:
+    # docs/rollouts.md): there the reused probe claims the budget first, so its later tool
+    # steps win slots. That is why the tree shape is compared with m known from the start, the
+    # order the docstring promises.
     # Pre-sampled children (presample_children) change when a child starts, not the tree: the
     # default is compared with itself with them on, on every feature; and they save rounds.
     features = {"strict": [], "known": [], "default": [], "presample": []}

@@ -121,3 +121,8 @@ def test_config_rejects_unknown_fields_and_bad_schedules():
     config = SFTConfig(steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1)
     assert [round(learning_rate(s, config), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
     assert learning_rate(10, config) == pytest.approx(0.1)
+    # The optimizer fields are OptimConfig's, with its checks and its schedule choices.
+    with pytest.raises(ValueError, match="betas"):
+        SFTConfig(betas=(0.9, 1.0))
+    flat = SFTConfig(steps=10, warmup_steps=2, lr=1.0, schedule="constant", min_lr_ratio=0.0)
+    assert [learning_rate(s, flat) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]

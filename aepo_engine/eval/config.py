@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
+from aepo_engine.errors import require
 from aepo_engine.rewards.base import RULES
 
 __all__ = ["EvalConfig", "JudgeConfig"]
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -50,13 +46,13 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     prompt: str = "engine"
 
     def __post_init__(self) -> None:
-        _require(self.prompt in RULES, f"judge.prompt must be one of {', '.join(RULES)}, got {self.prompt!r}")
-        _require(not self.url or self.url.startswith(("http://", "https://")),
-                 f"judge.url must be an http(s) URL, got {self.url!r}")
-        _require(self.concurrency >= 1, f"judge.concurrency must be >= 1, got {self.concurrency}")
-        _require(self.timeout_s > 0, f"judge.timeout_s must be > 0, got {self.timeout_s}")
-        _require(self.retries >= 0 and self.backoff_s >= 0, "judge.retries and judge.backoff_s must be >= 0")
-        _require(self.max_tokens >= 1, f"judge.max_tokens must be >= 1, got {self.max_tokens}")
+        require(self.prompt in RULES, f"judge.prompt must be one of {', '.join(RULES)}, got {self.prompt!r}")
+        require(not self.url or self.url.startswith(("http://", "https://")),
+                f"judge.url must be an http(s) URL, got {self.url!r}")
+        require(self.concurrency >= 1, f"judge.concurrency must be >= 1, got {self.concurrency}")
+        require(self.timeout_s > 0, f"judge.timeout_s must be > 0, got {self.timeout_s}")
+        require(self.retries >= 0 and self.backoff_s >= 0, "judge.retries and judge.backoff_s must be >= 0")
+        require(self.max_tokens >= 1, f"judge.max_tokens must be >= 1, got {self.max_tokens}")
 
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -104,16 +100,16 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
-        _require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")
-        _require(self.num_questions >= 0, f"num_questions must be >= 0, got {self.num_questions}")
-        _require(self.samples is None or self.samples >= 1, f"samples must be >= 1, got {self.samples}")
-        _require(all(k >= 1 for k in self.k), f"every k must be >= 1, got {self.k}")
-        _require(all(k <= self.n_samples for k in self.k),
-                 f"k={self.k} asks for pass@k with k > samples={self.n_samples}: pass@k needs at least k samples")
-        _require(self.temperature > 0, "temperature must be > 0 because evaluation samples (no greedy path)")
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(self.every_n_steps >= 0, f"every_n_steps must be >= 0, got {self.every_n_steps}")
-        _require(bool(self.system_prompt.strip()), "system_prompt must be 'reference', 'none' or the text itself")
+        require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")
+        require(self.num_questions >= 0, f"num_questions must be >= 0, got {self.num_questions}")
+        require(self.samples is None or self.samples >= 1, f"samples must be >= 1, got {self.samples}")
+        require(all(k >= 1 for k in self.k), f"every k must be >= 1, got {self.k}")
+        require(all(k <= self.n_samples for k in self.k),
+                f"k={self.k} asks for pass@k with k > samples={self.n_samples}: pass@k needs at least k samples")
+        require(self.temperature > 0, "temperature must be > 0 because evaluation samples (no greedy path)")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.every_n_steps >= 0, f"every_n_steps must be >= 0, got {self.every_n_steps}")
+        require(bool(self.system_prompt.strip()), "system_prompt must be 'reference', 'none' or the text itself")
 
     @property
     def n_samples(self) -> int:

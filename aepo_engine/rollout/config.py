@@ -12,6 +12,8 @@ from typing import Literal
 
 import msgspec
 
+from aepo_engine.errors import require as _check
+
 
 class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, docs/algorithm.md §1).
@@ -189,8 +191,3 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         if self.fixed_global_samples is not None:
             return self.fixed_global_samples
         return max(1, self.k // 2)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

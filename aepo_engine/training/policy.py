@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
+from aepo_engine.errors import require
 from aepo_engine.training import counterfactual
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
@@ -88,11 +89,6 @@ def _weighted_advantages(micro: TokenBatch) -> Tensor:
     """Advantages times the rollout-correction weights (``[B, L]``), or as they are
     (:func:`aepo_kernels.apply_token_weights`: exact for the weighted policy-gradient term)."""
     return apply_token_weights(micro.advantages, micro.is_weights, micro.old_logprobs.shape)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -167,15 +163,15 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.pack_sequences == "on"
 
     def __post_init__(self) -> None:
-        _require(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        _require(self.micro_batch_max_tokens is None or self.micro_batch_max_tokens >= 1,
-                 f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
-        _require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
-        _require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        _require(self.fused_chunk_bytes >= 1, f"fused_chunk_bytes must be >= 1, got {self.fused_chunk_bytes}")
-        _require(self.loss.aggregation == "token-mean",
-                 f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
-                 "count, which only token-mean supports; sequence-level modes are left out")
+        require(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        require(self.micro_batch_max_tokens is None or self.micro_batch_max_tokens >= 1,
+                f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
+        require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
+        require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        require(self.fused_chunk_bytes >= 1, f"fused_chunk_bytes must be >= 1, got {self.fused_chunk_bytes}")
+        require(self.loss.aggregation == "token-mean",
+                f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
+                "count, which only token-mean supports; sequence-level modes are left out")
 
     def steps_per_update(self, num_units: int) -> int:
         """Optimizer steps one ``update()`` takes for ``num_units`` prompts (or rows, see

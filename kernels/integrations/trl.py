@@ -75,11 +75,9 @@ from ..api import fused_linear_aepo_policy_loss
 from ..policy_loss import aggregate, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
 
 ROUTES = ("trl_logprobs", "fused_linear")
-# bench/bench_trl_routes.py, one policy-loss step (B=8, 32 + 256 tokens, hidden 128, CPU, under
-# heavy shared load): vocab 32,768 fused_linear 9.3 s / 0.25 GiB vs trl_logprobs 25.8 s / 2.31 GiB;
-# vocab 151,936 23.6 s / 0.32 GiB vs 87.6 s / 2.39 GiB; vocab 1,024 within the noise. The fused-
-# linear kernel does 3 head matmuls to TRL's 4 (no logits recomputation in backward) and peaks 7-9x
-# lower in memory. Figures with dates: docs/integrations.md.
+# The default: the fused-linear kernel does 3 head matmuls to TRL's 4 (no logits recomputation in
+# backward) and never holds the [N, V] logits. Time and peak memory of both routes, with dates:
+# docs/integrations.md (bench/bench_trl_routes.py, bench/results/trl_routes_cpu.jsonl).
 DEFAULT_ROUTE = "fused_linear"
 
 # GRPOConfig fields the AEPO loss replaces, with TRL 1.16's defaults: a changed value would be ignored.
