@@ -15,8 +15,8 @@ import pytest
 
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
-from aepo_engine.rollout.scheduler import (EntropyBalancedRollout, branch_probability,
-                                           global_sample_count, sigmoid)
+from aepo_engine.algorithms.branching import branch_probability, global_sample_count, sigmoid
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.trajectory import Trajectory, format_rollout_tree, rollout_tree
 from aepo_engine.tools import Tool, ToolResult, ToolRunner, format_tool_result
 

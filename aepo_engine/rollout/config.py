@@ -47,7 +47,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             they were taken. So the budget goes to decisions in the order they are taken, as if
             m had been known from the start: m, the branch count and P are the strict order's,
             the tree shape is that of m known from the start (in the strict order the probe
-            claims first; module doc of ``rollout.scheduler``). False: every decision waits for
+            claims first; docs/rollouts.md). False: every decision waits for
             m (slower: the children of late decisions run after the others).
         speculative_branches: Per prompt, this many waiting decisions (``branch_before_m``) that
             want a branch start their child at once (only a trajectory's first waiting decision,
