@@ -211,7 +211,7 @@ class EntropyBalancedRollout:
         for state in states:
             self._start(state, step)
         while True:
-            if self.config.branching and self.config.presample_children:
+            if self.config.branching and self.config.experimental.presample_children:
                 for state in states:
                     self._presample(state)
             batch = [t for state in states for t in state.generating()]
@@ -232,7 +232,7 @@ class EntropyBalancedRollout:
         cfg = self.config
         if cfg.branching and cfg.pre_monitoring:
             state.probe = self._new(state, step, "probe")
-            if cfg.reuse_probe_as_sample:
+            if cfg.experimental.reuse_probe_as_sample:
                 state.members.append(state.probe)
             state.speculative = [self._new(state, step, "global")
                                  for _ in range(cfg.speculative_globals)]
@@ -269,7 +269,7 @@ class EntropyBalancedRollout:
 
     def _evidence_ready(self, probe: Trajectory) -> bool:
         """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
-        wanted = self.config.monitor_tool_steps
+        wanted = self.config.experimental.monitor_tool_steps
         return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
 
     def _bound_m(self, state: _PromptState, step: int) -> None:
@@ -278,20 +278,20 @@ class EntropyBalancedRollout:
         cfg = self.config
         m_max = global_sample_count(cfg.k, cfg.beta, state.probe.segment_entropies[0],
                                     _H_TOOL_FLOOR)
-        state.certain_slots = cfg.k - m_max if cfg.branch_before_m else 0
+        state.certain_slots = cfg.k - m_max if cfg.experimental.branch_before_m else 0
         if cfg.speculative_top_up:
-            most_kept = m_max - int(cfg.reuse_probe_as_sample)
+            most_kept = m_max - int(cfg.experimental.reuse_probe_as_sample)
             for _ in range(most_kept - len(state.speculative)):
                 state.speculative.append(self._new(state, step, "global"))
 
     def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
         state.h_root = probe.segment_entropies[0]
-        after_tool = probe.segment_entropies[1:][: cfg.monitor_tool_steps]
+        after_tool = probe.segment_entropies[1:][: cfg.experimental.monitor_tool_steps]
         # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
         state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
         state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
-        reused = cfg.reuse_probe_as_sample
+        reused = cfg.experimental.reuse_probe_as_sample
         wanted = state.m - int(reused)
         kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
         state.speculative = []
@@ -442,7 +442,7 @@ class EntropyBalancedRollout:
         reserve sample only once a refill resumes it)."""
         if any(traj is t for t in state.reserve):
             return False
-        return traj is not state.probe or self.config.reuse_probe_as_sample
+        return traj is not state.probe or self.config.experimental.reuse_probe_as_sample
 
     def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
                        h_now: float, step: int) -> None:
@@ -453,7 +453,7 @@ class EntropyBalancedRollout:
         elif not self._decide(state, traj, seg_index, h_now, step):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
-            if len(state.tentative) < self.config.speculative_branches:
+            if len(state.tentative) < self.config.experimental.speculative_branches:
                 self._start_tentative(state, traj, seg_index)
 
     def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
