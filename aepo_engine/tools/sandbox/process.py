@@ -95,7 +95,19 @@ def _collect_output(proc: subprocess.Popen, deadline: float, cap: int,
 def execute(command: list[str], config: PythonConfig, *, cwd: str, env: dict[str, str],
              uid: int | None, scope: CgroupScope | None, **popen_options) -> SandboxOutcome:
     """Start ``command`` in its own session (and cgroup), collect its output under the limits,
-    kill leftovers."""
+    kill leftovers.
+
+    Args:
+        command: the whole command line (bwrap's, or the bare interpreter's).
+        config: ``timeout_s`` and ``max_output_bytes`` apply here.
+        cwd, env: the working directory and the whole environment of the process.
+        uid: the sandbox uid whose leftover processes are killed (None: none).
+        scope: the run's cgroup, which the command is started inside (None: none).
+        **popen_options: passed to ``subprocess.Popen`` (``pass_fds``).
+
+    Returns:
+        The outcome; ``isolation`` is set by the caller.
+    """
     if scope:
         command = scope.wrap(command)
     start = time.monotonic()

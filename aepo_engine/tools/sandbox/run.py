@@ -23,7 +23,17 @@ from aepo_engine.tools.sandbox.uids import UidLease, kill_uid_processes, remove_
 
 
 def run_under(code: str, config: PythonConfig, isolation: str) -> SandboxOutcome:
-    """One run under ``isolation`` (already checked, or the probe itself)."""
+    """One run under ``isolation`` (already checked, or the probe itself), with its uid lease,
+    cgroup and clean-up.
+
+    Args:
+        code: the Python source to run.
+        config: limits and isolation options.
+        isolation: ``"bwrap"`` or ``"none"``; not checked here (:func:`run_python` checks it).
+
+    Returns:
+        The captured output and how the run ended.
+    """
     check_cgroup(config)
     lease = UidLease(config.sandbox_uid_base, config.uid_pool_size) \
         if os.geteuid() == 0 and config.sandbox_uid_base is not None else None
