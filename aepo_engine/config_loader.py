@@ -8,7 +8,8 @@ no particular section. It:
 - reads a raw tree from TOML (``tomllib``), YAML (only if PyYAML is importable), JSON or a dict;
 - applies command-line overrides ``--section.key=value`` / ``--section.key value``, turning the string
   into the field's annotated type (bool, int, float, str, Literal, list/tuple, dict, Optional, unions);
-- rejects unknown keys (in files and overrides), naming the valid keys of that section and a close match;
+- rejects unknown keys (in files and overrides), naming the valid keys of that section and a close match,
+  or, for a key a section lists in its ``MOVED_KEYS`` ClassVar, the key's new place;
 - builds the structs with ``msgspec.convert``, so types and each struct's ``__post_init__`` cross-field
   checks run; every failure surfaces as one ``ConfigError`` that names the field;
 - dumps a config to TOML with help comments (``dump_config``); loading the dump gives an equal config;
@@ -291,6 +292,9 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 def _unknown_key_message(cls: type, key: str, path: str, source: str) -> str:
     valid = list(_fields(cls))
     where = f"[{path}]" if path else "the top level"
+    moved = getattr(cls, "MOVED_KEYS", {}).get(key)
+    if moved is not None:  # a section's ``MOVED_KEYS`` ClassVar: {old key: its new dotted key}
+        return f"{_join(path, key)!r} in {source} has moved to {_join(path, moved)!r}; set it there"
     msg = f"unknown key {_join(path, key)!r} in {source}"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:

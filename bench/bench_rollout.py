@@ -3,17 +3,17 @@
 Modes (same backend, model, prompts, k, seeds and token limits; only the branching rule differs):
 - ``plain``: branching off, k independent global samples per prompt (a GRPO rollout).
 - ``aepo``:  AEPO defaults: entropy pre-monitoring (a probe trajectory per prompt, reused as a
-  sample, with ``speculative_global_samples`` globals started beside it and decisions taken
-  online in the branch slots every m leaves, ``branch_before_m``), entropy branching at tool
-  steps, consecutive-branch penalty.
-- ``aepo_strict``: the same with ``speculative_global_samples=0, branch_before_m=False,
-  speculative_branches=0``: the probe runs alone and takes its decisions once it has ended,
+  sample, with ``experimental.speculative_global_samples`` globals started beside it and
+  decisions taken online in the branch slots every m leaves, ``branch_before_m``), entropy
+  branching at tool steps, consecutive-branch penalty.
+- ``aepo_strict``: the same with ``experimental.speculative_global_samples=0,
+  branch_before_m=False, speculative_branches=0``: the probe runs alone and takes its decisions once it has ended,
   before the other global samples start (the strict order of docs/algorithm.md §1a; what
   ``aepo`` was before the overlap).
-- ``aepo_presample``: ``aepo`` with ``presample_children=True`` (a would-be child samples its
+- ``aepo_presample``: ``aepo`` with ``experimental.presample_children=True`` (a would-be child samples its
   reaction beside its parent's; off by default): the option's effect alone.
-- ``aepo_early``: ``aepo`` with ``monitor_tool_steps=1``: m from the probe's first reaction to a
-  tool result (a faster rule than that of docs/algorithm.md §1a, see ``RolloutConfig``).
+- ``aepo_early``: ``aepo`` with ``experimental.monitor_tool_steps=1``: m from the probe's first reaction to a
+  tool result (a faster rule than that of docs/algorithm.md §1a, see ``RolloutExperiments``).
 - ``arpo``:  branching without pre-monitoring (fixed m = k/2) and without the penalty (ARPO).
 
 The workload is the synthetic tool-use task (``aepo_engine.tasks.synthetic``): held-out questions
@@ -76,7 +76,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import measure, print_table, run_case_subprocess, write_rows  # noqa: E402
 
-from aepo_engine.rollout.config import RolloutConfig  # noqa: E402
+from aepo_engine.rollout.config import RolloutConfig, RolloutExperiments  # noqa: E402
 
 if TYPE_CHECKING:
     from aepo_engine.rollout.scheduler import RolloutStats
@@ -114,12 +114,12 @@ def mode_config(mode: str, **limits: Any) -> RolloutConfig:
     if mode == "aepo":
         return RolloutConfig(**limits)  # defaults: pre-monitoring, branching, penalty
     if mode == "aepo_strict":
-        return RolloutConfig(speculative_global_samples=0, branch_before_m=False,
-                             speculative_branches=0, **limits)
+        return RolloutConfig(experimental=RolloutExperiments(
+            speculative_global_samples=0, branch_before_m=False, speculative_branches=0), **limits)
     if mode == "aepo_presample":
-        return RolloutConfig(presample_children=True, **limits)
+        return RolloutConfig(experimental=RolloutExperiments(presample_children=True), **limits)
     if mode == "aepo_early":
-        return RolloutConfig(monitor_tool_steps=1, **limits)
+        return RolloutConfig(experimental=RolloutExperiments(monitor_tool_steps=1), **limits)
     if mode == "arpo":
         return RolloutConfig(pre_monitoring=False, branch_penalty=False, **limits)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")

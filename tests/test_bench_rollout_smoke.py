@@ -14,6 +14,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from aepo_engine.rollout.config import RolloutExperiments
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_rollout  # noqa: E402
 
@@ -72,12 +74,13 @@ def test_modes_differ_only_in_the_branching_rule():
     assert not plain.branching
     assert aepo.branching and aepo.pre_monitoring and aepo.branch_penalty
     assert aepo.speculative_globals == 2 and strict.speculative_globals == 0
-    assert not strict.branch_before_m and strict.speculative_branches == 0
-    assert presample.presample_children and not aepo.presample_children
-    assert msgspec.structs.replace(strict, speculative_global_samples=None, branch_before_m=True,
-                                   speculative_branches=1) == aepo
-    assert msgspec.structs.replace(presample, presample_children=False) == aepo
-    assert msgspec.structs.replace(early, monitor_tool_steps=None) == aepo
+    assert aepo.experimental == RolloutExperiments()
+    assert strict.experimental == RolloutExperiments(speculative_global_samples=0, branch_before_m=False,
+                                                     speculative_branches=0)
+    assert presample.experimental == RolloutExperiments(presample_children=True)
+    assert early.experimental == RolloutExperiments(monitor_tool_steps=1)
+    for mode in (strict, presample, early):  # and nothing else differs from aepo
+        assert msgspec.structs.replace(mode, experimental=RolloutExperiments()) == aepo
     assert arpo.branching and not arpo.pre_monitoring and not arpo.branch_penalty
     for config in (plain, aepo, strict, early, arpo):
         assert (config.k, config.max_response_tokens, config.seed) == (6, 100, 3)

@@ -305,7 +305,7 @@ def test_sampler_rejects_changed_data_and_bad_sizes():
 
 def test_json_list_ground_truth_of_numbers_stays_one_answer():
     """'[1, 2]' is a maths interval, not two references (scoring would accept '1' alone)."""
-    from aepo_engine.data import _parse_ground_truth
+    from aepo_engine.data.rows import _parse_ground_truth
 
     assert _parse_ground_truth("[1, 2]") == ["[1, 2]"]
     assert _parse_ground_truth('["New York", "NYC"]') == ["New York", "NYC"]

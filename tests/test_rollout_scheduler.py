@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 import msgspec
 import pytest
 
-from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.config import EXPERIMENTAL_FIELDS, RolloutConfig, RolloutExperiments
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
-from aepo_engine.rollout.scheduler import (EntropyBalancedRollout, branch_probability,
-                                           global_sample_count, sigmoid)
+from aepo_engine.algorithms.branching import branch_probability, global_sample_count, sigmoid
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.trajectory import Trajectory, format_rollout_tree, rollout_tree
 from aepo_engine.tools import Tool, ToolResult, ToolRunner, format_tool_result
 
@@ -177,8 +177,31 @@ def test_config_has_help_for_every_field_and_round_trips():
     from aepo_engine.config_loader import check_config_class, dump_config, loads_config
 
     assert check_config_class(RolloutConfig) == []
-    config = RolloutConfig(k=8, branch_alpha_mode="constant", fixed_global_samples=3)
+    config = RolloutConfig(k=8, branch_alpha_mode="constant", fixed_global_samples=3,
+                           experimental=RolloutExperiments(presample_children=True, speculative_branches=2))
     assert loads_config(RolloutConfig, dump_config(config)) == config
+    assert "[experimental]" in dump_config(config)
+
+
+def test_experimental_keys_in_their_old_place_name_the_new_one():
+    # The scheduling ablations moved from [rollout] into [rollout.experimental]: a config file or
+    # an override that sets one in its old place is refused with the new place in the message.
+    from aepo_engine.config import TrainConfig
+    from aepo_engine.config_loader import ConfigError, load_config, loads_config
+
+    assert set(EXPERIMENTAL_FIELDS) == set(msgspec.structs.asdict(RolloutExperiments()))
+    assert not set(EXPERIMENTAL_FIELDS) & {f.name for f in msgspec.structs.fields(RolloutConfig)}
+    for name in EXPERIMENTAL_FIELDS:
+        with pytest.raises(ConfigError, match=rf"'rollout\.{name}' in .* has moved to "
+                                              rf"'rollout\.experimental\.{name}'"):
+            loads_config(TrainConfig, f"[rollout]\n{name} = 1\n")
+    with pytest.raises(ConfigError, match=r"'rollout\.branch_before_m' in command-line overrides has "
+                                          r"moved to 'rollout\.experimental\.branch_before_m'"):
+        load_config(TrainConfig, overrides=["--rollout.branch_before_m=false"])
+    config = load_config(TrainConfig, overrides=["--rollout.experimental.branch_before_m=false"])
+    assert config.rollout.experimental == RolloutExperiments(branch_before_m=False)
+    with pytest.raises(ConfigError, match="unknown key 'rollout.no_such_key'"):  # others: as before
+        loads_config(TrainConfig, "[rollout]\nno_such_key = 1\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,14 +211,14 @@ def test_config_has_help_for_every_field_and_round_trips():
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(pre_monitoring=False),
-    dict(reuse_probe_as_sample=False),
+    dict(experimental=RolloutExperiments(reuse_probe_as_sample=False)),
     dict(branching=False),
     dict(branch_alpha_mode="constant", branch_alpha=1.0, gamma=0.0, branch_penalty=False, k=7),
     dict(branch_alpha_mode="constant", branch_alpha=1.0, branch_penalty=False, k=7,
-         speculative_global_samples=6),
+         experimental=RolloutExperiments(speculative_global_samples=6)),
     dict(branch_alpha_mode="constant", branch_alpha=1.0, branch_penalty=False, k=5,
-         reuse_probe_as_sample=False, monitor_tool_steps=1),
-    dict(branch_before_m=False, speculative_global_samples=0),
+         experimental=RolloutExperiments(reuse_probe_as_sample=False, monitor_tool_steps=1)),
+    dict(experimental=RolloutExperiments(branch_before_m=False, speculative_global_samples=0)),
 ])
 def test_exactly_k_per_prompt_grouped(overrides):
     scheduler, backend, runner = make(tool_agent(3), **overrides)
@@ -258,7 +281,7 @@ def test_probe_without_tool_calls_uses_neutral_h_tool():
 
 
 def test_discarded_probe_is_not_returned():
-    scheduler, _, _ = make(tool_agent(1), k=4, reuse_probe_as_sample=False)
+    scheduler, _, _ = make(tool_agent(1), k=4, experimental=RolloutExperiments(reuse_probe_as_sample=False))
     result = scheduler.rollout([[50]], step=0)
     trajs = result.trajectories
     assert len(trajs) == 4 and all(t.kind != "probe" and t.traj_id >= 1 for t in trajs)
@@ -277,8 +300,9 @@ def test_strict_order_probe_decides_first_and_its_slots_are_certain():
     for early in (False, True):
         scheduler, backend, _ = make(tool_agent(2), k=6, branch_alpha_mode="constant",
                                      branch_alpha=1.0, branch_penalty=False,
-                                     speculative_global_samples=0, branch_before_m=early,
-                                     speculative_branches=0)
+                                     experimental=RolloutExperiments(
+                                         speculative_global_samples=0, branch_before_m=early,
+                                         speculative_branches=0))
         runs[early] = (scheduler.rollout([[50]], step=0), backend)
     for early, child_ids in ((False, [4, 5]), (True, [1, 2])):
         result, backend = runs[early]
@@ -335,7 +359,7 @@ def test_tentative_child_kept_when_m_leaves_its_slot():
     for tentative in (1, 0):
         scheduler, backend, _ = make(policy, PureRunner(), k=6, branch_alpha_mode="constant",
                                      branch_alpha=1.0, branch_penalty=False,
-                                     speculative_branches=tentative)
+                                     experimental=RolloutExperiments(speculative_branches=tentative))
         runs[tentative] = (scheduler.rollout([[50]], step=0), backend)
     for tentative, batches in ((1, [3, 4, 7, 3]), (0, [3, 4, 6, 3, 1])):
         result, backend = runs[tentative]
@@ -374,7 +398,7 @@ def test_speculative_globals_are_the_strict_orders_samples():
     for spec in (0, 2, 3):
         scheduler, backend, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=4,
                                      branch_alpha_mode="constant", branch_alpha=0.0,
-                                     speculative_global_samples=spec)
+                                     experimental=RolloutExperiments(speculative_global_samples=spec))
         runs[spec] = (scheduler.rollout(PROMPTS, step=3), backend)
     strict = runs[0][0]
     for spec, rounds in ((0, 9), (2, 6), (3, 3)):
@@ -395,7 +419,7 @@ def test_speculative_globals_remove_the_probes_rounds():
     for spec in (0, 4, 7):
         scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=8,
                                branch_alpha_mode="constant", branch_alpha=0.0,
-                               speculative_global_samples=spec)
+                               experimental=RolloutExperiments(speculative_global_samples=spec))
         results[spec] = scheduler.rollout([[50]], step=0)
         rounds[spec] = results[spec].stats.rounds
     assert rounds == {0: 9, 4: 6, 7: 3}
@@ -414,8 +438,9 @@ def test_speculative_globals_wait_for_m_without_branch_before_m():
     for spec in (0, 3):
         scheduler, _, _ = make(tool_agent(2, seed_in_text=True), PureRunner(), k=6,
                                branch_alpha_mode="constant", branch_alpha=1.0,
-                               branch_penalty=False, speculative_global_samples=spec,
-                               branch_before_m=False)
+                               branch_penalty=False,
+                               experimental=RolloutExperiments(speculative_global_samples=spec,
+                                                               branch_before_m=False))
         runs.append(scheduler.rollout([[50]], step=0))
     strict, overlap = runs
     assert (strict.stats.rounds, overlap.stats.rounds) == (6, 5)
@@ -431,7 +456,8 @@ def test_speculative_globals_no_refill_needs_are_discarded_and_counted():
     # As above but 5 speculative: globals 4-5 wait in reserve, the probe's two children take the
     # slots, so no refill needs them: discarded, and their tokens counted apart.
     scheduler, _, _ = make(tool_agent(2, seed_in_text=True), k=6, branch_alpha_mode="constant",
-                           branch_alpha=1.0, branch_penalty=False, speculative_global_samples=5)
+                           branch_alpha=1.0, branch_penalty=False,
+                           experimental=RolloutExperiments(speculative_global_samples=5))
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     # discarded: globals 4-5 and the tentative child of global 2's waiting decision
@@ -478,7 +504,7 @@ def _one_call(step: int, **overrides):
     return scheduler.rollout([[50 + step % 3]], step=step)
 
 
-STRICT = dict(speculative_global_samples=0, branch_before_m=False)
+STRICT = dict(experimental=RolloutExperiments(speculative_global_samples=0, branch_before_m=False))
 
 
 def test_branch_before_m_is_m_known_from_the_start():
@@ -490,7 +516,7 @@ def test_branch_before_m_is_m_known_from_the_start():
     for step in range(60):
         m = _one_call(step, **STRICT).stats.m[0]
         known = _one_call(step, pre_monitoring=False, fixed_global_samples=m)
-        early = _one_call(step, speculative_global_samples=m - 1)
+        early = _one_call(step, experimental=RolloutExperiments(speculative_global_samples=m - 1))
         assert early.stats.m == [m]
         assert signature(early.trajectories)[1:] == signature(known.trajectories)[1:]
         assert [t.decisions for t in early.trajectories] == [t.decisions for t in known.trajectories]
@@ -520,7 +546,8 @@ def test_branching_statistics_unchanged_in_distribution():
         features["strict"].append(_tree_features(strict))
         features["known"].append(_tree_features(
             _one_call(step, pre_monitoring=False, fixed_global_samples=m)))
-        for name, extra in (("default", {}), ("presample", {"presample_children": True})):
+        presample = RolloutExperiments(presample_children=True)
+        for name, extra in (("default", {}), ("presample", {"experimental": presample})):
             result = _one_call(step, **extra)
             features[name].append(_tree_features(result))
             rounds[name] += result.stats.rounds
@@ -549,7 +576,8 @@ def test_presampled_children_same_tree_fewer_rounds():
         scheduler, backend, runner = make(tool_agent(2, seed_in_text=True), PureRunner(), k=4,
                                           pre_monitoring=False, fixed_global_samples=2,
                                           branch_alpha_mode="constant", branch_alpha=1.0,
-                                          branch_penalty=False, presample_children=presample)
+                                          branch_penalty=False,
+                                          experimental=RolloutExperiments(presample_children=presample))
         runs[presample] = (scheduler.rollout([[50]], step=0), backend, runner)
     (off, off_backend, _), (on, on_backend, _) = runs[False], runs[True]
     assert [len(b) for b in off_backend.batches] == [2, 2, 4, 2]
@@ -571,7 +599,8 @@ def test_presampled_children_not_taken_are_discarded_before_their_calls():
     # spent, so no slot is free and nothing is pre-sampled) runs 3 rounds.
     scheduler, backend, runner = make(tool_agent(2), PureRunner(), k=4, pre_monitoring=False,
                                       fixed_global_samples=2, branch_alpha_mode="constant",
-                                      branch_alpha=0.0, gamma=0.0, presample_children=True)
+                                      branch_alpha=0.0, gamma=0.0,
+                                      experimental=RolloutExperiments(presample_children=True))
     result = scheduler.rollout([[50]], step=0)
     stats = result.stats
     assert [len(b) for b in backend.batches] == [2, 4, 4, 2, 2, 2]
@@ -589,7 +618,7 @@ def test_presampled_children_run_only_kept_calls_on_random_trees():
     # call ran; the token accounting holds.
     for step in range(30):
         scheduler, _, runner = make(random_tool_agent(), PureRunner(), k=8, pre_monitoring=False,
-                                    presample_children=True)
+                                    experimental=RolloutExperiments(presample_children=True))
         result = scheduler.rollout(PROMPTS, step=step)
         own_calls = sum(t.tool_calls - (t.branch_tool_step or 0) for t in result.trajectories)
         assert sum(len(b) for b in runner.batches) == result.stats.tool_calls_executed == own_calls
@@ -611,7 +640,7 @@ def test_speculative_beyond_m_drops_its_early_branches():
     policy = _stepwise_entropy_agent({0: 0.0, 1: 6.0, 2: 6.0})
     scheduler, backend, _ = make(policy, PureRunner(), k=8, branch_alpha_mode="constant",
                                  branch_alpha=1.0, branch_penalty=False,
-                                 speculative_global_samples=7)
+                                 experimental=RolloutExperiments(speculative_global_samples=7))
     result = scheduler.rollout([[50]], step=0)
     stats, trajs = result.stats, result.trajectories
     assert stats.m == [1] and [len(b) for b in backend.batches] == [8, 8, 12, 2, 1]
@@ -646,7 +675,8 @@ def test_reserve_runs_only_while_a_refill_may_need_it():
     for step in range(40):
         backend = ScriptedBackend(random_tool_agent())
         config = RolloutConfig(k=8, n_entropy_tokens=4, max_response_tokens=400,
-                               max_tokens_per_segment=100, speculative_global_samples=7)
+                               max_tokens_per_segment=100,
+                               experimental=RolloutExperiments(speculative_global_samples=7))
         result = Checked(backend, PureRunner(), config).rollout(PROMPTS, step=step)
         stats = result.stats
         assert len(result.trajectories) == 8 * len(PROMPTS)
@@ -682,7 +712,8 @@ def test_monitor_tool_steps_sets_m_from_the_first_reaction():
     results = {}
     for steps in (None, 1):
         scheduler, _, _ = make(policy, PureRunner(), k=12, branch_alpha_mode="constant",
-                               branch_alpha=1.0, branch_penalty=False, monitor_tool_steps=steps)
+                               branch_alpha=1.0, branch_penalty=False,
+                               experimental=RolloutExperiments(monitor_tool_steps=steps))
         results[steps] = scheduler.rollout([[50]], step=0)
     spec, early = results[None].stats, results[1].stats
     assert (spec.h_tool, spec.m) == ([2.0], [7]) and (early.h_tool, early.m) == ([1.0], [8])
@@ -693,7 +724,8 @@ def test_monitor_tool_steps_sets_m_from_the_first_reaction():
 
 
 def test_monitor_tool_steps_with_a_discarded_probe_stops_it():
-    scheduler, _, _ = make(tool_agent(3), k=4, reuse_probe_as_sample=False, monitor_tool_steps=1)
+    scheduler, _, _ = make(tool_agent(3), k=4,
+                           experimental=RolloutExperiments(reuse_probe_as_sample=False, monitor_tool_steps=1))
     result = scheduler.rollout([[50]], step=0)
     assert result.stats.discarded_probes == 1 and all(t.kind != "probe" for t in result.trajectories)
     # the probe sampled its first segment and its first reaction, then stopped: 2 segments of
@@ -706,9 +738,11 @@ def test_speculative_config():
     assert RolloutConfig(k=1).speculative_globals == 0
     assert RolloutConfig(k=8, pre_monitoring=False).speculative_globals == 0
     assert RolloutConfig(k=8, branching=False).speculative_globals == 0
-    assert RolloutConfig(k=8, speculative_global_samples=7).speculative_globals == 7
+    seven = RolloutExperiments(speculative_global_samples=7)
+    assert RolloutConfig(k=8, experimental=seven).speculative_globals == 7
     assert RolloutConfig(k=8).speculative_top_up
-    assert not RolloutConfig(k=8, speculative_global_samples=3).speculative_top_up
+    three = RolloutExperiments(speculative_global_samples=3)
+    assert not RolloutConfig(k=8, experimental=three).speculative_top_up
     assert not RolloutConfig(k=8, pre_monitoring=False).speculative_top_up
     # the default start never exceeds what the top-up adds after round 1: m_max - 1
     for k in range(1, 17):
@@ -717,9 +751,9 @@ def test_speculative_config():
                 m_max = global_sample_count(k, beta, h_root, -1e-3)
                 assert RolloutConfig(k=k, beta=beta).speculative_globals <= m_max - 1, (k, beta, h_root)
     with pytest.raises(ValueError, match="speculative_global_samples must be in"):
-        RolloutConfig(k=8, speculative_global_samples=8)
+        RolloutConfig(k=8, experimental=RolloutExperiments(speculative_global_samples=8))
     with pytest.raises(ValueError, match="monitor_tool_steps must be >= 1"):
-        RolloutConfig(monitor_tool_steps=0)
+        RolloutConfig(experimental=RolloutExperiments(monitor_tool_steps=0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from aepo_engine.tools import PythonConfig, ToolCall, ToolRunner, ToolsConfig, b
 from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, cgroup_problem,
                                        check_isolation, describe_limits, interpreter_layout,
                                        isolation_problem, run_python)
-from aepo_engine.tools.sandbox_host import explain_namespaces, find_bwrap
+from aepo_engine.tools.sandbox.host import explain_namespaces, find_bwrap
 from conftest import sandbox_problem, skip_without_sandbox
 
 IS_ROOT = os.geteuid() == 0
@@ -39,7 +39,7 @@ needs_bwrap = pytest.mark.sandbox
 
 FAST = dict(timeout_s=2.0, cpu_s=2, memory_mb=256)
 CHECKOUT = Path(aepo_engine.__file__).resolve().parents[1]
-ENGINE_FILE = Path(aepo_engine.__file__).resolve().parent / "tools" / "sandbox.py"
+ENGINE_FILE = Path(aepo_engine.__file__).resolve().parent / "tools" / "sandbox" / "run.py"
 
 MODES = {"full": {}, "bare": {"isolation": "none", "run_as_uid": "engine"}}
 
@@ -215,10 +215,10 @@ def test_unisolated_clean_up_leaves_the_parent_of_the_workdir_alone(tmp_path, mo
     # on every run with a sandbox uid. Here the parent is a private world-writable directory
     # (the real /tmp is shared with other processes), for plain runs and for code that removes
     # its own work dir.
-    from aepo_engine.tools.sandbox import _remove_tree
+    from aepo_engine.tools.sandbox.run import remove_tree
 
     tmp_path.chmod(0o1777)
-    _remove_tree(str(tmp_path / "already_gone"))
+    remove_tree(str(tmp_path / "already_gone"))
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o1777
     parent = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:

@@ -90,9 +90,8 @@ BUDGET_KEYS = ("train.steps", "train.prompts_per_step", "train.epochs", "rollout
                "policy.ppo_mini_batch_size", "policy.mini_batch_unit", "policy.ppo_epochs", "optim", "eval",
                "backend.kind", "reward", "data")
 # Rollout fields that act only when branching is on (evaluation samples without branching).
-BRANCH_ONLY_ROLLOUT_FIELDS = ("pre_monitoring", "beta", "reuse_probe_as_sample", "speculative_global_samples",
-                              "branch_before_m", "speculative_branches", "presample_children", "monitor_tool_steps", "branch_alpha_mode", "branch_alpha", "gamma", "tau",
-                              "penalty_slope", "branch_penalty")
+BRANCH_ONLY_ROLLOUT_FIELDS = ("pre_monitoring", "beta", "experimental", "branch_alpha_mode", "branch_alpha", "gamma",
+                              "tau", "penalty_slope", "branch_penalty")
 GRID_FILE = "grid.json"
 SETUP_RETRY_S = 30.0  # how often a set-up another process is building is looked at again
 RUN_INFO = "compare_run.json"

@@ -8,23 +8,30 @@ they exist.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
 from aepo_engine.errors import require as _check
 
 
-class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, docs/algorithm.md §1).
+EXPERIMENTAL_FIELDS = ("reuse_probe_as_sample", "speculative_global_samples", "branch_before_m",
+                       "speculative_branches", "presample_children", "monitor_tool_steps")
+
+
+class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Scheduling ablations and variants of the rollout (``rollout.experimental``), for experiments.
+
+    The defaults are the engine's tested choices; a training run leaves this section alone. Four
+    change only when trajectories start, not what the rollout computes (m and the branch
+    decisions are the same, the kept samples the same in distribution):
+    ``speculative_global_samples``, ``branch_before_m``, ``speculative_branches``,
+    ``presample_children``; together at 0 / false / 0 / false they give the strict order of
+    docs/algorithm.md §1a. Two are variants of the algorithm: ``reuse_probe_as_sample=False`` (the
+    reference code's discarded probe) and ``monitor_tool_steps`` (m from the probe's first tool
+    steps). What each does and what it was measured to cost: docs/rollouts.md.
 
     Attributes:
-        k: Trajectories per prompt (the GRPO group size); the rollout returns exactly k per prompt.
-        pre_monitoring: Entropy pre-monitoring (docs/algorithm.md §1a): one probe trajectory per
-            prompt sets the number m of global samples from H_root and H_tool. Off: m =
-            fixed_global_samples.
-            Ignored (m = k, no probe) when branching is off, since m then trades against nothing.
-        beta: Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
         reuse_probe_as_sample: Keep the probe as one of the m global samples (it is a valid
             on-policy sample); False throws it away like the reference code (one extra trajectory).
         speculative_global_samples: Global samples started beside the pre-monitoring probe, before
@@ -49,7 +56,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             they were taken. So the budget goes to decisions in the order they are taken, as if
             m had been known from the start: m, the branch count and P are the strict order's,
             the tree shape is that of m known from the start (in the strict order the probe
-            claims first; module doc of ``rollout.scheduler``). False: every decision waits for
+            claims first; docs/rollouts.md). False: every decision waits for
             m (slower: the children of late decisions run after the others).
         speculative_branches: Per prompt, this many waiting decisions (``branch_before_m``) that
             want a branch start their child at once (only a trajectory's first waiting decision,
@@ -69,15 +76,43 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             in trajectory-id order. The decisions, their P and outcomes and every kept token's
             distribution are unchanged (the child's reaction does not depend on the parent's);
             trajectory ids, hence seeds, of later trajectories shift by the discarded ones. Off by
-            default: in the rollout benchmark (1-3 tool calls per trajectory, CPU) it left rounds,
-            wall time and kept tokens/s as they were and only added discarded tokens
-            (docs/rollouts.md); it can pay where tool chains are long and a round's latency, not
-            its tokens, dominates.
+            default: in the rollout benchmark it only added discarded tokens (docs/rollouts.md);
+            it can pay where tool chains are long and a round's latency, not its tokens,
+            dominates.
         monitor_tool_steps: Post-tool segments of the probe that H_tool averages; m is set as
             soon as the probe has them (or has ended). None = all of them, the rule of
             docs/algorithm.md §1a (m once the whole probe has ended); 1 = m from the probe's
             first reaction to a tool result (a different, faster rule: it does not wait for the
             probe's later tool calls).
+    """
+
+    reuse_probe_as_sample: bool = True
+    speculative_global_samples: int | None = None
+    branch_before_m: bool = True
+    speculative_branches: int = 1
+    presample_children: bool = False
+    monitor_tool_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        # speculative_global_samples <= k - 1 needs k: RolloutConfig checks it.
+        _check(self.speculative_branches >= 0,
+               f"experimental.speculative_branches must be >= 0, got {self.speculative_branches}")
+        if self.monitor_tool_steps is not None:
+            _check(self.monitor_tool_steps >= 1,
+                   f"experimental.monitor_tool_steps must be >= 1 (or none for all), got "
+                   f"{self.monitor_tool_steps}")
+
+
+class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Knobs of the entropy-balanced rollout (``EntropyBalancedRollout``, docs/algorithm.md §1).
+
+    Attributes:
+        k: Trajectories per prompt (the GRPO group size); the rollout returns exactly k per prompt.
+        pre_monitoring: Entropy pre-monitoring (docs/algorithm.md §1a): one probe trajectory per
+            prompt sets the number m of global samples from H_root and H_tool. Off: m =
+            fixed_global_samples.
+            Ignored (m = k, no probe) when branching is off, since m then trades against nothing.
+        beta: Slope of the sigmoid in m = floor(k * sigmoid(beta * (H_root - H_tool))) + 1.
         fixed_global_samples: Global samples per prompt when pre-monitoring is off; None means
             max(1, k // 2), the reference scripts' fixed m = k/2.
         n_entropy_tokens: n_e; a segment's entropy is the mean over its first n_e tokens.
@@ -100,17 +135,13 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         top_p: Nucleus sampling top-p passed to the backend.
         seed: Every sampling seed and branch draw derives from (seed, step, prompt index,
             trajectory id, ...), so the same seed reproduces the same rollouts; none = derived from the run's root seed (``aepo_engine.seeding``).
+        experimental: Scheduling ablations and variants, for experiments; a run leaves them at
+            their defaults (``RolloutExperiments``).
     """
 
     k: int = 12
     pre_monitoring: bool = True
     beta: float = 0.5
-    reuse_probe_as_sample: bool = True
-    speculative_global_samples: int | None = None
-    branch_before_m: bool = True
-    speculative_branches: int = 1
-    presample_children: bool = False
-    monitor_tool_steps: int | None = None
     fixed_global_samples: int | None = None
     n_entropy_tokens: int = 20
     branching: bool = True
@@ -126,6 +157,10 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    experimental: RolloutExperiments = msgspec.field(default_factory=RolloutExperiments)
+
+    # Keys that moved into ``experimental`` (the config loader names the new place).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {name: f"experimental.{name}" for name in EXPERIMENTAL_FIELDS}
 
     def __post_init__(self) -> None:
         _check(self.k >= 1, f"k must be >= 1 because each prompt needs a group, got {self.k}")
@@ -135,15 +170,11 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             _check(1 <= self.fixed_global_samples <= self.k,
                    f"fixed_global_samples must be in [1, k={self.k}] because global samples are "
                    f"part of the k trajectories, got {self.fixed_global_samples}")
-        if self.speculative_global_samples is not None:
-            _check(0 <= self.speculative_global_samples <= self.k - 1,
-                   f"speculative_global_samples must be in [0, k - 1 = {self.k - 1}] because the "
-                   f"probe is one of the k trajectories, got {self.speculative_global_samples}")
-        _check(self.speculative_branches >= 0,
-               f"speculative_branches must be >= 0, got {self.speculative_branches}")
-        if self.monitor_tool_steps is not None:
-            _check(self.monitor_tool_steps >= 1,
-                   f"monitor_tool_steps must be >= 1 (or none for all), got {self.monitor_tool_steps}")
+        speculative = self.experimental.speculative_global_samples
+        if speculative is not None:
+            _check(0 <= speculative <= self.k - 1,
+                   f"experimental.speculative_global_samples must be in [0, k - 1 = {self.k - 1}] "
+                   f"because the probe is one of the k trajectories, got {speculative}")
         _check(self.n_entropy_tokens >= 1,
                f"n_entropy_tokens must be >= 1 to measure any entropy, got {self.n_entropy_tokens}")
         _check(self.branch_alpha_mode in ("random", "constant"),
@@ -175,14 +206,14 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         """Global samples started beside the probe (0 unless pre-monitoring runs)."""
         if not (self.branching and self.pre_monitoring):
             return 0
-        if self.speculative_global_samples is not None:
-            return self.speculative_global_samples
+        if self.experimental.speculative_global_samples is not None:
+            return self.experimental.speculative_global_samples
         return max(0, self.k // 2 - 1)
 
     @property
     def speculative_top_up(self) -> bool:
         """Top the speculative globals up to m_max - 1 once H_root is known (the default)."""
-        return (self.speculative_global_samples is None and self.branching
+        return (self.experimental.speculative_global_samples is None and self.branching
                 and self.pre_monitoring)
 
     @property

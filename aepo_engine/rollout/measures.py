@@ -57,9 +57,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from aepo_engine.algorithms.branching import branch_probability
 from aepo_engine.rewards.text import normalize_answer
 from aepo_engine.rollout.config import RolloutConfig
-from aepo_engine.rollout.scheduler import branch_probability
 from aepo_engine.rollout.trajectory import Trajectory
 
 __all__ = ["jaccard_distance", "normalized_answer", "tool_sequence", "tree_depths", "diversity_metrics",

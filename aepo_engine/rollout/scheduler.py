@@ -1,115 +1,19 @@
 """Entropy-balanced rollout (docs/algorithm.md §1): pre-monitoring, batched tool rounds, entropy branching.
 
 ``EntropyBalancedRollout.rollout(prompts, step)`` returns exactly ``k`` trajectories per prompt.
-Per prompt:
-
-1. Pre-monitoring (§1a). One probe trajectory runs to completion with real tool calls.
-   H_root = mean entropy of the first n_e tokens of its first segment (they are n_e tokens sampled
-   from the bare prompt, so no separate call is needed; a first segment shorter than n_e, e.g. an
-   early tool call, averages what it has); H_tool = mean over its segments that follow a tool
-   result of the same head-entropy measure, each segment weighted equally. A probe that made no
-   tool call gives no evidence about post-tool uncertainty: we set H_tool = H_root, i.e. the
-   neutral m = floor(k / 2) + 1, close to the reference scripts' fixed m = k / 2 (unused branch
-   budget is refilled with global samples anyway, so nothing is wasted). Then
-   m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k) global samples start. A
-   reused probe counts as one of them.
-   Overlap (``speculative_global_samples``, default k // 2 - 1, then topped up, see below): that
-   many global samples start beside the probe instead of after it, so the probe's sequential
-   rounds are not spent on one trajectory per prompt. They are the trajectories the strict
-   order would start after the probe (trajectory ids 1, 2, ... and seeds derive from the id),
-   so m and every kept sample are unchanged. Those beyond the m - 1 (m without a reused probe)
-   the probe then sets go to the reserve: they are global samples from the bare prompt, which
-   is what step 4 refills unused branch slots with, so a refill resumes them before it starts
-   fresh ones. They go on sampling (taking no decisions) while a refill may need them, so a
-   refill finds them further along; once the prompt has k trajectories (branches used the
-   whole budget) nothing can, and they are discarded, their tokens counted in
-   ``RolloutStats.discarded_tokens``.
-   The bound m_max. Entropies are >= 0, so H_tool >= 0 and m <= m_max = the m of H_tool = 0,
-   known from H_root after the probe's first round. By default the speculative globals are
-   then topped up to m_max - 1 (all any m keeps; ``speculative_top_up``), and k - m_max branch
-   slots are certain whatever m turns out to be.
-   Decisions before m (``branch_before_m``, on by default). Every trajectory that runs before m
-   is known (the reused probe, the speculative globals, their branches) takes its decisions
-   online, as in 3 below. A decision that does not branch (P <= tau) needs no slot; one that
-   wants a slot takes a certain one while they last; otherwise it waits for m, and so does
-   every later decision of that trajectory (its P depends on l, hence on the waiting
-   outcome). Once m is known, the speculative globals beyond m go to the reserve, dropping the
-   branches they took (their own tokens counted as discarded; a refill, which can no longer
-   branch, takes its decisions again), and the waiting decisions claim what is left in the
-   order they were taken (``speculative_branches``: the child of a trajectory's first waiting
-   decision that wants a branch, whose P is known, starts at once and is kept if the decision
-   gets a slot, discarded if not; outcomes are the same as for a child started then, only
-   earlier). Since decisions in a round are taken in trajectory-id order and a
-   decision waits only once the certain slots are gone, the budget goes to decisions in the
-   order they are taken, as in a rollout where m was known from the start and all m samples
-   started together (the reference code's order after its probe). Tested: with m - 1
-   speculative globals the output equals, token for token, that of pre-monitoring off with
-   the same fixed m (whose global 0 is the probe's sample; an early child is then discarded
-   only when the budget is full, so no later id shifts); with the defaults, the tree shape
-   (depths, branch tool steps, blocked decisions) matches it in distribution. m, the branch
-   count and the P distribution also match the strict order's; the tree shape does not: there
-   the probe takes all its decisions first, so its later tool steps win scarce slots that
-   earlier tool steps of other samples win here. ``branch_before_m=False`` makes every decision
-   wait for m (the children of late decisions then need extra rounds); together with
-   ``speculative_global_samples=0`` and ``speculative_branches=0`` it is the strict order of
-   docs/algorithm.md §1a: the probe alone, its decisions once it has ended, then the other globals.
-   What else can differ from the strict order: trajectory ids (hence the seeds of children and
-   refills), once ids were spent on the reserve or on early branches.
-   Early m (``monitor_tool_steps`` = n, off by default): H_tool averages only the probe's first n
-   post-tool segments, and m is set as soon as they exist (or the probe ends), instead of after
-   the whole probe; a reused probe then goes on as an ordinary sample deciding online. This is a
-   different rule from that of docs/algorithm.md §1a (H_tool from n tool steps, not all of
-   them), offered because it ends the wait for the probe's last tool calls; the default keeps
-   §1a's.
-2. Rounds (§1b). Every active trajectory of every prompt generates in ONE ``backend.generate``
-   call until a tool stop string, EOS or a length cap. The round's tool calls go to
-   ``tool_runner.run`` in one batch; each result is appended as ``format_tool_result(text)``,
-   tokenized (only the result text is ever tokenized), loss mask 0. A trajectory stops at EOS,
-   ``max_response_tokens``, a call beyond ``max_tool_calls``, or a malformed/empty call (counted;
-   not executed).
-3. Branching (§1c). H_now is the head entropy of the segment that reacts to the latest tool
-   result, so it exists only after that segment is sampled. The decision is therefore taken right
-   after the reaction segment is generated, in the same round and before that segment's own tool
-   call is handled: P = (alpha + gamma * (H_now - H_init)) * (1 - min(1, penalty_slope * l)); on
-   P > tau (and budget left) a child copies the trajectory up to and including the tool result
-   and samples its own reaction next round; the parent keeps its reaction. One decision per tool
-   result, taken by the trajectory that received it (a child never re-decides the inherited one).
-   Pre-sampled children (``presample_children``, off by default): a child started after the
-   decision would run one round behind its parent. So before a round, while a branch slot is
-   certainly free (m known: fewer than k trajectories; before m: certain slots left), the
-   trajectories about to react to a tool result they received themselves each get a would-be
-   child, in id order, one per free slot; it samples its own reaction in the same round. A
-   decision that branches takes it as its child (the same prefix, its reaction sampled from the
-   same policy independently of the parent's, so the same distribution as a child started
-   next round); one that does not branch discards it before its tool call runs (its tokens are
-   counted as discarded); one that waits for m keeps it as its tentative child while
-   ``speculative_branches`` allows. Decisions and their outcomes do not depend on it.
-   Lineage counter l: the number of consecutive decisions along this trajectory's own history
-   that branched. A branch sets l <- l + 1 for the parent and the child (the branch is part of
-   both histories); a decision that does not branch (P <= tau, or no budget left) resets l to 0.
-   Two lineages never share l.
-   H_init is the trajectory's own first-segment entropy from this rollout call, never stored
-   across steps.
-4. Budget: at most k trajectories per prompt. A prompt whose trajectories have all ended with
-   fewer than k starts the missing number of fresh global samples at once (which can then no
-   longer branch: the budget is spent); reserve samples (above) come first.
-
-Randomness: every sampling seed and branch draw derives from (config.seed, step, prompt index,
-trajectory id, counter) through ``numpy.random.SeedSequence``, so results do not depend on
-batching order and the same seed reproduces the same rollouts.
-
-Deliberately left out: multiple children per decision (Z = 1 as in the reference scripts),
-asynchronous/continuous batching across rounds, and re-tokenizing model text (token-in/out).
+How it schedules them (the probe and the speculative globals, decisions before m, rounds,
+branching, the budget, seeds, what is left out) is docs/rollouts.md, "The scheduler, step by
+step"; the maths (m, P) is :mod:`aepo_engine.algorithms.branching`.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from aepo_engine.algorithms.branching import branch_probability, global_sample_count
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
 from aepo_engine.seeding import section_seed
@@ -118,30 +22,7 @@ from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, f
                                format_tool_result)
 
 # ---------------------------------------------------------------------------------------------
-# The maths (pure functions, hand-checked in tests)
-
-
-def sigmoid(x: float) -> float:
-    """Numerically safe logistic function."""
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    z = math.exp(x)
-    return z / (1.0 + z)
-
-
-def global_sample_count(k: int, beta: float, h_root: float, h_tool: float) -> int:
-    """m = clamp(floor(k * sigmoid(beta * (h_root - h_tool))) + 1, 1, k)  (docs/algorithm.md §1a)."""
-    m = math.floor(k * sigmoid(beta * (h_root - h_tool))) + 1
-    return min(max(m, 1), k)
-
-
-def branch_probability(alpha: float, gamma: float, delta_h: float, consecutive_branches: int,
-                       penalty_slope: float, penalty: bool = True) -> float:
-    """P = (alpha + gamma * dH) * (1 - min(1, penalty_slope * l)) (docs/algorithm.md §1c); no
-    penalty: ARPO."""
-    phat = min(1.0, penalty_slope * consecutive_branches) if penalty else 0.0
-    return (alpha + gamma * delta_h) * (1.0 - phat)
-
+# Seeds
 
 _SAMPLE, _ALPHA = 0, 1  # seed purposes, so sampling seeds and branch draws never coincide
 # Entropies are >= 0; float rounding can put a mean a hair below. m_max is the m of this H_tool,
@@ -174,7 +55,7 @@ class _PromptState:
     h_root: float | None = None
     h_tool: float | None = None
     next_id: int = 0
-    # Before m is known (module doc, "Decisions before m"):
+    # Before m is known (docs/rollouts.md, "Decisions before m"):
     certain_slots: int | None = None     # k - m_max once H_root is known (0: branch_before_m off)
     early_branches: int = 0              # children created while m was unknown
     waiting: set[int] = field(default_factory=set)  # ids of trajectories whose decisions wait
@@ -330,7 +211,7 @@ class EntropyBalancedRollout:
         for state in states:
             self._start(state, step)
         while True:
-            if self.config.branching and self.config.presample_children:
+            if self.config.branching and self.config.experimental.presample_children:
                 for state in states:
                     self._presample(state)
             batch = [t for state in states for t in state.generating()]
@@ -351,7 +232,7 @@ class EntropyBalancedRollout:
         cfg = self.config
         if cfg.branching and cfg.pre_monitoring:
             state.probe = self._new(state, step, "probe")
-            if cfg.reuse_probe_as_sample:
+            if cfg.experimental.reuse_probe_as_sample:
                 state.members.append(state.probe)
             state.speculative = [self._new(state, step, "global")
                                  for _ in range(cfg.speculative_globals)]
@@ -388,7 +269,7 @@ class EntropyBalancedRollout:
 
     def _evidence_ready(self, probe: Trajectory) -> bool:
         """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
-        wanted = self.config.monitor_tool_steps
+        wanted = self.config.experimental.monitor_tool_steps
         return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
 
     def _bound_m(self, state: _PromptState, step: int) -> None:
@@ -397,20 +278,20 @@ class EntropyBalancedRollout:
         cfg = self.config
         m_max = global_sample_count(cfg.k, cfg.beta, state.probe.segment_entropies[0],
                                     _H_TOOL_FLOOR)
-        state.certain_slots = cfg.k - m_max if cfg.branch_before_m else 0
+        state.certain_slots = cfg.k - m_max if cfg.experimental.branch_before_m else 0
         if cfg.speculative_top_up:
-            most_kept = m_max - int(cfg.reuse_probe_as_sample)
+            most_kept = m_max - int(cfg.experimental.reuse_probe_as_sample)
             for _ in range(most_kept - len(state.speculative)):
                 state.speculative.append(self._new(state, step, "global"))
 
     def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
         state.h_root = probe.segment_entropies[0]
-        after_tool = probe.segment_entropies[1:][: cfg.monitor_tool_steps]
+        after_tool = probe.segment_entropies[1:][: cfg.experimental.monitor_tool_steps]
         # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
         state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
         state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
-        reused = cfg.reuse_probe_as_sample
+        reused = cfg.experimental.reuse_probe_as_sample
         wanted = state.m - int(reused)
         kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
         state.speculative = []
@@ -561,7 +442,7 @@ class EntropyBalancedRollout:
         reserve sample only once a refill resumes it)."""
         if any(traj is t for t in state.reserve):
             return False
-        return traj is not state.probe or self.config.reuse_probe_as_sample
+        return traj is not state.probe or self.config.experimental.reuse_probe_as_sample
 
     def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
                        h_now: float, step: int) -> None:
@@ -572,7 +453,7 @@ class EntropyBalancedRollout:
         elif not self._decide(state, traj, seg_index, h_now, step):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
-            if len(state.tentative) < self.config.speculative_branches:
+            if len(state.tentative) < self.config.experimental.speculative_branches:
                 self._start_tentative(state, traj, seg_index)
 
     def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:

@@ -224,11 +224,6 @@ def format_rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int) -
     return "\n".join(lines)
 
 
-def print_rollout_tree(trajectories: Sequence[Trajectory], prompt_index: int) -> None:
-    """Print :func:`format_rollout_tree`."""
-    print(format_rollout_tree(trajectories, prompt_index))
-
-
 def _describe(traj: Trajectory) -> str:
     where = ""
     if traj.kind == "branch":

@@ -11,7 +11,9 @@ call has side effects in general; re-running it is the caller's decision, never 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
+
+import msgspec
 
 # ---------------------------------------------------------------------------------------------
 # Records
@@ -124,6 +126,43 @@ class Tool:
 
     def close(self) -> None:
         """Release resources (connections, indices). The default does nothing."""
+
+
+class ConfiguredTool(Tool):
+    """A tool configured by one ``msgspec`` struct (``config_type``), as the built-in tools are.
+
+    ``build_tool`` passes either the struct (``config=...``) or its fields as keywords, which
+    are validated into one; subclasses set ``config_type`` and implement :meth:`from_config`.
+    """
+
+    config_type: ClassVar[type]
+
+    @classmethod
+    def from_config(cls, config: Any, max_result_chars: int) -> Tool:
+        """Build the tool from its validated config.
+
+        Args:
+            config: an instance of ``config_type``.
+            max_result_chars: the result text is cut to this many characters.
+
+        Returns:
+            A new tool instance.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def from_options(cls, config: Any = None, max_result_chars: int = 3000, **fields: Any) -> Tool:
+        """Build from a ``config_type`` instance or from its fields as keywords (validated).
+
+        Raises:
+            TypeError: both ``config`` and fields were given.
+            msgspec.ValidationError: a field is unknown or has a bad value.
+        """
+        if config is None:
+            config = msgspec.convert(fields, cls.config_type)
+        elif fields:
+            raise TypeError(f"pass either config or config fields, not both: {sorted(fields)}")
+        return cls.from_config(config, max_result_chars)
 
 
 _REGISTRY: dict[str, type[Tool]] = {}

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
 
-import msgspec
-
-from aepo_engine.tools.base import Tool, ToolResult, error_result, register_tool, truncate_text
+from aepo_engine.tools.base import ConfiguredTool, ToolResult, error_result, register_tool, truncate_text
 from aepo_engine.tools.config import PythonConfig
 from aepo_engine.tools.sandbox import (SandboxOutcome, check_cgroup, check_isolation, describe_limits,
                                       run_python)
@@ -27,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 @register_tool("python")
-class PythonTool(Tool):
+class PythonTool(ConfiguredTool):
     """``<python>code</python>`` -> the code's output.
 
     Args:
@@ -39,6 +36,8 @@ class PythonTool(Tool):
             start rather than run generated code unisolated).
     """
 
+    config_type = PythonConfig
+
     def __init__(self, config: PythonConfig | None = None, max_result_chars: int = 3000) -> None:
         self.config = config or PythonConfig()
         self.max_result_chars = max_result_chars
@@ -47,13 +46,8 @@ class PythonTool(Tool):
         logger.info("python tool: %s", describe_limits(self.config))
 
     @classmethod
-    def from_options(cls, config: PythonConfig | None = None, max_result_chars: int = 3000,
-                     **fields: Any) -> "PythonTool":
-        """Build from a :class:`PythonConfig` or from its fields as keywords (validated)."""
-        if config is None:
-            config = msgspec.convert(fields, PythonConfig)
-        elif fields:
-            raise TypeError(f"pass either config or config fields, not both: {sorted(fields)}")
+    def from_config(cls, config: PythonConfig, max_result_chars: int) -> "PythonTool":
+        """Build from a validated :class:`PythonConfig` (``build_tool`` calls this)."""
         return cls(config, max_result_chars=max_result_chars)
 
     def __call__(self, payload: str) -> ToolResult:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from aepo_engine.tools.base import Tool, ToolResult, error_result, register_tool, truncate_text
+from aepo_engine.tools.base import ConfiguredTool, ToolResult, error_result, register_tool, truncate_text
 from aepo_engine.tools.bm25 import BM25Index
 from aepo_engine.tools.config import SearchConfig
 
@@ -251,7 +251,7 @@ NO_RESULTS = "No results found."
 
 
 @register_tool("search")
-class SearchTool(Tool):
+class SearchTool(ConfiguredTool):
     """``<search>query</search>`` -> ``"Page 1: ...\\nPage 2: ..."``.
 
     Args:
@@ -259,18 +259,15 @@ class SearchTool(Tool):
         max_result_chars: the result text is cut to this many characters.
     """
 
+    config_type = SearchConfig
+
     def __init__(self, backend: SearchBackend, max_result_chars: int = 3000) -> None:
         self.backend = backend
         self.max_result_chars = max_result_chars
 
     @classmethod
-    def from_options(cls, config: SearchConfig | None = None, max_result_chars: int = 3000,
-                     **fields: Any) -> "SearchTool":
-        """Build from a :class:`SearchConfig` or from its fields as keywords (validated)."""
-        if config is None:
-            config = msgspec.convert(fields, SearchConfig)
-        elif fields:
-            raise TypeError(f"pass either config or config fields, not both: {sorted(fields)}")
+    def from_config(cls, config: SearchConfig, max_result_chars: int) -> "SearchTool":
+        """Build from a validated :class:`SearchConfig` (``build_tool`` calls this)."""
         return cls(build_backend(config), max_result_chars=max_result_chars)
 
     def __call__(self, payload: str) -> ToolResult:

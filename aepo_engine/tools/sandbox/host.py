@@ -1,4 +1,5 @@
-"""What this host offers the python sandbox: which ``bwrap`` to run, and why namespaces fail.
+"""What this host offers the python sandbox: which ``bwrap`` to run, and why namespaces fail
+(:class:`IsolationUnavailable`: the error when the sandbox cannot be had here).
 
 Which bwrap (:func:`find_bwrap`): ``tools.python.bwrap_path`` when set (a name looked up on PATH,
 or a path); else a system ``bwrap`` on PATH (the distribution's build, which e.g. Ubuntu's
@@ -23,12 +24,19 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# The namespaces every sandbox run asks for (sandbox.py passes the same list to each run).
+from aepo_engine.errors import Unavailable
+
+# The namespaces every sandbox run asks for (bwrap.py passes the same list to each run).
 NAMESPACE_ARGS = ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                   "--unshare-cgroup-try", "--die-with-parent", "--new-session")
 _CAP_SYS_ADMIN = 21
 OPT_OUT = ("for trusted code only, opt out with python.isolation='none' "
            "(tools.python.isolation = \"none\" in a config file)")
+
+
+class IsolationUnavailable(Unavailable):
+    """The configured isolation cannot be had on this machine (the message says why and how to
+    opt out)."""
 
 
 def bundled_bwrap() -> str | None:
