@@ -5,11 +5,7 @@ from typing import Literal
 
 import msgspec
 
-
-def _require(ok: bool, message: str) -> None:
-    """Raise ValueError(message) unless ``ok``; msgspec reports it with the section's path."""
-    if not ok:
-        raise ValueError(message)
+from aepo_engine.errors import require
 
 
 HF_PREFIX = "hf:"
@@ -79,17 +75,17 @@ class DataConfig(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         sources = self.train_files + self.eval_files
-        _require(all(s.strip() for s in sources), "data sources must be non-empty strings")
+        require(all(s.strip() for s in sources), "data sources must be non-empty strings")
         dupes = sorted({s for s in self.train_files if self.train_files.count(s) > 1})
-        _require(not dupes, f"train_files lists {dupes} twice, which would double their weight silently")
+        require(not dupes, f"train_files lists {dupes} twice, which would double their weight silently")
         for spec in sources:
             if spec.startswith(HF_PREFIX):
                 parse_hf_spec(spec)
         if self.format == "hf":
             bad = [s for s in sources if not s.startswith(HF_PREFIX)]
-            _require(not bad, f"format='hf' but {bad} lack the hf: prefix; use format='auto' to mix")
-        _require(self.question_keys != [], "question_keys must name at least one key")
-        _require(self.answer_keys != [], "answer_keys must name at least one key")
-        _require(self.max_prompt_tokens > 0, f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
-        _require(self.max_examples is None or self.max_examples > 0,
+            require(not bad, f"format='hf' but {bad} lack the hf: prefix; use format='auto' to mix")
+        require(self.question_keys != [], "question_keys must name at least one key")
+        require(self.answer_keys != [], "answer_keys must name at least one key")
+        require(self.max_prompt_tokens > 0, f"max_prompt_tokens must be > 0, got {self.max_prompt_tokens}")
+        require(self.max_examples is None or self.max_examples > 0,
                  f"max_examples must be > 0 (or none for all), got {self.max_examples}")

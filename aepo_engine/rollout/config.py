@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from aepo_engine.errors import require as _check
+from aepo_engine.errors import require
 
 
 EXPERIMENTAL_FIELDS = ("reuse_probe_as_sample", "speculative_global_samples", "branch_before_m",
@@ -95,10 +95,10 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
 
     def __post_init__(self) -> None:
         # speculative_global_samples <= k - 1 needs k: RolloutConfig checks it.
-        _check(self.speculative_branches >= 0,
+        require(self.speculative_branches >= 0,
                f"experimental.speculative_branches must be >= 0, got {self.speculative_branches}")
         if self.monitor_tool_steps is not None:
-            _check(self.monitor_tool_steps >= 1,
+            require(self.monitor_tool_steps >= 1,
                    f"experimental.monitor_tool_steps must be >= 1 (or none for all), got "
                    f"{self.monitor_tool_steps}")
 
@@ -163,43 +163,43 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     MOVED_KEYS: ClassVar[dict[str, str]] = {name: f"experimental.{name}" for name in EXPERIMENTAL_FIELDS}
 
     def __post_init__(self) -> None:
-        _check(self.k >= 1, f"k must be >= 1 because each prompt needs a group, got {self.k}")
-        _check(self.beta >= 0,
+        require(self.k >= 1, f"k must be >= 1 because each prompt needs a group, got {self.k}")
+        require(self.beta >= 0,
                f"beta must be >= 0 so a higher H_root never lowers m, got {self.beta}")
         if self.fixed_global_samples is not None:
-            _check(1 <= self.fixed_global_samples <= self.k,
+            require(1 <= self.fixed_global_samples <= self.k,
                    f"fixed_global_samples must be in [1, k={self.k}] because global samples are "
                    f"part of the k trajectories, got {self.fixed_global_samples}")
         speculative = self.experimental.speculative_global_samples
         if speculative is not None:
-            _check(0 <= speculative <= self.k - 1,
+            require(0 <= speculative <= self.k - 1,
                    f"experimental.speculative_global_samples must be in [0, k - 1 = {self.k - 1}] "
                    f"because the probe is one of the k trajectories, got {speculative}")
-        _check(self.n_entropy_tokens >= 1,
+        require(self.n_entropy_tokens >= 1,
                f"n_entropy_tokens must be >= 1 to measure any entropy, got {self.n_entropy_tokens}")
-        _check(self.branch_alpha_mode in ("random", "constant"),
+        require(self.branch_alpha_mode in ("random", "constant"),
                f"branch_alpha_mode must be 'random' or 'constant', got {self.branch_alpha_mode!r}")
-        _check(0.0 <= self.branch_alpha <= 1.0,
+        require(0.0 <= self.branch_alpha <= 1.0,
                f"branch_alpha must be in [0, 1] (a base probability), got {self.branch_alpha}")
-        _check(self.gamma >= 0, f"gamma must be >= 0 so an entropy rise never lowers P, got "
+        require(self.gamma >= 0, f"gamma must be >= 0 so an entropy rise never lowers P, got "
                                 f"{self.gamma}")
-        _check(self.tau > 0,
+        require(self.tau > 0,
                f"tau must be > 0 so that a zero or negative P never branches, got {self.tau}")
-        _check(self.penalty_slope >= 0,
+        require(self.penalty_slope >= 0,
                f"penalty_slope must be >= 0 so branching more never raises P, got "
                f"{self.penalty_slope}")
-        _check(self.max_response_tokens >= 1,
+        require(self.max_response_tokens >= 1,
                f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
-        _check(1 <= self.max_tokens_per_segment <= self.max_response_tokens,
+        require(1 <= self.max_tokens_per_segment <= self.max_response_tokens,
                f"max_tokens_per_segment must be in [1, max_response_tokens="
                f"{self.max_response_tokens}] because a segment is part of the response, got "
                f"{self.max_tokens_per_segment}")
-        _check(self.max_tool_calls >= 0, f"max_tool_calls must be >= 0, got {self.max_tool_calls}")
-        _check(self.temperature > 0,
+        require(self.max_tool_calls >= 0, f"max_tool_calls must be >= 0, got {self.max_tool_calls}")
+        require(self.temperature > 0,
                f"temperature must be > 0 because entropies and log-probs are taken under "
                f"softmax(z / T), got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.seed is None or self.seed >= 0, f"seed must be >= 0 (numpy SeedSequence), got {self.seed}")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.seed is None or self.seed >= 0, f"seed must be >= 0 (numpy SeedSequence), got {self.seed}")
 
     @property
     def speculative_globals(self) -> int:
