@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .config import CLIP_RULES, LossConfig
+from .row_inputs import RowInputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -381,8 +382,6 @@ def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str
     logits, whose layout may differ). :mod:`aepo_kernels.triton_targets` compiles these for GPU
     targets, so its signatures are the launchers' own. A new kernel must be added here
     (tests/test_triton_targets.py checks that every ``*_kernel`` of this module is)."""
-    from .one_pass import RowInputs  # one_pass imports this module lazily: no cycle
-
     batch, seq, vocab = logits.shape
     like = lambda dtype=torch.float32: torch.zeros(batch, seq, dtype=dtype, device=logits.device)  # noqa: E731
     labels = like(torch.int64)

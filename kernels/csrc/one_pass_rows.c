@@ -48,7 +48,7 @@ static inline float exp_nonpos(float x) {
     return x < -87.33654f ? 0.0f : y;
 }
 
-/* Hyper-parameters, in the order of aepo_kernels.one_pass.HYPER_PARAMS, then rule and has_ref. */
+/* Hyper-parameters, in the order of aepo_kernels.config.HYPER_PARAMS, then rule and has_ref. */
 typedef struct {
     float eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref;
 } hyper_t;
@@ -104,8 +104,7 @@ static float token_head(float logp, float entropy, float old, float adv, float r
 
 /* A new output buffer (fresh pages from the OS) would take one page fault per 4 KiB page inside
  * the sweeps; faulting this call's range in with one madvise(MADV_POPULATE_WRITE) first costs less
- * (measured at [4096, 151936] fp32 on 2 threads, the same madvise issued from Python around this
- * kernel: 0.94 s median vs 1.31 s for the whole call).
+ * (docs/benchmarks.md, the one-pass loss on CPU).
  * Only for a dense range (rows back to back, all of it written below) that is not the logits: it
  * never touches bytes this call does not write. Pages already present cost a page-table walk. */
 static void prefault_output(const float *logits, float *out, int64_t ostride_b, int64_t ostride_t, int64_t r0,
@@ -148,8 +147,8 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < vocab; ++j) m = maxf(m, z[j] * inv_t);
-        /* (Prefetching the next row into L2 during this sweep, and an online max per 4 KiB
-         * block instead of the separate max sweep, both measured slower.) */
+        /* A separate max sweep, without prefetching the next row: docs/benchmarks.md compares
+         * the alternatives. */
         float s = 0.0f, tt = 0.0f;
 #pragma omp simd reduction(+ : s, tt)
         for (int64_t j = 0; j < vocab; ++j) {
