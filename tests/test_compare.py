@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from aepo_engine.config_loader import ConfigError
-from aepo_engine.experiments.compare import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
-                                             parse_order, plan_runs, resolve)
+from aepo_engine.experiments.grid import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
+                                          parse_order, plan_runs, resolve)
 from aepo_engine.experiments.results import MECHANISM_COLUMNS, aggregate, clip_steps, eval_before_check, markdown_table
 
 # A few-step run (as in test_train_e2e): small world, short responses, 2 prompts x 2 trajectories.
@@ -54,7 +54,7 @@ def test_ablations_differ_from_aepo_in_exactly_their_knob(tmp_path):
         spec, = plan_runs(tmp_path, ["embedded"], [[algorithm]], [0], [])
         return msgspec.to_builtins(resolve(spec))
 
-    from aepo_engine.experiments.compare import differences
+    from aepo_engine.experiments.grid import differences
 
     aepo = tree("aepo")
     knobs = {"aepo_no_stopgrad_clip": "policy.loss.clip", "aepo_no_entropy_advantage": "policy.loss.entropy_adv_alpha",
@@ -188,7 +188,7 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
 def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path):
     import fcntl
 
-    from aepo_engine.experiments.compare import SetupBusy, build_setup, setup_dir
+    from aepo_engine.experiments.runner import SetupBusy, build_setup, setup_dir
 
     spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
     folder = setup_dir(tmp_path, 0)
@@ -207,7 +207,7 @@ def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_pat
     import threading
     import time
 
-    from aepo_engine.experiments import compare as cmp
+    from aepo_engine.experiments import runner as cmp
 
     monkeypatch.setattr(cmp, "SETUP_RETRY_S", 0.05)
     busy_until = float("inf")  # set just before the grid starts
