@@ -144,6 +144,11 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "setup/seed0: done" in proc.stdout and not (out / "grpo").exists()
     assert (out / "_setup" / "seed0" / "setup" / "warm_start" / "DONE").exists()
+    from aepo_engine.config_loader import loads_config
+    from aepo_engine.tasks import SyntheticSetupConfig
+
+    recorded = loads_config(SyntheticSetupConfig, (out / "_setup" / "seed0" / "setup_config.toml").read_text())
+    assert recorded.tiny.hidden_size == 64 and recorded.task.warm_start.steps == 6  # TINY's, and nothing else
     proc = compare(out, results, *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (results / "compare_embedded.jsonl").read_text().splitlines()]
@@ -198,6 +203,32 @@ def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path)
         with pytest.raises(SetupBusy):
             build_setup(tmp_path, 0, resolve(spec), threads=1, wait=False)
     assert not (folder / "setup").exists()
+
+
+def test_a_setup_folder_records_the_sections_it_was_built_from(tmp_path):
+    """The record is the set-up's sections (task, model.tiny, tools); a folder recorded before,
+    with a whole run config, is still matched by those sections. Nothing is built here (the
+    markers say it is done); the smoke grid builds a real one."""
+    from aepo_engine.config_loader import dump_config, loads_config
+    from aepo_engine.experiments.grid import setup_of
+    from aepo_engine.experiments.runner import build_setup, setup_dir
+    from aepo_engine.tasks import SyntheticSetupConfig
+
+    spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
+    cfg = resolve(spec)
+    other_spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], [*TINY, "--model.tiny.num_layers=3"])
+    other = resolve(other_spec)
+    folder = setup_dir(tmp_path, 0)
+    (folder / "setup" / "warm_start").mkdir(parents=True)
+    (folder / "setup" / "warm_start" / "DONE").write_text("ok")
+    (folder / "setup" / "corpus.jsonl").write_text("")
+    for record in (dump_config(cfg), dump_config(setup_of(cfg))):  # written before / today
+        (folder / "setup_config.toml").write_text(record)
+        assert build_setup(tmp_path, 0, cfg, threads=1) == folder / "setup"
+        with pytest.raises(ConfigError, match=r"built from another set-up: model\.tiny\.num_layers \(4 vs 3\)"):
+            build_setup(tmp_path, 0, other, threads=1)
+    assert loads_config(SyntheticSetupConfig, dump_config(setup_of(cfg))) == setup_of(cfg)
+    assert "run_dir" not in dump_config(setup_of(cfg))  # the set-up's sections only
 
 
 def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_path, monkeypatch):
