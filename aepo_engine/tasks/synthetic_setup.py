@@ -105,6 +105,8 @@ def prepare_synthetic_task(setup: SyntheticSetupConfig, run_dir: Path, *, in_chi
         run_dir: the run folder; the set-up goes to ``run_dir/setup``.
         in_child: build in a child process (:func:`build_in_child`).
         log: progress messages.
+    Returns:
+        The built set-up, as every rank reads it.
     Raises:
         Unavailable: the child process failed (its own error line is printed above).
     """
