@@ -23,7 +23,7 @@ setup(
     python_requires=">=3.11",  # tomllib (config_loader)
     packages=kernel_packages + engine_packages,
     package_dir={"aepo_kernels": "kernels"},
-    package_data={"aepo_engine": ["presets/*.toml"], "aepo_kernels": ["native/*.c"]},
+    package_data={"aepo_engine": ["presets/*.toml"], "aepo_kernels": ["csrc/*.c"]},
     install_requires=[
         "torch>=2.13",
         "numpy",

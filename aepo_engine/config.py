@@ -33,7 +33,7 @@ from aepo_engine.rewards import RewardConfig
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import SEED_OFFSETS
-from aepo_engine.tasks import TaskConfig
+from aepo_engine.tasks.config import TaskConfig
 from aepo_engine.tools import ToolsConfig, registered_tools
 from aepo_engine.training.optim import OptimConfig
 from aepo_engine.training.policy import PolicyConfig

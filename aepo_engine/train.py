@@ -6,7 +6,7 @@ One step (docs/algorithm.md):
     updates with the fused AEPO loss (§2b-2d; token-mean over the global token count) ->
     gradient clipping (a non-finite norm skips the step) -> AdamW -> push the weights to the
     rollout backend -> metrics, samples, checkpoint.
-With no arguments it runs the embedded preset (see :mod:`aepo_engine.default_setup`): a
+With no arguments it runs the embedded preset (see :mod:`aepo_engine.tasks.synthetic_setup`): a
 generated tool-use task, a tiny local Qwen3, a warm start, then AEPO; held-out accuracy is
 measured before and after RL. ``--preset NAME`` (repeatable: ``--preset embedded --preset grpo``)
 and ``--config FILE`` load presets and files (see :mod:`aepo_engine.config`); ``-h`` lists every
@@ -85,7 +85,8 @@ class Trainer:
         self.rank, self.world, _ = distributed.init_distributed()
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
-        task = prepare_task(cfg, self.run_dir, log=_log)
+        task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,
+                            setup_in_child=cfg.backend.kind == "vllm", log=_log)
         self.model_dir, self.tools_config = task.model_dir, task.tools_config
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.train_examples = fit_prompts(task.train_examples, self.prompt_length, cfg.data, "train")

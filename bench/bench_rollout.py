@@ -143,14 +143,14 @@ MODEL_SHAPE = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, 
 def warm_start(out_dir: str, task: SyntheticTask, steps: int, seed: int, lr: float = 3e-3,
                shape: dict[str, int] | None = None) -> dict[str, Any]:
     """Build a tiny Qwen3 in ``out_dir`` and warm-start it ``steps`` SFT steps on gold demonstrations
-    (``aepo_engine.default_setup.warm_start``, the embedded default's own routine).
+    (``aepo_engine.tasks.synthetic_setup.warm_start``, the embedded default's own routine).
 
     Demonstrations take their tool results from ``reference_tool_fn`` (exact lookup, the same
     ``Page 1: ...`` text BM25 top-1 returns for a correct query) so that no sandbox runs here.
     ``shape`` overrides ``MODEL_SHAPE`` (the smoke test uses a smaller model). Returns a
     description of the model for the rows.
     """
-    from aepo_engine.default_setup import warm_start as sft_warm_start
+    from aepo_engine.tasks.synthetic_setup import warm_start as sft_warm_start
     from aepo_engine.models import build_tiny_qwen3
     from aepo_engine.sft import SFTConfig
     from aepo_engine.tasks.synthetic import SYSTEM_PROMPT, make_demonstrations, reference_tool_fn

@@ -102,7 +102,7 @@ def measure(run_dir: Path, num_questions: int, which: str = "warm_start") -> dic
 
     from aepo_engine.config import TrainConfig
     from aepo_engine.config_loader import load_config
-    from aepo_engine.default_setup import synthetic_tools_config, tool_fn_from_runner
+    from aepo_engine.tasks.synthetic_setup import synthetic_tools_config, tool_fn_from_runner
     from aepo_engine.sft import tokenize_example
     from aepo_engine.tasks.synthetic import make_demonstrations, make_task
     from aepo_engine.tools import ToolRunner, build_tools

@@ -49,8 +49,9 @@ from torch import nn
 from .config import LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
 from .logits_ops import _as_3d, _resolve_backend, logit_map, logprob_entropy, shift_labels_left, shift_to_labels
-from .one_pass import OnePassLossFunction, RowInputs, aggregation_weights, one_pass_loss_traceable
+from .one_pass import OnePassLossFunction, aggregation_weights, one_pass_loss_traceable
 from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
+from .row_inputs import RowInputs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,11 +6,17 @@ Triton launch (never a ``tl.constexpr``), so changing an epsilon never recompile
 
 This is a plain dataclass so ``aepo_kernels`` depends on torch (and triton) only; msgspec decodes
 it directly, so the engine's config embeds it as its ``loss`` section with no second copy.
+
+Beside it, the one order every backend reads the hyper-parameters in (:data:`HYPER_PARAMS`,
+:func:`hyper_params`): the torch path's vector, the Triton kernel's scalar arguments and the C
+kernel's ``hyper_t`` struct (``csrc/one_pass_rows.c``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional
+
+import torch
 
 ClipRule = Literal["ppo", "aepo", "gppo", "cispo"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -78,3 +84,23 @@ class LossConfig:
             raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp}: must be > 0")
         if self.seq_norm_length is not None and self.seq_norm_length <= 0:
             raise ValueError(f"seq_norm_length={self.seq_norm_length}: must be positive")
+
+
+# The order of the hyper-parameter vector (torch path), of the Triton kernel's scalar arguments and
+# of the C kernel's ``hyper_t`` struct; :func:`hyper_params` appends the clip rule and has_ref.
+HYPER_PARAMS = ("eps_low", "eps_high", "dual_clip", "log_ratio_clamp", "entropy_adv_alpha", "kl_coef", "entropy_coef")
+
+
+def hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device) -> torch.Tensor:
+    """The loss's hyper-parameters as one runtime tensor, so no new value -- not even a new clip
+    rule -- recompiles anything.
+
+    Args:
+        config: the loss's hyper-parameters.
+        has_ref: whether reference log-probs are given (the KL term reads them).
+        dtype, device: of the returned tensor.
+    Returns:
+        ``[9]``: :data:`HYPER_PARAMS`, the clip rule's index in :data:`CLIP_RULES`, and 1/0 for has_ref.
+    """
+    values = [float(getattr(config, name)) for name in HYPER_PARAMS]
+    return torch.tensor([*values, CLIP_RULES.index(config.clip), float(has_ref)], dtype=dtype, device=device)

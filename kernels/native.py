@@ -1,4 +1,4 @@
-"""The native CPU row kernel of the one-pass loss: ``native/one_pass_rows.c``, built on first use.
+"""The native CPU row kernel of the one-pass loss: ``csrc/one_pass_rows.c``, built on first use.
 
 Why a hand-written kernel beside the compiled torch path: inductor turns the stats sweep, the
 per-token head and the gradient sweep into separate loops over all rows of a chunk, so the
@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 
 from .compile import c_compiler, give_toolchain_notice
-from .config import LossConfig
+from .config import LossConfig, hyper_params
+from .row_inputs import RowInputs
 
-SOURCE = Path(__file__).with_name("native") / "one_pass_rows.c"
+SOURCE = Path(__file__).with_name("csrc") / "one_pass_rows.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
 _ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2  # logits, out with their strides
@@ -158,7 +159,7 @@ def exp_nonpos(x: torch.Tensor) -> torch.Tensor:
 _MIN_ELEMS_PER_THREAD = 1 << 18
 
 
-def native_one_pass(logits, labels, inputs, config: LossConfig, inv_t: float, ignore_index: int, out,
+def native_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int, out,
                     tanh_scale: float | None = None) -> torch.Tensor:
     """The one-pass loss (contract of :func:`aepo_kernels.one_pass.torch_one_pass`) through the
     native kernel: returns rows ``[6, B, T]`` fp32, writes dlogits into ``out`` (may be ``logits``)."""
@@ -174,8 +175,6 @@ def native_one_pass(logits, labels, inputs, config: LossConfig, inv_t: float, ig
     keep = [labels.reshape(n_rows).to(torch.int64).contiguous(), flat(inputs.old_logprobs),
             flat(inputs.advantages), flat(inputs.weight), flat(inputs.ref_or_old),
             torch.stack([inputs.entropy_mean.reshape(()), inputs.entropy_std.reshape(())]).to(torch.float32)]
-    from .one_pass import hyper_params  # the C struct hyper_t has its order (one_pass imports this module)
-
     hp = hyper_params(config, inputs.ref_logprobs is not None, torch.float32, "cpu")
     threads = max(1, min(torch.get_num_threads(), n_rows, (n_rows * vocab) // _MIN_ELEMS_PER_THREAD or 1))
     scratch = torch.empty(threads, vocab, dtype=torch.float32) if out.data_ptr() == logits.data_ptr() else None

@@ -44,56 +44,16 @@ whose logits are all ``-inf`` are not.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.autograd.graph import increment_version
 
 from . import native
 from .compile import compiled
-from .config import CLIP_RULES, LossConfig
+from .config import HYPER_PARAMS, LossConfig, hyper_params
 from .logits_ops import (
     _row_chunks, accumulate_dtype, fast_chunk_grad_inplace, fast_chunk_grad_into, fast_chunk_stats, finish_stats, map_logits,
 )
-
-# The order of the hyper-parameter vector (torch path) and of the Triton kernel's scalar arguments.
-HYPER_PARAMS = ("eps_low", "eps_high", "dual_clip", "log_ratio_clamp", "entropy_adv_alpha", "kl_coef", "entropy_coef")
-
-
-@dataclass(frozen=True)
-class RowInputs:
-    """Per-token inputs of the one-pass loss, all ``[B, T]`` float (``ref_logprobs`` optional).
-
-    ``weight`` is the aggregation weight w_t (0 on masked tokens); ``entropy_mean``/``entropy_std``
-    are 0-d tensors. Per-token importance weights are already folded into ``advantages``
-    (:func:`aepo_kernels.apply_token_weights`).
-    """
-
-    old_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    weight: torch.Tensor
-    entropy_mean: torch.Tensor
-    entropy_std: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-
-    @property
-    def ref_or_old(self) -> torch.Tensor:
-        """The reference log-probs, or a stand-in of the same shape when there are none."""
-        return self.old_logprobs if self.ref_logprobs is None else self.ref_logprobs
-
-    def rows(self, b, rows: slice) -> "RowInputs":
-        """Rows ``rows`` of sequence ``b`` (an int: ``[R]`` fields; a slice: ``[b, R]`` fields)."""
-        pick = lambda t: None if t is None else t[b, rows]  # noqa: E731
-        return RowInputs(pick(self.old_logprobs), pick(self.advantages), pick(self.weight),
-                         self.entropy_mean, self.entropy_std, pick(self.ref_logprobs))
-
-
-def hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device) -> torch.Tensor:
-    """``[9]`` tensor: :data:`HYPER_PARAMS`, the clip rule's index in ``CLIP_RULES``, and 1/0 for
-    reference log-probs given. A tensor, so no new value -- not even a new clip rule -- recompiles."""
-    values = [float(getattr(config, name)) for name in HYPER_PARAMS]
-    return torch.tensor([*values, CLIP_RULES.index(config.clip), float(has_ref)], dtype=dtype, device=device)
-
+from .row_inputs import RowInputs
 
 # ---------------------------------------------------------------------------------------------
 # The per-token head: values and explicit derivatives.
@@ -105,7 +65,7 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
     Args:
         logp, entropy: current log-probs and entropies (values; their dtype is the math dtype).
         old_logp, adv, ref_logp: per-token inputs (``ref_logp`` is ignored when hp says it is
-            absent); ent_mean, ent_std: 0-d statistics. hp: :func:`hyper_params` vector.
+            absent); ent_mean, ent_std: 0-d statistics. hp: the :func:`aepo_kernels.config.hyper_params` vector.
     Returns:
         ``(loss, d_logp, d_entropy, ratio, shaped_adv, kl)`` -- kl is 0 without reference log-probs.
     The derivatives are those autograd finds for :func:`policy_loss.clipped_token_loss` (+ KL and
@@ -158,9 +118,8 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
 
 # ---------------------------------------------------------------------------------------------
 # The fast CPU path: per row chunk, the stats sweep, the head and the gradient sweep, each a
-# compiled function (the first and last are logits_ops' own chunk kernels, so the CPU sweeps are
-# the measured ones of logprob_entropy). One compiled function for all three was also tried:
-# inductor generates it as one kernel, and it was not faster here.
+# compiled function (the first and last are logits_ops' own chunk kernels, shared with
+# logprob_entropy). Why three functions and not one: docs/benchmarks.md.
 
 
 def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t, tanh_scale=None):
@@ -194,9 +153,9 @@ def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t:
     local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
     local = torch.where(local < vocab, local, torch.full_like(local, -1))
     rows_out = torch.empty(6, batch, seq, dtype=acc, device=logits.device)
-    # The row chunks of logprob_entropy's CPU path (whole sequences when compiled). Smaller chunks,
-    # to find a chunk in cache for the second sweep, measured slower: 3-4x per element with 6-row
-    # chunks at V=151,936 (the compiled calls' per-call and per-thread overheads dominate).
+    # The row chunks of logprob_entropy's CPU path (whole sequences when compiled): chunks small
+    # enough to stay in cache for the second sweep lose more to the compiled calls' per-call and
+    # per-thread overheads than they gain (docs/benchmarks.md).
     for b, rows in _row_chunks(logits):
         part, z, labels_part = inputs.rows(b, rows), logits[b, rows], local[b, rows]
         stats = fast_chunk_stats(z, inv_t, tanh_scale)

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import CLIP_RULES, LossConfig
+from .config import CLIP_RULES, HYPER_PARAMS, LossConfig
+from .row_inputs import RowInputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -342,8 +343,7 @@ def _one_pass_launch(logits, labels, inputs, config, inv_t: float, ignore_index:
             labels.contiguous(), flat(inputs.old_logprobs), flat(inputs.advantages), flat(inputs.weight),
             flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()),
             rows, n_rows, seq, vocab, inv_t, tanh_scale or 0.0, ignore_index,
-            float(config.eps_low), float(config.eps_high), float(config.dual_clip), float(config.log_ratio_clamp),
-            float(config.entropy_adv_alpha), float(config.kl_coef), float(config.entropy_coef),
+            *(float(getattr(config, name)) for name in HYPER_PARAMS),
             CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None))
     return Launch(_aepo_one_pass_kernel, (n_rows,), args, dict(BLOCK_V=block_v, num_warps=num_warps)), rows
 
@@ -381,8 +381,6 @@ def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str
     logits, whose layout may differ). :mod:`aepo_kernels.triton_targets` compiles these for GPU
     targets, so its signatures are the launchers' own. A new kernel must be added here
     (tests/test_triton_targets.py checks that every ``*_kernel`` of this module is)."""
-    from .one_pass import RowInputs  # one_pass imports this module lazily: no cycle
-
     batch, seq, vocab = logits.shape
     like = lambda dtype=torch.float32: torch.zeros(batch, seq, dtype=dtype, device=logits.device)  # noqa: E731
     labels = like(torch.int64)

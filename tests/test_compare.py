@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from aepo_engine.config_loader import ConfigError
-from aepo_engine.experiments.compare import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
-                                             parse_order, plan_runs, resolve)
+from aepo_engine.experiments.grid import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
+                                          parse_order, plan_runs, resolve)
 from aepo_engine.experiments.results import MECHANISM_COLUMNS, aggregate, clip_steps, eval_before_check, markdown_table
 
 # A few-step run (as in test_train_e2e): small world, short responses, 2 prompts x 2 trajectories.
@@ -54,7 +54,7 @@ def test_ablations_differ_from_aepo_in_exactly_their_knob(tmp_path):
         spec, = plan_runs(tmp_path, ["embedded"], [[algorithm]], [0], [])
         return msgspec.to_builtins(resolve(spec))
 
-    from aepo_engine.experiments.compare import differences
+    from aepo_engine.experiments.grid import differences
 
     aepo = tree("aepo")
     knobs = {"aepo_no_stopgrad_clip": "policy.loss.clip", "aepo_no_entropy_advantage": "policy.loss.entropy_adv_alpha",
@@ -144,6 +144,11 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "setup/seed0: done" in proc.stdout and not (out / "grpo").exists()
     assert (out / "_setup" / "seed0" / "setup" / "warm_start" / "DONE").exists()
+    from aepo_engine.config_loader import loads_config
+    from aepo_engine.tasks import SyntheticSetupConfig
+
+    recorded = loads_config(SyntheticSetupConfig, (out / "_setup" / "seed0" / "setup_config.toml").read_text())
+    assert recorded.tiny.hidden_size == 64 and recorded.task.warm_start.steps == 6  # TINY's, and nothing else
     proc = compare(out, results, *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (results / "compare_embedded.jsonl").read_text().splitlines()]
@@ -188,7 +193,7 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
 def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path):
     import fcntl
 
-    from aepo_engine.experiments.compare import SetupBusy, build_setup, setup_dir
+    from aepo_engine.experiments.runner import SetupBusy, build_setup, setup_dir
 
     spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
     folder = setup_dir(tmp_path, 0)
@@ -200,6 +205,32 @@ def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path)
     assert not (folder / "setup").exists()
 
 
+def test_a_setup_folder_records_the_sections_it_was_built_from(tmp_path):
+    """The record is the set-up's sections (task, model.tiny, tools); a folder recorded before,
+    with a whole run config, is still matched by those sections. Nothing is built here (the
+    markers say it is done); the smoke grid builds a real one."""
+    from aepo_engine.config_loader import dump_config, loads_config
+    from aepo_engine.experiments.grid import setup_of
+    from aepo_engine.experiments.runner import build_setup, setup_dir
+    from aepo_engine.tasks import SyntheticSetupConfig
+
+    spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
+    cfg = resolve(spec)
+    other_spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], [*TINY, "--model.tiny.num_layers=3"])
+    other = resolve(other_spec)
+    folder = setup_dir(tmp_path, 0)
+    (folder / "setup" / "warm_start").mkdir(parents=True)
+    (folder / "setup" / "warm_start" / "DONE").write_text("ok")
+    (folder / "setup" / "corpus.jsonl").write_text("")
+    for record in (dump_config(cfg), dump_config(setup_of(cfg))):  # written before / today
+        (folder / "setup_config.toml").write_text(record)
+        assert build_setup(tmp_path, 0, cfg, threads=1) == folder / "setup"
+        with pytest.raises(ConfigError, match=r"built from another set-up: model\.tiny\.num_layers \(4 vs 3\)"):
+            build_setup(tmp_path, 0, other, threads=1)
+    assert loads_config(SyntheticSetupConfig, dump_config(setup_of(cfg))) == setup_of(cfg)
+    assert "run_dir" not in dump_config(setup_of(cfg))  # the set-up's sections only
+
+
 def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_path, monkeypatch):
     """Seed 1's set-up is busy (another process) for a while: seed 0's runs go meanwhile, seed 1's
     wait and then run; nothing is marked failed. Set-up and training are stand-ins here (the
@@ -207,7 +238,7 @@ def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_pat
     import threading
     import time
 
-    from aepo_engine.experiments import compare as cmp
+    from aepo_engine.experiments import runner as cmp
 
     monkeypatch.setattr(cmp, "SETUP_RETRY_S", 0.05)
     busy_until = float("inf")  # set just before the grid starts

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from aepo_kernels import LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss, native
-from aepo_kernels.one_pass import RowInputs, aggregation_weights, torch_one_pass
+from aepo_kernels.one_pass import aggregation_weights, torch_one_pass
 from aepo_kernels.reference import aepo_loss_reference
+from aepo_kernels.row_inputs import RowInputs
 
 
 def _inputs(batch, seq, vocab, seed, scale=2.0):

@@ -6,7 +6,8 @@ import torch
 from aepo_kernels import LossConfig, aepo_policy_loss, aggregate, fused_linear_aepo_policy_loss
 from aepo_kernels import one_pass
 from aepo_kernels.compile import CompiledFunction
-from aepo_kernels.one_pass import aggregation_weights, hyper_params, token_head
+from aepo_kernels.config import hyper_params
+from aepo_kernels.one_pass import aggregation_weights, token_head
 from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 
 from conftest import backend_params, triton_available

@@ -28,7 +28,7 @@ def _backward_args():
 
 
 def _one_pass_args():
-    from aepo_kernels.one_pass import RowInputs
+    from aepo_kernels.row_inputs import RowInputs
 
     args = _forward_args()
     inputs = RowInputs(torch.zeros(B, T), torch.ones(B, T), torch.full((B, T), 1 / 6), torch.tensor(1.0),

@@ -35,7 +35,7 @@ def test_wheel_holds_every_module_of_the_source_tree(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("aepo_engine-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = source_files()
-    assert "aepo_engine/rollout/scheduler.py" in wanted and "aepo_kernels/native/one_pass_rows.c" in wanted
+    assert "aepo_engine/rollout/scheduler.py" in wanted and "aepo_kernels/csrc/one_pass_rows.c" in wanted
     assert "aepo_engine/presets/embedded.toml" in wanted
     missing = sorted(wanted - names)
     assert not missing, f"left out of the wheel: {missing}"

@@ -216,7 +216,8 @@ def test_config_rejects_bad_family_values():
 
 def test_the_preset_stacks_on_embedded_and_refuses_a_search_that_cuts_the_listing(tmp_path):
     from aepo_engine.config import load_train_config
-    from aepo_engine.default_setup import prepare_synthetic_run
+    from aepo_engine.tasks import SyntheticSetupConfig
+    from aepo_engine.tasks.synthetic_setup import prepare_synthetic_run
 
     cfg = load_train_config(["--preset", "embedded", "--preset", "namesakes"])
     synthetic = cfg.task.synthetic
@@ -226,7 +227,7 @@ def test_the_preset_stacks_on_embedded_and_refuses_a_search_that_cuts_the_listin
     assert {q.kind for q in task.train} == {"namesake"} and len(task.heldout) == cfg.eval.num_questions
     short = load_train_config(["--preset", "embedded", "--preset", "namesakes", "--tools.search.topk", "2"])
     with pytest.raises(ValueError, match="topk"):
-        prepare_synthetic_run(short, tmp_path)
+        prepare_synthetic_run(SyntheticSetupConfig(task=short.task, tiny=short.model.tiny, tools=short.tools), tmp_path)
     assert not (tmp_path / "setup").exists()  # refused before building anything
 
 

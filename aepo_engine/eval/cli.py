@@ -235,8 +235,9 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
     from aepo_engine.rewards import build_reward_fn
     from aepo_engine.tasks import prepare_task
 
-    run = msgspec.structs.replace(source.train_config, backend=cfg.backend)  # set-up in a child for vLLM
-    task = prepare_task(run, source.run_dir, log=lambda _: None)
+    run = source.train_config
+    task = prepare_task(run.task, run.model, run.tools, run.data, source.run_dir,
+                        setup_in_child=cfg.backend.kind == "vllm", log=lambda _: None)
     examples = task.eval_examples[: ev.num_questions or None]
     if not examples:
         raise ConfigError(f"run {source.run_dir} has no held-out set; give --data NAME|FILE")

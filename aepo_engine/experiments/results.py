@@ -27,6 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from aepo_engine.experiments.grid import read_grid_file
 from aepo_engine.metrics import read_metrics
 
 __all__ = ["CURVES", "aggregate", "collect_rows", "markdown_table", "run_row", "summarize_grid"]
@@ -379,7 +380,7 @@ def plot_premonitoring(rows: Sequence[dict[str, Any]], algorithms: Sequence[str]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from aepo_engine.rollout.scheduler import global_sample_count
+    from aepo_engine.algorithms.branching import global_sample_count
 
     points: dict[str, list[tuple[float, float, float, float]]] = {}
     rule = None
@@ -423,8 +424,6 @@ def plot_premonitoring(rows: Sequence[dict[str, Any]], algorithms: Sequence[str]
 def summarize_grid(out: Path, results_dir: Path) -> str:
     """Rebuild rows, table and plots of the grid under ``out`` (its ``grid.json`` names the task,
     algorithms and seeds); returns the Markdown report (also written to the results folder)."""
-    from aepo_engine.experiments.compare import read_grid_file
-
     grid = read_grid_file(out)
     if grid is None:
         raise FileNotFoundError(f"{out / 'grid.json'} not found: is {out} a grid started by the compare command?")

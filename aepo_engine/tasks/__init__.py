@@ -1,12 +1,14 @@
 """What a run trains on: the ``task`` config section and the task-preparation seam.
 
-``prepare_task(cfg, run_dir)`` returns a :class:`PreparedTask` - the model directory to train, the
-tools config the rollouts use, and the train / eval examples - whatever the source:
+``prepare_task(task, model, tools, data, run_dir)`` returns a :class:`PreparedTask` - the model
+directory to train, the tools config the rollouts use, and the train / eval examples - whatever
+the source:
 
 - ``"files"``: ``model.path`` and ``data.train_files`` / ``data.eval_files`` (see ``aepo_engine.data``);
-  the tools are ``cfg.tools`` as configured.
+  the tools are the ``tools`` section as configured.
 - ``"synthetic"``: the generated knowledge-base task of the embedded preset
-  (``aepo_engine.default_setup``): its own search corpus, a tiny local Qwen3 and a warm start.
+  (``aepo_engine.tasks.synthetic_setup``): its own search corpus, a tiny local Qwen3 and a warm
+  start, built from the sections of :class:`SyntheticSetupConfig` alone.
 
 The trainer only sees a ``PreparedTask``; a new task source is one more preparer here.
 The generated task itself lives in ``aepo_engine.tasks.synthetic``.
@@ -15,35 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Callable
 
-import msgspec
-
-from aepo_engine.sft import SFTConfig
-from aepo_engine.tasks.synthetic import SyntheticTaskConfig
+from aepo_engine.tasks.config import SyntheticSetupConfig, TaskConfig
 
 if TYPE_CHECKING:
-    from aepo_engine.data import Example
+    from aepo_engine.data import DataConfig, Example
+    from aepo_engine.models.config import ModelConfig
     from aepo_engine.tools.config import ToolsConfig
 
-__all__ = ["PreparedTask", "TaskConfig", "prepare_task"]
-
-
-class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """What the agent is trained on.
-
-    Attributes:
-        source: "files" (model.path and data.train_files / data.eval_files) or "synthetic" (the
-            generated knowledge-base task of the embedded preset, with its own search corpus).
-        synthetic: size and mix of the generated task (synthetic only).
-        warm_start: supervised warm start on generated demonstrations before RL (synthetic only).
-        warm_start_enabled: run the warm start (synthetic only).
-    """
-
-    source: Literal["files", "synthetic"] = "files"
-    synthetic: SyntheticTaskConfig = msgspec.field(default_factory=SyntheticTaskConfig)
-    warm_start: SFTConfig = msgspec.field(default_factory=SFTConfig)
-    warm_start_enabled: bool = True
+__all__ = ["PreparedTask", "SyntheticSetupConfig", "TaskConfig", "prepare_task"]
 
 
 @dataclass
@@ -63,26 +46,32 @@ class PreparedTask:
     eval_examples: "list[Example]"
 
 
-def prepare_files_task(cfg: Any, run_dir: Path, log: Callable[[str], None]) -> PreparedTask:
-    """``task.source = "files"``: the configured model, tools and data files."""
-    from aepo_engine.data import load_examples
-
-    train = load_examples(cfg.data.train_files, cfg.data)
-    evals = load_examples(cfg.data.eval_files, cfg.data) if cfg.data.eval_files else []
-    log(f"[data] {len(train)} train / {len(evals)} eval examples")
-    return PreparedTask(cfg.model.path, cfg.tools, train, evals)
-
-
-def prepare_task(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> PreparedTask:
-    """Prepare ``cfg.task.source`` for a run in ``run_dir`` (collective under torchrun).
+def prepare_task(task: TaskConfig, model: "ModelConfig", tools: "ToolsConfig", data: "DataConfig", run_dir: Path, *,
+                 setup_in_child: bool = False, log: Callable[[str], None] = print) -> PreparedTask:
+    """Prepare ``task.source`` for a run in ``run_dir`` (collective under torchrun).
 
     Args:
-        cfg: the ``TrainConfig``.
+        task, model, tools, data: the run config's sections of those names.
         run_dir: the run folder (the synthetic task builds its files under ``run_dir/setup``).
+        setup_in_child: build the synthetic set-up in a child process (the trainer asks for it
+            with a vLLM backend: the set-up's search index loads numba, after which a vLLM-CPU
+            engine cannot start in the same process).
         log: progress messages (the trainer passes a rank-0 printer).
+    Returns:
+        The model directory, tools and examples of the run. With the synthetic task a non-empty
+        ``model.path`` replaces the model the set-up built.
     """
-    if cfg.task.source == "synthetic":
-        from aepo_engine.default_setup import prepare_synthetic_task
+    if task.source == "synthetic":
+        from aepo_engine.tasks.synthetic_setup import prepare_synthetic_task, synthetic_example
 
-        return prepare_synthetic_task(cfg, run_dir, log)
-    return prepare_files_task(cfg, run_dir, log)
+        setup = SyntheticSetupConfig(task=task, tiny=model.tiny, tools=tools)
+        run = prepare_synthetic_task(setup, run_dir, in_child=setup_in_child, log=log)
+        return PreparedTask(model_dir=str(model.path or run.model_dir), tools_config=run.tools_config,
+                            train_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.train)],
+                            eval_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.heldout)])
+    from aepo_engine.data import load_examples
+
+    train = load_examples(data.train_files, data)
+    evals = load_examples(data.eval_files, data) if data.eval_files else []
+    log(f"[data] {len(train)} train / {len(evals)} eval examples")
+    return PreparedTask(model.path, tools, train, evals)

@@ -51,7 +51,8 @@ from torch import Tensor
 
 from aepo_engine.training.batch import TOKEN_ORIGINS
 from aepo_kernels import LossConfig
-from aepo_kernels.one_pass import hyper_params, token_head
+from aepo_kernels.config import hyper_params
+from aepo_kernels.one_pass import token_head
 
 __all__ = ["GROUPS", "HIGH_ENTROPY_SHARE", "SHARES", "SUMS", "high_entropy_threshold", "summarise", "token_sums",
            "variant_configs"]

