@@ -52,6 +52,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         skip_without_sandbox()
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One finished run of the tiny preset (tests/runs.py ``TINY`` + ``TINY_RUN``: 3 steps, a
+    checkpoint each, compiled CPU kernels as a user's run has them), made once per session for the
+    tests that read a run's outputs. Tests that use it carry the ``sandbox`` marker (the run calls
+    the python tool)."""
+    from runs import TINY_RUN, child_env, train
+
+    run_dir = tmp_path_factory.mktemp("tiny_run") / "run"
+    proc = train(run_dir, *TINY_RUN, env=child_env(compiled=True))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
+
+
 def vllm_missing() -> str | None:
     """Why ``import vllm`` fails here (None when it works): the skip reason of the vLLM tests."""
     try:

@@ -16,28 +16,11 @@ import time
 import pytest
 import torch
 from conftest import vllm_missing
-
-PROMPT_TEXTS = ["hello", "what is the population of France?", "compute 3 * 7 in python", "hi"]
-NOISE_SEED = 1234
+from vllm_cases import _hf_recompute, _prompts, perturbed_state_dict
 
 
 # ---------------------------------------------------------------------------------------------
 # The subprocess side (runs only under `python tests/test_backends_vllm.py MODEL_DIR OUT_JSON`).
-def _prompts(tokenizer) -> list[list[int]]:
-    shared = "You are a careful research agent. Use <search> and <python> tools. " * 3
-    msgs = [[{"role": "system", "content": shared}, {"role": "user", "content": t}] for t in PROMPT_TEXTS]
-    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]) for m in msgs]
-
-
-def perturbed_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
-    """The weights pushed by the update test (deterministic, so both sides can rebuild them)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(NOISE_SEED)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
-
-
 def _dump(outputs) -> list[dict]:
     return [dict(token_ids=o.token_ids, logprobs=o.logprobs, entropies=o.entropies,
                  finish_reason=o.finish_reason, stop_string=o.stop_string, text=o.text,
@@ -121,22 +104,6 @@ def run(tmp_path_factory):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return model_dir, json.loads(out.read_text())
-
-
-def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperature: float,
-                  state_dict=None, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-forward log pi(token) and exact entropy at each generated position."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
-    logp = torch.log_softmax(logits / temperature, -1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0], entropy
 
 
 def test_engine_setup(run):

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import vllm_missing
-
-from test_backends_vllm import _hf_recompute, _prompts, perturbed_state_dict
+from runs import dist_tests
+from vllm_cases import _hf_recompute, _prompts, perturbed_state_dict
 
 SKIP_REASON = vllm_missing()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -147,9 +147,9 @@ def test_sleep_needs_sleep_mode_and_cuda(report):
             VLLMBackend("unused", sleep_level=2)
 
 
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@dist_tests
 def test_two_ranks_form_one_tensor_parallel_engine(report, tmp_path):
-    from test_fsdp_invariance import launch_torchrun
+    from runs import launch_torchrun
 
     model_dir, _ = report
     out = tmp_path / "tp.json"

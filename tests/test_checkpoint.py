@@ -16,8 +16,7 @@ import torch
 
 from aepo_engine import checkpoint as ckpt_mod
 from aepo_engine.checkpoint import CheckpointManager, find_latest
-
-REPO = Path(__file__).resolve().parents[1]
+from runs import REPO, dist_tests, launch_torchrun
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -375,24 +374,15 @@ _FSDP_WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") != "1", reason="set AEPO_DIST_TESTS=1 (spawns 2 gloo ranks)")
+@dist_tests
+@pytest.mark.slow
 def test_fsdp2_sharded_save_load_and_full_hf_export(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_FSDP_WORKER)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-               str(script), str(tmp_path / "ckpt")]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # own process group: a hang kills the ranks too
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    stdout = launch_torchrun([str(script), str(tmp_path / "ckpt")], timeout=240)
     result = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-    report = f"rc={proc.returncode}\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-4000:]}"
-    assert proc.returncode == 0 and result, report
+    report = stdout[-4000:]
+    assert result, report
     assert "HF_RESULT True" in stdout, report
     assert result[0] == ("RESULT 2 {'k': 1} True [('0.bias', (16,)), ('0.weight', (16, 8)), "
                          "('2.bias', (4,)), ('2.weight', (4, 16))]")

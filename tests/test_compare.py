@@ -15,17 +15,11 @@ from aepo_engine.config_loader import ConfigError
 from aepo_engine.experiments.grid import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
                                           parse_order, plan_runs, resolve)
 from aepo_engine.experiments.results import MECHANISM_COLUMNS, aggregate, clip_steps, eval_before_check, markdown_table
+from runs import child_env
 
-# A few-step run (as in test_train_e2e): small world, short responses, 2 prompts x 2 trajectories.
-TINY = [
-    "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
-    "--task.synthetic.num_heldout=4", "--task.warm_start.steps=6", "--task.warm_start.warmup_steps=1",
-    "--task.warm_start.batch_size=8", "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
-    "--rollout.k=2", "--rollout.max_response_tokens=40", "--rollout.max_tokens_per_segment=24",
-    "--train.steps=2", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
-    "--eval.num_questions=2", "--eval.samples=2", "--checkpoint.every_n_steps=0",
-    "--logging.tensorboard=off", "--logging.plots_at_end=false",
-]
+# The grid on the tiny preset (tests/runs.py): task presets embedded + tiny, 2 steps, no checkpoints.
+TASK = ["embedded", "tiny"]
+TINY = ["--train.steps=2", "--eval.samples=2", "--checkpoint.every_n_steps=0", "--logging.plots_at_end=false"]
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -131,9 +125,9 @@ def test_clip_steps_and_mechanism_table_by_hand():
 # --- the smoke grid ------------------------------------------------------------------------------
 
 def compare(out: Path, results: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "aepo_engine.experiments.compare", "--algorithms", "grpo,aepo", "--seeds", "0",
-            f"--out={out}", f"--results-dir={results}", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    argv = [sys.executable, "-m", "aepo_engine.experiments.compare", "--task", *TASK, "--algorithms", "grpo,aepo",
+            "--seeds", "0", f"--out={out}", f"--results-dir={results}", *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900, env=child_env())
 
 
 @pytest.mark.sandbox
@@ -151,18 +145,18 @@ def test_smoke_grid_rows_table_plots_resume(tmp_path):
     assert recorded.tiny.hidden_size == 64 and recorded.task.warm_start.steps == 6  # TINY's, and nothing else
     proc = compare(out, results, *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (results / "compare_embedded.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (results / "compare_tiny.jsonl").read_text().splitlines()]
     assert [(r["algorithm"], r["seed"]) for r in rows] == [("grpo", 0), ("aepo", 0)]
     for r in rows:
         assert 0 <= r["accuracy_before"] <= 1 and 0 <= r["accuracy_after"] <= 1 and r["steps"] == 2
         assert r["tokens_generated"] > 0 and r["step_s"] > 0 and r["pass_at_n"] == 2
         assert "loss/entropy" in r["metrics_mean"] and r["commit"] is not None
-    table = (results / "compare_embedded.md").read_text()
+    table = (results / "compare_tiny.md").read_text()
     assert "| grpo | 0 |" in table and "| aepo | 0 |" in table and "No run missing." in table
     assert "seed 0: identical across 2 runs" in table  # same model, same evaluation draws
     assert "Mechanisms" in table and "| aepo | 0 |" in table.split("Mechanisms")[1]
     assert all("loss/cf/kept_frac" in r["metrics_mean"] and "rollout/m_min" in r["metrics_mean"] for r in rows)
-    for name in ("compare_embedded_accuracy.png", "compare_embedded_curves.png", "compare_embedded_premonitoring.png"):
+    for name in ("compare_tiny_accuracy.png", "compare_tiny_curves.png", "compare_tiny_premonitoring.png"):
         assert (results / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The set-up was built once and hard-linked into both runs.
     shared = out / "_setup" / "seed0" / "setup" / "warm_start" / "model.safetensors"
@@ -195,7 +189,7 @@ def test_a_setup_another_process_builds_is_not_waited_for_without_wait(tmp_path)
 
     from aepo_engine.experiments.runner import SetupBusy, build_setup, setup_dir
 
-    spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
+    spec, = plan_runs(tmp_path, TASK, [["grpo"]], [0], TINY)
     folder = setup_dir(tmp_path, 0)
     folder.mkdir(parents=True)
     with (folder / ".lock").open("w") as held:
@@ -214,9 +208,9 @@ def test_a_setup_folder_records_the_sections_it_was_built_from(tmp_path):
     from aepo_engine.experiments.runner import build_setup, setup_dir
     from aepo_engine.tasks import SyntheticSetupConfig
 
-    spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], TINY)
+    spec, = plan_runs(tmp_path, TASK, [["grpo"]], [0], TINY)
     cfg = resolve(spec)
-    other_spec, = plan_runs(tmp_path, ["embedded"], [["grpo"]], [0], [*TINY, "--model.tiny.num_layers=3"])
+    other_spec, = plan_runs(tmp_path, TASK, [["grpo"]], [0], [*TINY, "--model.tiny.num_layers=3"])
     other = resolve(other_spec)
     folder = setup_dir(tmp_path, 0)
     (folder / "setup" / "warm_start").mkdir(parents=True)
@@ -232,21 +226,20 @@ def test_a_setup_folder_records_the_sections_it_was_built_from(tmp_path):
 
 
 def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_path, monkeypatch):
-    """Seed 1's set-up is busy (another process) for a while: seed 0's runs go meanwhile, seed 1's
-    wait and then run; nothing is marked failed. Set-up and training are stand-ins here (the
-    smoke grid runs the real ones)."""
+    """Seed 1's set-up is busy (another process) until both of seed 0's runs have started: seed 0's
+    runs go meanwhile, seed 1's wait and then run; nothing is marked failed. Set-up and training are
+    stand-ins here (the smoke grid runs the real ones); the busy window is an event, not a clock."""
     import threading
-    import time
 
     from aepo_engine.experiments import runner as cmp
 
-    monkeypatch.setattr(cmp, "SETUP_RETRY_S", 0.05)
-    busy_until = float("inf")  # set just before the grid starts
+    monkeypatch.setattr(cmp, "SETUP_RETRY_S", 0.01)
+    released = threading.Event()  # "the other process finished seed 1's set-up"
     started = []
     lock = threading.Lock()
 
     def fake_build(out, seed, cfg, threads, log=None, wait=True):
-        if seed == 1 and time.monotonic() < busy_until:
+        if seed == 1 and not released.is_set():
             raise cmp.SetupBusy("busy")
         path = cmp.setup_dir(out, seed) / "setup"
         path.mkdir(parents=True, exist_ok=True)
@@ -254,16 +247,16 @@ def test_scheduler_runs_what_it_can_while_another_process_builds_a_setup(tmp_pat
 
     def fake_train(spec, threads, commit):
         with lock:
-            started.append((spec.name, time.monotonic() < busy_until))
-        time.sleep(0.2)
+            started.append((spec.name, not released.is_set()))
+            if sum(name.endswith("seed0") for name, _ in started) == 2:
+                released.set()
         (spec.run_dir / "summary.json").write_text("{}")
         return 0
 
     monkeypatch.setattr(cmp, "build_setup", fake_build)
     monkeypatch.setattr(cmp, "run_training", fake_train)
-    specs = plan_runs(tmp_path, ["embedded"], [["grpo", "aepo"]], [0, 1], TINY)
+    specs = plan_runs(tmp_path, TASK, [["grpo", "aepo"]], [0, 1], TINY)
     configs = {spec: resolve(spec) for spec in specs}
-    busy_until = time.monotonic() + 1.0
     outcomes = cmp.run_grid(tmp_path, specs, configs, jobs=2, log=lambda _: None)
     assert outcomes == {s.name: "done" for s in specs}
     early = {name for name, while_busy in started if while_busy}

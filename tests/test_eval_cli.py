@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import vllm_missing
+from runs import child_env, train
 from aepo_engine.eval.cli import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,23 +190,15 @@ def test_unreachable_judge_keeps_the_other_scores(tiny, shared_data, tmp_path, c
 # ---------------------------------------------------------------------------------------------
 # A tiny training run: eval.files in training, then the command on the run.
 
-TINY_RUN = [
-    "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
-    "--task.synthetic.num_heldout=4", "--task.warm_start.steps=6", "--task.warm_start.warmup_steps=1",
-    "--task.warm_start.batch_size=8", "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
-    "--rollout.k=2", "--rollout.max_response_tokens=32", "--rollout.max_tokens_per_segment=16",
-    "--train.steps=1", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
-    "--eval.num_questions=2", "--eval.samples=2", "--eval.every_n_steps=1", "--checkpoint.every_n_steps=1",
-    "--logging.tensorboard=off",
-]
+# The tiny preset (tests/runs.py) for one step, evaluated before and after it, with bamboogle.
+TINY_RUN = ["--train.steps=1", "--eval.samples=2", "--eval.every_n_steps=1"]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, shared_data_module) -> Path:
     run = tmp_path_factory.mktemp("evalrun") / "run"
-    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run}", *TINY_RUN,
-                           "--eval.files=bamboogle", f"--eval.data_root={shared_data_module / 'eval'}"],
-                          env=_env(), capture_output=True, text=True, timeout=900)
+    proc = train(run, *TINY_RUN, "--eval.files=bamboogle", f"--eval.data_root={shared_data_module / 'eval'}",
+                 env=child_env(PYTHONPATH=_env()["PYTHONPATH"]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run
 

@@ -7,7 +7,7 @@ import pytest
 
 from aepo_engine.eval import EvalConfig, evaluate, merge_eval_results
 from aepo_engine.rollout.config import RolloutConfig
-from test_rollout_scheduler import CharTokenizer, ScriptedBackend, ScriptedRunner
+from fakes import CharTokenizer, ScriptedBackend, ScriptedRunner
 
 
 def _answer_with_prompt_letter(context: str, request):

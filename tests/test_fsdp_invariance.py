@@ -10,46 +10,16 @@ more on a loaded machine); AEPO_DIST_TESTS=0 skips it.
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runs import dist_tests, launch_torchrun
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "dist_scripts" / "policy_update.py"
+SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "policy_update.py"
 
-pytestmark = pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_torchrun(args: list[str], timeout: int = 300, nproc: int = 2, compile_kernels: bool = False) -> str:
-    """``torchrun --nproc_per_node NPROC ARGS`` on a free port (not the fixed default, which parallel
-    jobs may hold); fails the test on a non-zero exit or a hang; returns the ranks' output. The CPU
-    kernels run eager unless ``compile_kernels`` (compiling them would dominate short runs)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "AEPO_TORCH_COMPILE": "1" if compile_kernels else "0", "AEPO_FAULT": ""}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # own process group: a hang kills both ranks
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out\n{output[-6000:]}")
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{output[-6000:]}"
-    return output
+pytestmark = dist_tests
 
 
 def run_torchrun(model_dir: Path, out: Path, *flags: str) -> None:

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from test_fsdp_invariance import REPO, launch_torchrun
+from runs import REPO, dist_tests, launch_torchrun
 
 from aepo_engine.config import TrainConfig
 from aepo_engine.memory_plan import GIB, ModelShape, gpu_bytes, plan_memory
@@ -139,14 +139,14 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_qwen3(tmp_path_factory.mktemp("plan_tiny"))  # the embedded default's shapes
 
 
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@dist_tests
 @pytest.mark.parametrize("world,checkpointing", [(1, False), (2, True)])
 def test_terms_match_one_measured_step_of_the_tiny_model(tiny_model, tmp_path, world, checkpointing):
     _measure(tiny_model, tmp_path, world, 2048, checkpointing)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@dist_tests
 def test_terms_match_one_measured_step_of_a_05b_model(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from bench_sharded_load import build_model

@@ -151,7 +151,7 @@ def test_branching_metrics_of_real_rollouts(penalty):
     """The scheduler with a scripted agent (3 tool calls) and alpha 0.9, gamma 0, slope 0.5: a
     lineage at l >= 1 has P <= 0.45, so every such decision is decided by the penalty; with it on
     no run is longer than 1 (AEPO), with it off (ARPO) the lineages branch on consecutive steps."""
-    from test_rollout_scheduler import make, tool_agent
+    from fakes import make, tool_agent
 
     scheduler, _, _ = make(tool_agent(3), k=8, pre_monitoring=False, fixed_global_samples=2,
                            branch_alpha_mode="constant", branch_alpha=0.9, gamma=0.0, penalty_slope=0.5,

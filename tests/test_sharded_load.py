@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from matmul_dtypes import MatmulDtypes
-from test_fsdp_invariance import REPO, launch_torchrun
+from runs import REPO, dist_tests, launch_torchrun
 from test_policy_worker import SGD_LIKE, make_worker, random_batch, vocab_of
 
 from aepo_engine.training.loading import SafetensorsCheckpoint, build_meta_model, load_sharded_weights
@@ -115,7 +115,7 @@ def test_missing_and_misshapen_tensors_are_named(models, tmp_path):
         load_sharded_weights(model, str(tmp_path / "shape"), torch.device("cpu"))
 
 
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@dist_tests
 def test_two_ranks_sharded_load_is_identical_and_head_matmuls_are_bf16(models, tmp_path):
     out = tmp_path / "out.json"
     launch_torchrun([str(SCRIPT), str(out), models["tied"], models["untied"]])

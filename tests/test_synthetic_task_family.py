@@ -250,17 +250,12 @@ def test_entropy_bench_finds_the_heads_of_the_segments_after_tool_results():
 def test_a_tiny_namesake_run_goes_through_the_trainer(tmp_path):
     """``--preset embedded --preset namesakes`` end to end at toy size: real BM25 listings in the
     warm-start demonstrations, rollouts with two searches, per-kind evaluation."""
-    import subprocess
-    import sys
+    from runs import train
 
-    tiny = ["--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
-            "--task.synthetic.num_heldout=4", "--task.synthetic.namesake_groups=8",
-            "--task.warm_start.steps=4", "--task.warm_start.warmup_steps=1", "--task.warm_start.batch_size=8",
-            "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128", "--rollout.k=2",
-            "--train.steps=1", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
-            "--eval.num_questions=2", "--eval.samples=1", "--logging.tensorboard=off"]
-    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "embedded", "--preset", "namesakes",
-                           f"--run_dir={tmp_path}", *tiny], capture_output=True, text=True, timeout=900)
+    # the tiny preset, the namesake task on top; responses long enough for two searches
+    proc = train(tmp_path, "--preset", "namesakes", "--task.synthetic.namesake_groups=8",
+                 "--task.warm_start.steps=4", "--rollout.max_response_tokens=160",
+                 "--rollout.max_tokens_per_segment=64", "--train.steps=1", "--checkpoint.every_n_steps=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_before"]["questions/synthetic/namesake"] == 2

@@ -2,34 +2,23 @@
 in the middle of writing a checkpoint followed by ``--checkpoint.resume auto`` reproducing the
 uninterrupted run exactly, and config errors."""
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import runs
 from aepo_engine.metrics import read_metrics
+from runs import TINY, TINY_RUN, dist_tests
 
-# A few-step run: small world, short responses, 2 prompts x 2 trajectories per step.
-TINY = [
-    "--task.synthetic.num_people=24", "--task.synthetic.num_cities=4", "--task.synthetic.num_train=32",
-    "--task.synthetic.num_heldout=4", "--task.warm_start.steps=6", "--task.warm_start.warmup_steps=1",
-    "--task.warm_start.batch_size=8", "--model.tiny.hidden_size=64", "--model.tiny.intermediate_size=128",
-    "--rollout.k=2", "--rollout.max_response_tokens=40", "--rollout.max_tokens_per_segment=24",
-    "--train.steps=3", "--train.prompts_per_step=2", "--policy.ppo_mini_batch_size=1",
-    "--eval.num_questions=2", "--eval.samples=1", "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=5",
-    "--logging.tensorboard=off",
-]
 VOLATILE = ("time/", "throughput/", "tokens_per_s")
 
 
 def train(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "AEPO_FAULT": fault or ""}
-    return subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", *TINY, *extra],
-                          capture_output=True, text=True, env=env, timeout=900)
+    """A run as the shared ``tiny_run`` (tests/conftest.py) was made, optionally with a fault."""
+    return runs.train(run_dir, *TINY_RUN, *extra, env=runs.child_env(compiled=True, AEPO_FAULT=fault or ""))
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -43,12 +32,9 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / latest / "hf_model" / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    proc = train(run_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir
+@pytest.fixture
+def uninterrupted(tiny_run) -> Path:
+    return tiny_run
 
 
 @pytest.mark.sandbox
@@ -114,25 +100,26 @@ def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tm
     (["--task.source=files"], "data.train_files"),
     (["--preset", "nope"], "unknown preset"),
 ])
-@pytest.mark.slow
 def test_config_errors_say_why(args, message, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={tmp_path}", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+    from aepo_engine.train import main
+
+    # in this process (the command's error form as a child process: tests/test_entry_points.py)
+    proc = runs.run_main(main, [f"--run_dir={tmp_path}", *args])
+    assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.sandbox
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("AEPO_DIST_TESTS") == "0", reason="AEPO_DIST_TESTS=0")
+@dist_tests
 def test_whole_trainer_under_torchrun_two_ranks(uninterrupted, tmp_path):
     """The trainer itself on 2 gloo ranks with FSDP2: rank 0 builds the set-up, each rank samples
     its share of the prompts, the batch is all-gathered, evaluation is sharded and merged, only
     rank 0 writes; the sharded state is checkpointed and exported as one HF model."""
-    from test_fsdp_invariance import launch_torchrun
+    from runs import launch_torchrun
 
     run_dir = tmp_path / "torchrun"
-    output = launch_torchrun(["-m", "aepo_engine.train", f"--run_dir={run_dir}", *TINY, "--train.steps=2",
+    output = launch_torchrun(["-m", "aepo_engine.train", *TINY, f"--run_dir={run_dir}", "--train.steps=2",
                               "--policy.fsdp=on", "--logging.sample_trajectories=8"], timeout=600)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]  # one writer: a row per step, not per rank

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the helpers
 
-from test_backends_vllm import _prompts, perturbed_state_dict  # noqa: E402
+from vllm_cases import _prompts, perturbed_state_dict  # noqa: E402
 
 from aepo_engine import distributed  # noqa: E402
 from aepo_engine.rollout.backends import engine_group, engine_layout  # noqa: E402
