@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
