@@ -26,7 +26,7 @@ import msgspec
 from aepo_engine.checkpoint import CheckpointConfig
 from aepo_engine.config_loader import ConfigError, load_config, pop_option
 from aepo_engine.data import DataConfig
-from aepo_engine.eval.config import EvalConfig
+from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.metrics import LoggingConfig
 from aepo_engine.models import ModelConfig
 from aepo_engine.rewards import RewardConfig

@@ -178,8 +178,8 @@ def _check_data(cfg: TrainConfig, report: DryRunReport) -> dict[str, int]:
 
 
 def _check_eval_files(cfg: TrainConfig, report: DryRunReport) -> None:
-    """Resolve and read every eval.files benchmark the way the run will (aepo_engine.eval)."""
-    from aepo_engine.eval.benchmarks import load_eval_source
+    """Resolve and read every eval.files benchmark the way the run will (aepo_engine.evaluation)."""
+    from aepo_engine.evaluation.benchmarks import load_eval_source
 
     for spec in cfg.eval.files:
         try:

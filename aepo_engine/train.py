@@ -37,9 +37,9 @@ from aepo_engine.config import TrainConfig, config_problems, list_presets, split
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
-from aepo_engine.eval.benchmarks import EvalSet, eval_messages, load_eval_source
-from aepo_engine.eval.core import evaluate, judge_records, merge_eval_results, sample_records
-from aepo_engine.eval.report import summarize
+from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
+from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
+from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
@@ -285,7 +285,7 @@ class Trainer:
 
     def _start_judge(self) -> Any:
         """The LLM judge of eval.files, or None (with the reason logged) when its endpoint is down."""
-        from aepo_engine.eval.judge import JudgeUnreachable, LLMJudge
+        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
 
         judge_cfg = self.cfg.eval.judge
         judge = LLMJudge(judge_cfg, judge_cfg.cache_path or self.run_dir / self.cfg.logging.dir / "judge_cache.jsonl")

@@ -188,9 +188,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def eval_cases(questions: int, authors: Authors | None) -> list[dict[str, Any]]:
-    from aepo_engine.eval.benchmarks import BENCHMARKS, load_eval_source
-    from aepo_engine.eval.reference import reference_task
-    from aepo_engine.eval.scoring import score_response
+    from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
+    from aepo_engine.evaluation.reference import reference_task
+    from aepo_engine.evaluation.scoring import score_response
 
     cases = []
     for name in BENCHMARKS:

@@ -86,7 +86,7 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
 
 
 def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
-    from aepo_engine.eval.scoring import score_response
+    from aepo_engine.evaluation.scoring import score_response
 
     out = tmp_path / "ref"
     main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "reference"))

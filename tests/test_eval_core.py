@@ -7,8 +7,8 @@ import json
 import pytest
 
 from aepo_engine.data import Example
-from aepo_engine.eval.config import EvalConfig
-from aepo_engine.eval.core import sample_records
+from aepo_engine.evaluation.config import EvalConfig
+from aepo_engine.evaluation.core import sample_records
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.tools.config import SearchConfig, ToolsConfig

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from aepo_engine.eval.benchmarks import (BENCHMARKS, REFERENCE_SYSTEM_PROMPT, eval_messages, load_eval_source,
-                                         resolve_source)
+from aepo_engine.evaluation.benchmarks import (BENCHMARKS, REFERENCE_SYSTEM_PROMPT, eval_messages, load_eval_source,
+                                               resolve_source)
 
 # name -> (usable questions, answer check) in ../shared/data/arpo/eval
 EXPECTED = {"gaia": (103, "qa"), "hle": (500, "mixed"), "webwalker": (200, "qa"), "xbench": (100, "qa"),

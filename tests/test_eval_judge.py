@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import vllm_missing
-from aepo_engine.eval.config import JudgeConfig
-from aepo_engine.eval.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
-                                    parse_verdict)
+from aepo_engine.evaluation.config import JudgeConfig
+from aepo_engine.evaluation.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
+                                          parse_verdict)
 
 
 class Stub:
@@ -39,7 +39,16 @@ class Stub:
             def log_message(self, *args):
                 pass
 
+            def _done(self):
+                # a request stops counting as in flight before its reply is written: the client
+                # may send its next request as soon as it has read this one's
+                if getattr(self, "counted", False):
+                    self.counted = False
+                    with stub.lock:
+                        stub.in_flight -= 1
+
             def _send(self, code: int, body: bytes):
+                self._done()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -55,6 +64,7 @@ class Stub:
                     stub.requests.append(body)
                     stub.in_flight += 1
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                self.counted = True
                 try:
                     time.sleep(stub.delay_s)
                     if stub.mode == "500" and len(stub.requests) <= stub.fail_first:
@@ -74,8 +84,7 @@ class Stub:
                         verdict = stub.reply
                     self._send(200, json.dumps({"choices": [{"message": {"content": verdict}}]}).encode())
                 finally:
-                    with stub.lock:
-                        stub.in_flight -= 1
+                    self._done()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -272,7 +281,7 @@ def test_real_vllm_server(tmp_path):
 
 
 def test_judge_records_skips_answerless_samples(stub, tmp_path):
-    from aepo_engine.eval.core import judge_records
+    from aepo_engine.evaluation.core import judge_records
 
     records = [{"question": "Capital of France?", "references": ["Paris"], "answer": "Paris"},
                {"question": "Capital of France?", "references": ["Paris"], "answer": None},
@@ -284,7 +293,7 @@ def test_judge_records_skips_answerless_samples(stub, tmp_path):
 
 
 def test_judge_records_pass_the_gold_to_the_reference_prompt(stub, tmp_path):
-    from aepo_engine.eval.core import judge_records
+    from aepo_engine.evaluation.core import judge_records
 
     records = [{"question": "Who?", "references": ["Frank Lowy"], "answer": "Frank Lowy",
                 "meta": {"gold": ["Frank Lowy"]}}]

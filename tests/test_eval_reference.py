@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from aepo_engine.eval.benchmarks import BENCHMARKS, load_eval_source
-from aepo_engine.eval.reference import (gsm8k_gold, is_equiv, reference_metrics, reference_prediction,
-                                        strip_math_string)
-from aepo_engine.eval.scoring import score_response
+from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
+from aepo_engine.evaluation.reference import (gsm8k_gold, is_equiv, reference_metrics, reference_prediction,
+                                              strip_math_string)
+from aepo_engine.evaluation.scoring import score_response
 from aepo_engine.rewards import RewardConfig, build_reward_fn, get_reward
 
 deep_research = get_reward("deep_research")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from aepo_engine.eval.report import format_table, summarize, write_reports
-from aepo_engine.eval.scoring import final_answer, pass_at_k, score_response
+from aepo_engine.evaluation.report import format_table, summarize, write_reports
+from aepo_engine.evaluation.scoring import final_answer, pass_at_k, score_response
 from aepo_engine.rewards.text import extract_boxed
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from aepo_engine.eval import EvalConfig, evaluate, merge_eval_results
+from aepo_engine.evaluation import EvalConfig, evaluate, merge_eval_results
 from aepo_engine.rollout.config import RolloutConfig
 from fakes import CharTokenizer, ScriptedBackend, ScriptedRunner
 

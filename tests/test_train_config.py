@@ -16,7 +16,7 @@ from aepo_engine.config import (
 )
 from aepo_engine.config_loader import ConfigError, check_config_class, dump_config, load_config, loads_config
 from aepo_engine.data import DataConfig
-from aepo_engine.eval.config import EvalConfig
+from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import SEED_OFFSETS, section_seed
 from aepo_engine.training.policy import PolicyConfig

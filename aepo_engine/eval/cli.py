@@ -34,10 +34,10 @@ import msgspec
 
 from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
 from aepo_engine.errors import entry_point
-from aepo_engine.eval.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
-from aepo_engine.eval.config import EvalConfig
-from aepo_engine.eval.core import judge_records, sample_records
-from aepo_engine.eval.report import format_table, provenance, summarize, write_reports
+from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
+from aepo_engine.evaluation.config import EvalConfig
+from aepo_engine.evaluation.core import judge_records, sample_records
+from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -321,7 +321,7 @@ def _start_judge(cfg: EvalCommandConfig, out: Path) -> tuple[Any, str | None]:
     """The judge, or (None, why not) when it is off or unreachable (the other scores still count)."""
     if not cfg.eval.judge.url:
         return None, None
-    from aepo_engine.eval.judge import JudgeUnreachable, LLMJudge
+    from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
 
     judge = LLMJudge(cfg.eval.judge, cfg.eval.judge.cache_path or out / "judge_cache.jsonl")
     try:
@@ -402,7 +402,7 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
     except ConfigError as err:
         problems.append(str(err))
     if cfg.eval.judge.url:
-        from aepo_engine.eval.judge import JudgeUnreachable, LLMJudge
+        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
 
         try:
             print(f"[dry-run] judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")

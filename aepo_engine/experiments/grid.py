@@ -184,7 +184,7 @@ def eval_before_shareable(configs: dict[RunSpec, TrainConfig]) -> bool:
     """Whether the held-out evaluation before RL sees identical inputs for every algorithm of a
     seed: the same set-up (checked by :func:`check_grid`), evaluation, backend, reward, data and
     the rollout settings evaluation keeps (it turns branching and pre-monitoring off)."""
-    from aepo_engine.eval.core import eval_rollout_config
+    from aepo_engine.evaluation.core import eval_rollout_config
 
     def key(cfg: TrainConfig) -> Any:
         rollout = eval_rollout_config(cfg.rollout, cfg.eval)

@@ -18,7 +18,7 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
   ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
   answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
-``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.eval.reference`):
+``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.reference`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
 sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
 
@@ -32,7 +32,7 @@ import re
 from math import comb
 from typing import Any, Sequence
 
-from aepo_engine.eval.reference import reference_metrics, reference_prediction, reference_task
+from aepo_engine.evaluation.reference import reference_metrics, reference_prediction, reference_task
 from aepo_engine.rewards.base import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal

@@ -4,7 +4,7 @@ Evaluation reuses the rollout scheduler with branching and pre-monitoring off, s
 gets ``n`` independent trajectories through exactly the machinery training uses (same prompts,
 stop strings, tools, token accounting). :func:`sample_records` returns one record per sample
 (prompt, response, each tool call with its result and latency, scores, judge verdict);
-``aepo_engine.eval.report`` turns records into per-dataset summaries.
+``aepo_engine.evaluation.report`` turns records into per-dataset summaries.
 
 :func:`evaluate` is the trainer's held-out measurement on top of the same records: accuracy (the
 mean of the reward's ``correct`` over samples, i.e. pass@1), unbiased pass@k, mean reward, tool
@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-from aepo_engine.eval.config import EvalConfig
-from aepo_engine.eval.scoring import pass_at_k, score_response
+from aepo_engine.evaluation.config import EvalConfig
+from aepo_engine.evaluation.scoring import pass_at_k, score_response
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.trajectory import Trajectory
@@ -58,7 +58,7 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
     Args:
         prompts: tokenized chat prompts, one per example.
         examples: the ``aepo_engine.data.Example`` of each prompt (question, ground truth, labels).
-        check: answer check of :func:`~aepo_engine.eval.scoring.score_response` ("qa", "math", "mixed").
+        check: answer check of :func:`~aepo_engine.evaluation.scoring.score_response` ("qa", "math", "mixed").
         reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).

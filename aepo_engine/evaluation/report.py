@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from aepo_engine.eval.scoring import pass_at_k
+from aepo_engine.evaluation.scoring import pass_at_k
 
 __all__ = ["format_table", "provenance", "summarize", "write_reports"]
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from aepo_engine.eval.config import JudgeConfig
-from aepo_engine.eval.reference import is_equiv
+from aepo_engine.evaluation.config import JudgeConfig
+from aepo_engine.evaluation.reference import is_equiv
 
 __all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict"]
 

@@ -34,7 +34,7 @@ from typing import Literal
 import msgspec
 
 from aepo_engine.data import BadRow, DataConfig, Example, load_source, read_source
-from aepo_engine.eval.reference import gsm8k_gold
+from aepo_engine.evaluation.reference import gsm8k_gold
 from aepo_engine.rewards.text import reference_answer
 
 __all__ = ["BENCHMARKS", "Benchmark", "EvalSet", "REFERENCE_SYSTEM_PROMPT", "load_eval_source",

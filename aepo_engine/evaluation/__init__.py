@@ -1,0 +1,17 @@
+"""Evaluation: benchmarks, sampling with the training rollout's tools, scores, pass@k, an LLM judge,
+reports. The trainer runs this code (:func:`evaluate`, :func:`sample_records`) during training;
+``python -m aepo_engine.eval`` (:mod:`aepo_engine.eval.cli`, a command above the run config, as
+``aepo_engine.train`` is) runs it on a model or a run folder.
+
+Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
+(per-sample scores, pass@k), ``reference`` (the AEPO/ARPO authors' evaluator reproduced, for
+``eval.scoring = "reference"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
+judge), ``report`` (summaries and files). docs/scoring.md
+compares the engine's and the authors' rules.
+"""
+from aepo_engine.evaluation.config import EvalConfig, JudgeConfig
+from aepo_engine.evaluation.core import evaluate, merge_eval_results, sample_records
+from aepo_engine.evaluation.scoring import pass_at_k, score_response
+
+__all__ = ["EvalConfig", "JudgeConfig", "evaluate", "merge_eval_results", "pass_at_k", "sample_records",
+           "score_response"]
