@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import print_table, write_rows  # noqa: E402
+from harness import machine, print_table, write_rows  # noqa: E402
 
 def run_one(seed: int, base_dir: Path, extra: list[str]) -> dict:
     run_dir = base_dir / f"seed{seed}"
@@ -89,12 +89,13 @@ def main() -> None:
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to the trainer")
     args = parser.parse_args()
     args.base_dir.mkdir(parents=True, exist_ok=True)
+    info = machine()  # the commit the runs start from (the checkout may move during a long run)
     rows = []
     for seed in args.seeds:
         rows.append(run_one(seed, args.base_dir, args.extra))
         print(json.dumps(rows[-1]), flush=True)
     if args.results:
-        print("rows appended to", write_rows(args.results, rows))
+        print("rows appended to", write_rows(args.results, rows, info))
     print_table(rows, ["seed", "acc_before", "acc_after", "gain", "no_tool_before", "no_tool_after",
                        "warm_start_s", "rl_s", "wall_s"])
     print(json.dumps(summarize(rows), indent=1))

@@ -132,11 +132,15 @@ def run_case_subprocess(script: Path, args: list[str], env: dict[str, str] | Non
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def write_rows(name: str, rows: list[dict[str, Any]]) -> Path:
-    """Append rows (with machine info) as JSON lines to bench/results/<name>.jsonl."""
+def write_rows(name: str, rows: list[dict[str, Any]], info: dict[str, Any] | None = None) -> Path:
+    """Append rows (with machine info) as JSON lines to bench/results/<name>.jsonl.
+
+    ``info``: the :func:`machine` record taken when the measurement started (a long benchmark
+    should pass it: the checkout's commit may move while it runs); default: taken now.
+    """
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.jsonl"
-    info = machine()
+    info = info if info is not None else machine()
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps({**info, **row}) + "\n")
