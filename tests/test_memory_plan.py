@@ -146,6 +146,7 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_qwen3(tmp_path_factory.mktemp("plan_tiny"))  # the embedded default's shapes
 
 
+@pytest.mark.slow
 @dist_tests
 @pytest.mark.parametrize("world,checkpointing", [(1, False), (2, True)])
 def test_terms_match_one_measured_step_of_the_tiny_model(tiny_model, tmp_path, world, checkpointing):

@@ -115,6 +115,7 @@ def test_missing_and_misshapen_tensors_are_named(models, tmp_path):
         load_sharded_weights(model, str(tmp_path / "shape"), torch.device("cpu"))
 
 
+@pytest.mark.slow
 @dist_tests
 def test_two_ranks_sharded_load_is_identical_and_head_matmuls_are_bf16(models, tmp_path):
     out = tmp_path / "out.json"
