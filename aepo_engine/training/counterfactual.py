@@ -45,6 +45,7 @@ variants are still PPO and AEPO).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import Tensor
@@ -105,10 +106,11 @@ def high_entropy_threshold(entropy: Tensor, loss_mask: Tensor, share: float = HI
     return torch.quantile(values, 1.0 - share)
 
 
-def _derivative(config: LossConfig, logp, entropy, old_logp, adv, ent_mean, ent_std) -> Tensor:
-    """``dL_t/dlogp_t`` of ``config`` per token (the kernels' token head; no reference log-probs)."""
-    hp = hyper_params(config, False, torch.float32, logp.device)
-    return token_head(logp, entropy, old_logp, adv, old_logp, ent_mean, ent_std, hp)[1]
+@functools.lru_cache(maxsize=8)
+def _variant_hyper_params(config: LossConfig, device: torch.device) -> dict[str, Tensor]:
+    """The kernels' hyper-parameter vector of each :func:`variant_configs` setting on ``device``,
+    made once per (config, device): a micro-batch then copies nothing from the host."""
+    return {name: hyper_params(cfg, False, torch.float32, device) for name, cfg in variant_configs(config).items()}
 
 
 def token_sums(logp: Tensor, entropy: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
@@ -130,8 +132,9 @@ def token_sums(logp: Tensor, entropy: Tensor, old_logp: Tensor, advantages: Tens
     f32 = lambda t: t.detach().float()  # noqa: E731
     logp, entropy, old_logp, advantages = f32(logp), f32(entropy), f32(old_logp), f32(advantages)
     stats = (f32(entropy_mean).to(logp.device), f32(entropy_std).to(logp.device))
-    grads = {name: _derivative(cfg, logp, entropy, old_logp, advantages, *stats)
-             for name, cfg in variant_configs(config).items()}
+    # dL_t/dlogp_t of each setting per token (the kernels' token head; no reference log-probs)
+    grads = {name: token_head(logp, entropy, old_logp, advantages, old_logp, *stats, hp)[1]
+             for name, hp in _variant_hyper_params(config, logp.device).items()}
     valid = loss_mask > 0
     high = valid & (f32(old_entropy) >= threshold)
     kept = valid & (grads["ppo"] == 0) & (grads["aepo"] != 0)
