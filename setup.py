@@ -43,7 +43,7 @@ setup(
         # The CPU machine set-up: torch pinned to the local CPU build, triton for the
         # interpreter-mode kernel tests (triton 3.7.1 pairs with torch 2.13).
         "cpu": ["torch==2.13.0", "triton==3.7.1"],
-        "dev": ["pytest", "pytest-benchmark"],
+        "dev": ["pytest", "pytest-benchmark", "pytest-xdist>=3.6"],  # xdist: pytest.ini runs the suite on workers
         # Peers of bench/bench_aepo_loss.py (install beside the pinned torch:
         # pip install -e ".[bench]" -c <(echo torch==2.13.0)).
         "bench": ["liger-kernel", "pytest-benchmark"],

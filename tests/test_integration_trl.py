@@ -23,7 +23,7 @@ CASES = Path(__file__).with_name("trl_integration_cases.py")
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed: pip install -e '.[trl]'")
 def test_trl_integration_in_its_own_process():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", str(CASES)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:warnings", str(CASES)],
                           cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=1500)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail

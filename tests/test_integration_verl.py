@@ -45,7 +45,7 @@ def test_verl_suite_in_its_venv():
     if not python.exists():
         pytest.skip(f"no verl venv at {VENV} (.ci/run creates it; set AEPO_VERL_VENV to use another)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", __file__],
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:warnings", __file__],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
