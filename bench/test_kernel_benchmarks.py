@@ -1,13 +1,15 @@
 """Kernel microbenchmarks under pytest-benchmark: saved baselines and diffs for speed regressions.
 
-    python -m pytest bench/ --benchmark-only --benchmark-autosave          # save a baseline
-    python -m pytest bench/ --benchmark-only --benchmark-compare           # diff against the last one
+    python -m pytest bench/ -n 0 --benchmark-only --benchmark-autosave     # save a baseline
+    python -m pytest bench/ -n 0 --benchmark-only --benchmark-compare      # diff against the last one
 
 Cases: the ``small`` and ``mid`` shapes of ``bench_aepo_loss.SHAPES`` (the one table of shapes;
 the subprocess script runs the big ones with whole-process peak memory), forward + backward of
 the AEPO loss per implementation. Each case's peak resident-memory growth (harness.PeakMemory,
 over the measured rounds) goes into ``extra_info["peak_bytes"]``. Skipped unless
-``--benchmark-only`` is given, so a plain ``pytest`` run never times anything.
+``--benchmark-only`` is given, so a plain ``pytest`` run never times anything; ``-n 0`` keeps
+them in one process (pytest.ini's default runs xdist workers, under which pytest-benchmark times
+nothing).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from bench_aepo_loss import (  # noqa: E402
 from harness import PeakMemory  # noqa: E402
 
 pytestmark = pytest.mark.skipif("not config.getoption('benchmark_only', False)",
-                                reason="kernel benchmarks: python -m pytest bench/ --benchmark-only")
+                                reason="kernel benchmarks: python -m pytest bench/ -n 0 --benchmark-only")
 
 LINEAR = ["one_pass_fused_linear", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised"]
 LOGITS = ["one_pass_inplace", "one_pass", "one_pass@compiled", "two_stage_inplace", "copy"]
