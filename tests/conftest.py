@@ -18,8 +18,17 @@ import functools
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# On an xdist worker (pytest.ini), each worker and everything it starts get their share of the
+# cores: torch's and vLLM-CPU's OpenMP pools sized for the whole machine would otherwise spin
+# against the other workers' (a vLLM-CPU engine start beside a torchrun pair took twice as long,
+# docs/benchmarks.md). Set before torch is imported; children inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # its threads follow OMP_NUM_THREADS
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
