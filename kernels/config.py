@@ -13,6 +13,7 @@ kernel's ``hyper_t`` struct (``csrc/one_pass_rows.c``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -100,7 +101,16 @@ def hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device) 
         has_ref: whether reference log-probs are given (the KL term reads them).
         dtype, device: of the returned tensor.
     Returns:
-        ``[9]``: :data:`HYPER_PARAMS`, the clip rule's index in :data:`CLIP_RULES`, and 1/0 for has_ref.
+        ``[9]``: :data:`HYPER_PARAMS`, the clip rule's index in :data:`CLIP_RULES`, and 1/0 for has_ref;
+        the same tensor for the same arguments (callers read it, never write it).
     """
+    return _hyper_params(config, bool(has_ref), dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`hyper_params`, made once per (config, has_ref, dtype, device) and shared read-only: a
+    loss call on a GPU then copies nothing from the host (a pageable copy waits for the stream)."""
     values = [float(getattr(config, name)) for name in HYPER_PARAMS]
-    return torch.tensor([*values, CLIP_RULES.index(config.clip), float(has_ref)], dtype=dtype, device=device)
+    with torch.inference_mode(False):  # a normal tensor even when first asked for under inference_mode
+        return torch.tensor([*values, CLIP_RULES.index(config.clip), float(has_ref)], dtype=dtype, device=device)

@@ -31,10 +31,7 @@ from aepo_kernels.reference import logprob_entropy_reference, token_loss_referen
 
 from conftest import triton_available
 
-try:  # issue 26 moves the C struct's order (hyper_params) beside LossConfig
-    from aepo_kernels.config import hyper_params
-except ImportError:
-    from aepo_kernels.one_pass import hyper_params
+from aepo_kernels.config import hyper_params
 
 IGNORE = -100
 OUTPUTS = ("loss", "d_logp", "d_entropy", "ratio", "shaped", "kl")

@@ -6,7 +6,7 @@ import torch
 from aepo_kernels import LossConfig, aepo_policy_loss, aggregate, fused_linear_aepo_policy_loss
 from aepo_kernels import one_pass
 from aepo_kernels.compile import CompiledFunction
-from aepo_kernels.config import hyper_params
+from aepo_kernels.config import CLIP_RULES, hyper_params
 from aepo_kernels.one_pass import aggregation_weights, token_head
 from aepo_kernels.reference import aepo_loss_reference, token_loss_reference
 
@@ -87,6 +87,25 @@ def test_token_head_matches_autograd_of_the_reference(clip, dual_clip, clamp):
     assert (ratio > 1.28).any() and (ratio < 0.8).any()
     if dual_clip and clip != "cispo":
         assert ((shaped < 0) & (ratio > dual_clip)).any()
+
+
+def test_hyper_params_are_made_once_per_setting_and_usable_outside_inference_mode():
+    """One tensor per (config, has_ref, dtype, device), shared by every call (on a GPU no host copy
+    per micro-batch); its values are the config's in HYPER_PARAMS order, and one first asked for
+    under inference_mode still takes part in autograd afterwards."""
+    cfg = LossConfig(clip="gppo", eps_low=0.15, eps_high=0.31, dual_clip=2.5, entropy_adv_alpha=0.4, kl_coef=0.02)
+    with torch.inference_mode():
+        first = hyper_params(cfg, True, torch.float64, "cpu")
+    assert hyper_params(cfg, True, torch.float64, torch.device("cpu")) is first
+    assert first.tolist() == [0.15, 0.31, 2.5, cfg.log_ratio_clamp, 0.4, 0.02, cfg.entropy_coef,
+                              CLIP_RULES.index("gppo"), 1.0]
+    others = [hyper_params(cfg, False, torch.float64, "cpu"), hyper_params(cfg, True, torch.float32, "cpu"),
+              hyper_params(LossConfig(clip="gppo", eps_low=0.16), True, torch.float64, "cpu")]
+    assert all(o is not first for o in others) and others[0][8] == 0.0 and others[2][0] == 0.16
+    assert not first.is_inference()
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    (x * first[0]).sum().backward()
+    assert x.grad.tolist() == [0.15, 0.15]
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)

@@ -45,7 +45,6 @@ variants are still PPO and AEPO).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor
@@ -106,13 +105,6 @@ def high_entropy_threshold(entropy: Tensor, loss_mask: Tensor, share: float = HI
     return torch.quantile(values, 1.0 - share)
 
 
-@functools.lru_cache(maxsize=8)
-def _variant_hyper_params(config: LossConfig, device: torch.device) -> dict[str, Tensor]:
-    """The kernels' hyper-parameter vector of each :func:`variant_configs` setting on ``device``,
-    made once per (config, device): a micro-batch then copies nothing from the host."""
-    return {name: hyper_params(cfg, False, torch.float32, device) for name, cfg in variant_configs(config).items()}
-
-
 def token_sums(logp: Tensor, entropy: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
                old_entropy: Tensor, threshold: Tensor, origin_masks: dict[str, Tensor] | None,
                config: LossConfig, entropy_mean: Tensor, entropy_std: Tensor) -> Tensor:
@@ -133,8 +125,9 @@ def token_sums(logp: Tensor, entropy: Tensor, old_logp: Tensor, advantages: Tens
     logp, entropy, old_logp, advantages = f32(logp), f32(entropy), f32(old_logp), f32(advantages)
     stats = (f32(entropy_mean).to(logp.device), f32(entropy_std).to(logp.device))
     # dL_t/dlogp_t of each setting per token (the kernels' token head; no reference log-probs)
-    grads = {name: token_head(logp, entropy, old_logp, advantages, old_logp, *stats, hp)[1]
-             for name, hp in _variant_hyper_params(config, logp.device).items()}
+    grads = {name: token_head(logp, entropy, old_logp, advantages, old_logp, *stats,
+                              hyper_params(cfg, False, torch.float32, logp.device))[1]
+             for name, cfg in variant_configs(config).items()}
     valid = loss_mask > 0
     high = valid & (f32(old_entropy) >= threshold)
     kept = valid & (grads["ppo"] == 0) & (grads["aepo"] != 0)
