@@ -73,13 +73,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_torchrun(args: list[str], timeout: int = 300, nproc: int = 2, compile_kernels: bool = False) -> str:
+def launch_torchrun(args: list[str], timeout: int = 300, nproc: int = 2, compile_kernels: bool = False,
+                    **extra_env: str) -> str:
     """``torchrun --nproc_per_node NPROC ARGS`` on a free port (not the fixed default, which parallel
     jobs may hold); fails the test on a non-zero exit or a hang; returns the ranks' output. The CPU
-    kernels run eager unless ``compile_kernels`` (compiling them would dominate short runs)."""
+    kernels run eager unless ``compile_kernels`` (compiling them would dominate short runs);
+    ``extra_env`` is added to the ranks' environment."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
-    env = {**child_env(compile_kernels), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**child_env(compile_kernels, **extra_env),
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # own process group: a hang kills both ranks
     try:

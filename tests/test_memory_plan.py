@@ -115,8 +115,10 @@ def test_the_flags_need_dry_run(capsys):
 
 def _measure(model_dir: str, tmp_path: Path, world: int, tokens: int, checkpointing: bool) -> None:
     out = tmp_path / f"measure_{world}_{int(checkpointing)}"
+    # The kernels as they run, compiled into an inductor cache of the measurement's own: what the
+    # compiled head holds depends on what the cache already held (docs/scale.md).
     launch_torchrun([str(SCRIPT), model_dir, str(out), str(tokens)] + (["--checkpointing"] if checkpointing else []),
-                    timeout=1800, nproc=world, compile_kernels=True)  # the kernels as they run
+                    timeout=1800, nproc=world, compile_kernels=True, TORCHINDUCTOR_CACHE_DIR=str(out) + ".inductor")
     shape = ModelShape.from_dir(model_dir)
     base = TrainConfig()
     cfg = msgspec.structs.replace(base, policy=msgspec.structs.replace(
