@@ -34,6 +34,8 @@ setup(
         "pyarrow",
         "bm25s>=0.3",
         "matplotlib",
+        # The retrieval server (aepo_engine.tools.retrieval_server) is an ASGI app served by uvicorn.
+        "uvicorn==0.55.0",
         # The python tool's sandbox: a bwrap binary on Linux (a system bwrap on PATH is preferred
         # when present; tools.python.bwrap_path overrides both). libseccomp, loaded through
         # ctypes, comes with practically every Linux (the sandbox says so when it is missing).

@@ -177,6 +177,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if cfg.eval.every_n_steps and not cfg.data.eval_files and not cfg.eval.files:
             problems.append(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.eval_files and eval.files are "
                             "empty: there is no held-out set to evaluate")
+    search = cfg.tools.search
+    if "search" in cfg.tools.enabled and search.backend == "served" and not search.corpus_path \
+            and cfg.task.source != "synthetic":
+        problems.append("tools.search.corpus_path is required with tools.search.backend='served' because the "
+                        "server indexes that file (only the synthetic task brings a corpus of its own)")
     context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.backend.kind == "vllm" and cfg.backend.max_model_len < context:
         problems.append(f"backend.max_model_len={cfg.backend.max_model_len} is shorter than "

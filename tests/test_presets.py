@@ -61,6 +61,8 @@ EXPECTED = {
              "task.warm_start.steps": 6, "model.tiny.hidden_size": 64, "rollout.k": 2,
              "rollout.max_response_tokens": 40, "train.steps": 3, "train.prompts_per_step": 2,
              "policy.ppo_mini_batch_size": 1, "eval.num_questions": 2, "eval.samples": 1, "run_dir": "runs/tiny"},
+    "web_search": {"tools.search.backend": "served", "tools.search.latency.median_s": 1.0,
+                   "tools.search.latency.sigma": 0.65, "tools.search.latency.cap_s": 8.0, "tools.max_workers": 64},
     "namesakes_easy": {"task.synthetic.namesake_listing": "value_first", "task.synthetic.namesake_note": True,
                        "task.warm_start.steps": 2400, "run_dir": "runs/namesakes-easy"},
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
@@ -117,6 +119,14 @@ def test_namesakes_easy_stacks_on_namesakes_and_changes_only_listing_note_and_wa
         base.task, synthetic=msgspec.structs.replace(base.task.synthetic, namesake_listing="value_first",
                                                      namesake_note=True),
         warm_start=msgspec.structs.replace(base.task.warm_start, steps=2400)))
+
+
+def test_web_search_stacks_on_the_embedded_job_and_changes_only_the_search_tool():
+    base = load_train_config(["--preset", "embedded"])
+    cfg = load_train_config(["--preset", "embedded", "--preset", "web_search"])
+    assert cfg.tools == msgspec.structs.replace(base.tools, max_workers=64, search=msgspec.structs.replace(
+        base.tools.search, backend="served", latency=msgspec.structs.replace(base.tools.search.latency, median_s=1.0)))
+    assert msgspec.structs.replace(cfg, tools=base.tools) == base
 
 
 @pytest.mark.parametrize("task", [["embedded"], ["embedded", "namesakes"], ["embedded", "namesakes", "namesakes_easy"]])

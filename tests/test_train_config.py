@@ -2,6 +2,7 @@
 root seed, cross-section problems listed together, and --help showing what a run would get."""
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -94,6 +95,21 @@ def test_config_problems_are_all_reported():
     assert any("eval.every_n_steps=5" in p for p in problems)
     assert any("'browser'" in p for p in problems)
     assert config_problems(load_train_config([])) == []
+
+
+def test_served_search_needs_a_corpus_unless_the_task_brings_one():
+    from aepo_engine.tasks.synthetic_setup import synthetic_tools_config
+
+    files = load_train_config(["--config", str(preset_path("qwen3_14b_deep_research")), "--model.path=/m",
+                               "--data.train_files=a.jsonl", "--tools.search.backend=served"])
+    assert any("tools.search.corpus_path is required" in p for p in config_problems(files))
+    served = load_train_config(["--preset", "embedded", "--preset", "web_search"])
+    assert config_problems(served) == []
+    tools = synthetic_tools_config(served.tools, Path("/run/setup/corpus.jsonl"))
+    assert (tools.search.backend, tools.search.corpus_path) == ("served", "/run/setup/corpus.jsonl")
+    assert tools.search.latency.median_s == 1.0
+    plain = synthetic_tools_config(load_train_config([]).tools, Path("/c.jsonl")).search
+    assert (plain.backend, plain.corpus_path) == ("corpus", "/c.jsonl")
 
 
 def test_train_steps_from_epochs():

@@ -68,9 +68,12 @@ class SyntheticRun:
 
 
 def synthetic_tools_config(tools: ToolsConfig, corpus_path: Path) -> ToolsConfig:
-    """The run's tools with search pointed at the generated corpus (unless the user set a corpus)."""
+    """The run's tools with search pointed at the generated corpus (unless the user set a corpus):
+    BM25 in process, or behind a retrieval server the tool starts when ``backend = "served"``."""
     search = tools.search
-    if search.backend != "corpus" or not search.corpus_path:
+    if search.backend == "served":
+        search = msgspec.structs.replace(search, corpus_path=search.corpus_path or str(corpus_path))
+    elif search.backend != "corpus" or not search.corpus_path:
         search = msgspec.structs.replace(search, backend="corpus", corpus_path=str(corpus_path))
     return msgspec.structs.replace(tools, search=search)
 

@@ -18,41 +18,87 @@ if TYPE_CHECKING:
     from aepo_engine.tools.base import Tool
 
 
+class LatencyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Latency a retrieval server adds to every answer, so that a local BM25 index stands in for a
+    web search API (``python -m aepo_engine.tools.retrieval_server --latency-*``).
+
+    Each request waits a draw from a log-normal distribution, capped: median ``median_s`` and
+    log-space spread ``sigma``. With ``median_s = 1`` (the ``web_search`` preset) the defaults give
+    p95/p50 = 2.9 and p99 = 4.5 s: the tail ratio vendors list for hosted search APIs
+    (docs/async.md, "The search server"). The time the server spends scoring counts towards the
+    draw (an answer waits only what is left of it).
+
+    Attributes:
+        median_s: median added latency in seconds; 0 adds none (the other fields are then unused).
+        sigma: standard deviation of the latency's logarithm (0: every request waits median_s).
+        cap_s: no request waits longer than this (a web API's own timeout).
+        seed: seed of the server's latency draws (one stream per server, in arrival order).
+    """
+
+    median_s: float = 0.0
+    sigma: float = 0.65
+    cap_s: float = 8.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.median_s < 0 or self.sigma < 0:
+            raise ValueError(f"latency.median_s and latency.sigma must be >= 0, got {self.median_s}, {self.sigma}")
+        if self.median_s > 0 and not self.cap_s >= self.median_s:
+            raise ValueError(f"latency.cap_s={self.cap_s} must be >= median_s={self.median_s} because the cap "
+                             "bounds draws from above")
+
+    def cli_args(self) -> list[str]:
+        """The ``retrieval_server`` options that give a server this latency."""
+        return ["--latency-median-s", repr(self.median_s), "--latency-sigma", repr(self.sigma),
+                "--latency-cap-s", repr(self.cap_s), "--latency-seed", str(self.seed)]
+
+
+
 class SearchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The ``<search>`` tool.
 
     Attributes:
         backend: ``"cache"`` (offline JSON cache in the reference format, BM25 fallback on a
-            miss), ``"corpus"`` (BM25 over a local JSONL corpus) or ``"http"`` (a Search-R1-style
-            retrieval server, e.g. ``python -m aepo_engine.tools.retrieval_server``).
+            miss), ``"corpus"`` (BM25 over a local JSONL corpus), ``"http"`` (a Search-R1-style
+            retrieval server, e.g. ``python -m aepo_engine.tools.retrieval_server``) or ``"served"``
+            (BM25 over ``corpus_path`` behind such a server that the tool starts as a child
+            process, with ``latency``: a web search API's response times on a local corpus).
         cache_path: for ``cache``: JSON object query -> ``"Page 1: ...\\nPage 2: ..."``.
         cache_bm25_fallback: for ``cache``: on a miss, answer with the ``topk`` best cached pages
             by BM25; False reports "no results" on a miss.
-        corpus_path: for ``corpus``: JSONL with one ``{"id": ..., "contents": ...}`` per line.
+        corpus_path: for ``corpus`` and ``served``: JSONL with one ``{"id": ..., "contents": ...}``
+            per line (the synthetic task sets its generated corpus when this is empty).
         url: for ``http``: the full ``/retrieve`` endpoint URL.
         topk: pages returned by BM25 and by the HTTP server.
-        timeout_s: for ``http``: seconds to wait for the server (connect + response).
+        timeout_s: for ``http`` and ``served``: seconds to wait for the server (connect + response).
+        latency: for ``served``: the latency the server adds to every answer (``LatencyConfig``).
     """
 
-    backend: Literal["cache", "corpus", "http"] = "http"
+    backend: Literal["cache", "corpus", "http", "served"] = "http"
     cache_path: str = ""
     cache_bm25_fallback: bool = True
     corpus_path: str = ""
     url: str = "http://127.0.0.1:8000/retrieve"
     topk: int = 5
     timeout_s: float = 10.0
+    latency: LatencyConfig = msgspec.field(default_factory=LatencyConfig)
 
     def __post_init__(self) -> None:
         if self.backend == "cache" and not self.cache_path:
             raise ValueError("search.cache_path is required because search.backend is 'cache'")
         if self.backend == "corpus" and not self.corpus_path:
             raise ValueError("search.corpus_path is required because search.backend is 'corpus'")
+        # "served" without a corpus_path is left to the task: the synthetic task fills in its own
+        # corpus; for any other, config_problems (aepo_engine.config) names the missing file.
         if self.backend == "http" and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"search.url must be an http(s) URL, got {self.url!r}")
         if self.topk < 1:
             raise ValueError(f"search.topk must be >= 1, got {self.topk}")
         if self.timeout_s <= 0:
             raise ValueError(f"search.timeout_s must be > 0, got {self.timeout_s}")
+        if self.backend == "served" and self.latency.median_s > 0 and self.latency.cap_s >= self.timeout_s:
+            raise ValueError(f"search.latency.cap_s={self.latency.cap_s} must be below search.timeout_s="
+                             f"{self.timeout_s} because a capped draw would otherwise time the client out")
 
 
 class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

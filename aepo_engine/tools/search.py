@@ -7,6 +7,8 @@
 - ``CorpusBackend``: BM25 over a local JSONL corpus of ``{"id", "contents"}`` passages.
 - ``HttpBackend``: a client for a Search-R1-style retrieval server (schema below), served
   locally by ``python -m aepo_engine.tools.retrieval_server``.
+- ``ServedCorpusBackend``: that server over a local corpus, started by the tool as a child process
+  (with an added latency, ``SearchConfig.latency``), and its client.
 
 Every backend answers with text in the ``"Page 1: ...\\nPage 2: ..."`` format ("" for nothing
 found); the tool cuts it to ``max_result_chars``.
@@ -28,6 +30,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -37,7 +42,7 @@ import msgspec
 
 from aepo_engine.tools.base import ConfiguredTool, ToolResult, error_result, register_tool, truncate_text
 from aepo_engine.tools.bm25 import BM25Index
-from aepo_engine.tools.config import SearchConfig
+from aepo_engine.tools.config import LatencyConfig, SearchConfig
 
 # ---------------------------------------------------------------------------------------------
 # Wire schema of the retrieval API
@@ -233,13 +238,62 @@ class HttpBackend:
         return format_pages([hit.document.contents for hit in self.retrieve([query])[0]])
 
 
+class ServedCorpusBackend(HttpBackend):
+    """A retrieval server over a local corpus, run as a child process for as long as this backend
+    lives, and its HTTP client: BM25 behind the same HTTP path (and the same added latency, if
+    asked) as a remote search service.
+
+    Args:
+        corpus_path: JSONL corpus the server indexes.
+        topk: hits requested per query.
+        timeout_s: client timeout per request.
+        latency: what the server adds to every answer.
+    Raises:
+        SearchBackendError: the server did not start (its error output is in the message).
+    """
+
+    def __init__(self, corpus_path: str | Path, topk: int = 5, timeout_s: float = 10.0,
+                 latency: LatencyConfig = LatencyConfig()) -> None:
+        cmd = [sys.executable, "-m", "aepo_engine.tools.retrieval_server", "--corpus", str(corpus_path),
+               "--port", "0", "--topk", str(topk), *latency.cli_args()]
+        self._log = tempfile.TemporaryFile()  # the server's stderr: a pipe nobody reads could fill up
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self._proc.stdout.readline()
+        if not line.startswith("listening on http://"):
+            self._proc.kill()
+            self._proc.wait()
+            self._log.seek(0)
+            err = self._log.read().decode("utf-8", "replace")
+            self.close()
+            raise SearchBackendError(f"the retrieval server over {corpus_path} did not start: "
+                                     f"{(line + err).strip()[-1000:]}")
+        super().__init__(line.split()[2] + "/retrieve", topk=topk, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()
+        self._log.close()
+
+
 def build_backend(config: SearchConfig) -> SearchBackend:
-    """The backend ``config.backend`` names, loaded from its file or pointed at its URL."""
+    """The backend ``config.backend`` names, loaded from its file, pointed at its URL, or served."""
     if config.backend == "cache":
         return CacheBackend.from_file(config.cache_path, topk=config.topk,
                                       bm25_fallback=config.cache_bm25_fallback)
     if config.backend == "corpus":
         return CorpusBackend.from_jsonl(config.corpus_path, topk=config.topk)
+    if config.backend == "served":
+        if not config.corpus_path:
+            raise ValueError("search.corpus_path is required because search.backend is 'served'")
+        return ServedCorpusBackend(config.corpus_path, topk=config.topk, timeout_s=config.timeout_s,
+                                   latency=config.latency)
     return HttpBackend(config.url, topk=config.topk, timeout_s=config.timeout_s)
 
 
@@ -269,6 +323,11 @@ class SearchTool(ConfiguredTool):
     def from_config(cls, config: SearchConfig, max_result_chars: int) -> "SearchTool":
         """Build from a validated :class:`SearchConfig` (``build_tool`` calls this)."""
         return cls(build_backend(config), max_result_chars=max_result_chars)
+
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def __call__(self, payload: str) -> ToolResult:
         query = payload.strip()
