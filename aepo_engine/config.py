@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import msgspec
 
@@ -67,17 +67,35 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         epochs: passes over the training prompts when steps is none (the paper: 5 over
             hard_search_1k's 1,071 prompts at 64 per step = 84 steps).
         prompts_per_step: prompts sampled per step (each gets rollout.k trajectories).
+        mode: "sync": each step samples its rollouts, then updates, then pushes the weights, one
+            after the other. "async": a rollout process samples while the trainer updates
+            (docs/async.md): trajectories in flight continue under new weights (partial rollouts),
+            every token records the policy version that sampled it, and the loss corrects for
+            staleness (decoupled PPO: rollout_correction.mode "auto").
+        max_staleness: eta, for mode "async": an update may use a token sampled by a policy at most
+            this many versions older than the one being updated; a prompt starts only when all
+            its samples will be trained within eta (admission control; nothing is dropped).
+            0 samples each step's rollouts with the weights of the step before, as "sync" does
+            (and gives the same run, bit for bit).
     """
 
     steps: int | None = None
     epochs: int = 5
     prompts_per_step: int = 64
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 1
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 0:
             raise ValueError(f"steps must be >= 0 (or none for epochs), got {self.steps}")
         if self.epochs < 1 or self.prompts_per_step < 1:
             raise ValueError("epochs and prompts_per_step must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (policy versions), got {self.max_staleness}")
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "async"
 
     def resolved_steps(self, num_prompts: int) -> int:
         """RL steps of the run for ``num_prompts`` training prompts."""

@@ -121,6 +121,7 @@ class Trainer:
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
         self.judge = self._start_judge() if self.rank == 0 and cfg.eval.judge.url and self.eval_sets else None
+        self.correction = cfg.rollout_correction.resolved(asynchronous=cfg.train.asynchronous)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class Trainer:
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
         batch.is_weights, batch.loss_mask, correction = rollout_correction(
-            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.cfg.rollout_correction)
+            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.correction, batch.token_origin)
         update = self.policy.update(batch)
         self._sync_weights()
         elapsed = time.perf_counter() - t0

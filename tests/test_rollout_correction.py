@@ -41,7 +41,7 @@ def test_token_tis_hand_worked():
 
 def test_off_gives_no_weights_but_the_metrics():
     old, rollout, mask = _batch()
-    w, new_mask, m = rollout_correction(old, rollout, mask, RolloutCorrectionConfig())
+    w, new_mask, m = rollout_correction(old, rollout, mask, RolloutCorrectionConfig(mode="off"))
     assert w is None and new_mask is mask
     assert m["rollout_correction/ratio_max"] == pytest.approx(3.0)
     assert "rollout_correction/truncated_share" not in m
@@ -68,6 +68,37 @@ def test_seq_mask_drops_rows_outside_the_band():
     w, new_mask, m = rollout_correction(old, rollout, mask, RolloutCorrectionConfig(mode="seq_mask", threshold=5.0))
     assert torch.equal(new_mask, mask)  # 0.25 >= 1/5 and 4 <= 5: both kept
     assert m["rollout_correction/masked_share"] == 0.0
+
+
+def test_ratio_statistics_per_origin_and_staleness():
+    from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED
+
+    old, rollout, mask = _batch()  # ratios: row 0: 3, 0.5, 1 | row 1: 2, 2
+    origin = torch.tensor([[ORIGIN_GLOBAL] * 3 + [0], [ORIGIN_INHERITED, ORIGIN_BRANCH, 0, 0], [0] * 4])
+    staleness = torch.tensor([[0, 1, 1, 0], [2, 0, 0, 0], [0, 0, 0, 0]])
+    _, _, m = rollout_correction(old, rollout, mask, RolloutCorrectionConfig(mode="token_tis", threshold=2.5),
+                                 origin, staleness)
+    assert m["rollout_correction/ratio_mean/global"] == pytest.approx(1.5)
+    assert m["rollout_correction/ratio_max/global"] == pytest.approx(3.0)
+    assert m["rollout_correction/truncated_share/global"] == pytest.approx(1 / 3)
+    assert m["rollout_correction/ratio_mean/branch"] == pytest.approx(2.0)
+    assert m["rollout_correction/ratio_mean/inherited"] == pytest.approx(2.0)
+    # staleness 0: ratios 3 and 2; 1: 0.5 and 1; 2: 2 (the padding's staleness 0 is masked out)
+    assert m["rollout_correction/ratio_mean/stale0"] == pytest.approx(2.5)
+    assert m["rollout_correction/ratio_mean/stale1"] == pytest.approx(0.75)
+    assert m["rollout_correction/ratio_max/stale2"] == pytest.approx(2.0)
+    assert not any(k.endswith("/stale3") for k in m)
+
+
+def test_auto_means_decoupled_ppo_when_asynchronous():
+    auto = RolloutCorrectionConfig(threshold=3.0)
+    assert auto.mode == "auto"
+    assert auto.resolved(asynchronous=True) == RolloutCorrectionConfig(mode="token_tis", threshold=3.0)
+    assert auto.resolved(asynchronous=False).mode == "off"
+    assert RolloutCorrectionConfig(mode="seq_mask").resolved(asynchronous=True).mode == "seq_mask"
+    old, rollout, mask = _batch()
+    with pytest.raises(ValueError, match="resolve mode 'auto'"):
+        rollout_correction(old, rollout, mask, auto)
 
 
 def test_extreme_gaps_stay_finite():

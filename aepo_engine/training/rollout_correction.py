@@ -1,12 +1,24 @@
-"""Rollout/trainer mismatch correction: importance weights between the sampler and the trainer.
+"""Behaviour-to-proximal correction: importance weights between the policy that sampled a token and
+the policy the update starts from.
 
-The backend that samples (vLLM: its own kernels, bf16, top-k log-probs) and the policy that is
-trained score the same tokens differently. The PPO ratio is taken against ``old`` = the trainer's
-log-probs before the update, but the tokens came from the ``rollout`` distribution; the
+Two gaps have this one form. (1) The backend that samples (vLLM: its own kernels, bf16, top-k
+log-probs) and the policy that is trained score the same tokens differently. (2) In asynchronous
+training (``train.mode = "async"``, docs/async.md) a token may have been sampled by a policy up to
+``train.max_staleness`` versions older than the one updated. Either way the PPO ratio is taken
+against ``old`` = the trainer's log-probs at the start of the update (the *proximal* policy of
+AReaL's decoupled PPO: what ``PolicyWorker.compute_logprobs`` computes), while the tokens came
+from the *behaviour* distribution whose log-probs the engine reported (``rollout``); the
 importance ratio ``rho = pi_old / pi_rollout`` corrects for that (truncated IS, as in verl's
-rollout correction, TRL's ``vllm_importance_sampling_correction`` and OpenRLHF's TIS).
+rollout correction, TRL's ``vllm_importance_sampling_correction``, OpenRLHF's TIS, and AReaL's
+decoupled objective ``w_t * clip-rule loss(pi_theta / pi_prox)`` with ``w_t = pi_prox / pi_behav``).
+Every clip rule's per-token loss is positively homogeneous in the advantage, so the weight acts as
+a detached factor on the advantage (``aepo_kernels.apply_token_weights``): the one-pass kernels
+need no second path (proved per rule against a float64 reference of the decoupled objective in
+``tests/test_decoupled_ppo.py``).
 
 Modes (``RolloutCorrectionConfig.mode``), with ``log rho_t = old_t - rollout_t`` on model tokens:
+- ``auto`` (the default): ``token_tis`` when training is asynchronous (decoupled PPO), ``off``
+  when it is synchronous (the sampler holds the trainer's weights).
 - ``off``: weights 1; the metrics are still computed (they show whether correction is needed).
 - ``token_tis``: ``w_t = min(rho_t, C)`` (token-level truncated IS).
 - ``seq_tis``: ``w_t = min(rho_seq, C)`` for every token of the sequence, ``rho_seq`` the product
@@ -19,7 +31,11 @@ The weight multiplies the per-token policy-gradient term only (not the KL or ent
 terms), detached. Metrics (``rollout_correction/*``): mean and max of the ratio the mode uses,
 the share of tokens truncated (TIS) or of sequences masked, and ``kl_k3`` = the k3 estimate of
 KL(rollout || old) = mean over sampled tokens of ``rho - 1 - log rho`` (the tokens were drawn
-from the rollout policy, so this is an unbiased, non-negative estimate).
+from the rollout policy, so this is an unbiased, non-negative estimate). Given the tokens' origins
+(``TokenBatch.token_origin``) and staleness (policy versions behind the updated one), the token
+ratio's mean, max and truncated share are also reported per origin (``.../global``,
+``.../branch`` for a branch's own tokens, ``.../inherited`` for the prefix it copied) and per
+staleness (``.../stale0``, ``.../stale1``, ...).
 """
 from __future__ import annotations
 
@@ -28,6 +44,8 @@ from typing import Literal
 import msgspec
 import torch
 from torch import Tensor
+
+from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED
 
 __all__ = ["RolloutCorrectionConfig", "rollout_correction"]
 
@@ -39,14 +57,15 @@ class RolloutCorrectionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen
     """Importance weights for the sampler/trainer log-prob gap (see the module docstring).
 
     Attributes:
-        mode: "off", "token_tis" (per-token truncated IS), "seq_tis" (per-sequence truncated IS)
-            or "seq_mask" (drop sequences whose ratio leaves [1/threshold, threshold]).
+        mode: "auto" ("token_tis" when train.mode is "async", the decoupled PPO weight; "off" when
+            it is "sync"), "off", "token_tis" (per-token truncated IS), "seq_tis" (per-sequence
+            truncated IS) or "seq_mask" (drop sequences whose ratio leaves [1/threshold, threshold]).
         threshold: C, the truncation cap of TIS and the band of seq_mask; > 1.
         sequence_ratio: how seq_tis / seq_mask form a sequence's ratio from its tokens: "product"
             (the exact sequence likelihood ratio) or "geometric" (its per-token geometric mean).
     """
 
-    mode: Literal["off", "token_tis", "seq_tis", "seq_mask"] = "off"
+    mode: Literal["auto", "off", "token_tis", "seq_tis", "seq_mask"] = "auto"
     threshold: float = 2.0
     sequence_ratio: Literal["product", "geometric"] = "product"
 
@@ -55,21 +74,38 @@ class RolloutCorrectionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen
             raise ValueError(f"threshold must be > 1 because it caps ratios from above (TIS) and "
                              f"bounds [1/threshold, threshold] (seq_mask), got {self.threshold}")
 
+    def resolved(self, asynchronous: bool) -> "RolloutCorrectionConfig":
+        """This config with ``auto`` replaced by what it means for a sync or an async run."""
+        if self.mode != "auto":
+            return self
+        return msgspec.structs.replace(self, mode="token_tis" if asynchronous else "off")
+
+
+# Token groups of the split ratio statistics: name -> the TokenBatch.token_origin value.
+ORIGIN_GROUPS = {"global": ORIGIN_GLOBAL, "branch": ORIGIN_BRANCH, "inherited": ORIGIN_INHERITED}
+
 
 def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
-                       config: RolloutCorrectionConfig) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+                       config: RolloutCorrectionConfig, token_origin: Tensor | None = None,
+                       staleness: Tensor | None = None) -> tuple[Tensor | None, Tensor, dict[str, float]]:
     """Importance weights, the loss mask to train with, and the metrics of one batch.
 
     Args:
-        old_logprobs: ``[B, L]`` trainer log-probs of the sampled tokens (before the update).
-        rollout_logprobs: ``[B, L]`` the sampler's log-probs of the same tokens.
+        old_logprobs: ``[B, L]`` trainer log-probs of the sampled tokens (before the update: the
+            proximal policy).
+        rollout_logprobs: ``[B, L]`` the sampler's log-probs of the same tokens (the behaviour policy).
         loss_mask: ``[B, L]`` 1 on model-written tokens.
-        config: the correction.
+        config: the correction (``auto`` must be resolved first: :meth:`RolloutCorrectionConfig.resolved`).
+        token_origin: ``[B, L]`` ``TokenBatch.token_origin``, for the per-origin ratio statistics.
+        staleness: ``[B, L]`` long, versions between each token's sampler and the updated policy,
+            for the per-staleness ratio statistics.
     Returns:
         ``(weights, loss_mask, metrics)``: weights ``[B, L]`` float32 (None for ``off`` and
         ``seq_mask``, whose weights are all 1), the mask (rows zeroed by ``seq_mask``, else the
         input) and float metrics keyed ``rollout_correction/...``.
     """
+    if config.mode == "auto":
+        raise ValueError("rollout_correction: resolve mode 'auto' for the run first (RolloutCorrectionConfig.resolved)")
     mask = loss_mask > 0
     log_rho = torch.where(mask, old_logprobs.double() - rollout_logprobs.double(), 0.0)
     log_rho = log_rho.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -77,6 +113,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     tokens = mask.sum()
     metrics = {"rollout_correction/kl_k3": _mean(rho - 1 - log_rho, mask)}
     cap = config.threshold
+    metrics.update(split_ratio_metrics(rho, mask, cap, token_origin, staleness))
     if config.mode in ("off", "token_tis"):
         metrics.update(_ratio_metrics(rho[mask]))
         if config.mode == "off":
@@ -99,6 +136,26 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     outside = rows & ((seq_rho > cap) | (seq_rho < 1.0 / cap))
     metrics["rollout_correction/masked_share"] = _share(outside, rows)
     return None, loss_mask * (~outside).unsqueeze(-1).to(loss_mask.dtype), metrics
+
+
+def split_ratio_metrics(rho: Tensor, mask: Tensor, cap: float, token_origin: Tensor | None,
+                        staleness: Tensor | None) -> dict[str, float]:
+    """The token ratio's mean, max and share above ``cap`` per token origin and per staleness
+    (groups with no token are left out)."""
+    groups = {}
+    if token_origin is not None:
+        groups.update({name: mask & (token_origin == value) for name, value in ORIGIN_GROUPS.items()})
+    if staleness is not None:
+        for d in sorted(set(staleness[mask].tolist())):
+            groups[f"stale{int(d)}"] = mask & (staleness == d)
+    out = {}
+    for name, where in groups.items():
+        values = rho[where]
+        if values.numel():
+            out.update({f"rollout_correction/ratio_mean/{name}": float(values.mean()),
+                        f"rollout_correction/ratio_max/{name}": float(values.max()),
+                        f"rollout_correction/truncated_share/{name}": float((values > cap).double().mean())})
+    return out
 
 
 def _ratio_metrics(values: Tensor) -> dict[str, float]:
