@@ -97,6 +97,11 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     def asynchronous(self) -> bool:
         return self.mode == "async"
 
+    @property
+    def stale_tokens(self) -> bool:
+        """Whether an update may train on tokens sampled by an older policy (async, eta >= 1)."""
+        return self.asynchronous and self.max_staleness > 0
+
     def resolved_steps(self, num_prompts: int) -> int:
         """RL steps of the run for ``num_prompts`` training prompts."""
         if self.steps is not None:

@@ -16,6 +16,9 @@ option with the defaults those give; ``--dry-run`` checks the run without starti
 Under ``torchrun`` every rank samples rollouts for its share of the step's prompts with its own
 generation backend; trajectories are all-gathered so every rank holds the same global batch,
 which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and plots.
+
+``train.mode = "async"`` (docs/async.md): a rollout process samples while this one updates
+(:mod:`aepo_engine.asynchronous`); each step's learning part (:meth:`Trainer.learn`) is the same.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from aepo_kernels.compile import give_toolchain_notice
 
 from aepo_engine import distributed
 from aepo_engine.algorithms.advantages import group_advantages
+from aepo_engine.asynchronous.staleness import branching_version_gaps, staleness_metrics, token_staleness
 from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
@@ -82,6 +86,9 @@ class Trainer:
         seed_everything(cfg.seed)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed()
+        if cfg.train.asynchronous and self.world > 1:
+            raise ConfigError(f"train.mode='async' runs one trainer process here (world size {self.world}): "
+                              "several trainer ranks beside rollout processes are not built yet (docs/async.md)")
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
         task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,
@@ -121,7 +128,8 @@ class Trainer:
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
         self.judge = self._start_judge() if self.rank == 0 and cfg.eval.judge.url and self.eval_sets else None
-        self.correction = cfg.rollout_correction.resolved(asynchronous=cfg.train.asynchronous)
+        self.correction = cfg.rollout_correction.resolved(stale_tokens=cfg.train.stale_tokens)
+        self.resume_sampler_state: dict[str, Any] | None = None  # set by the asynchronous loop
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -149,27 +157,52 @@ class Trainer:
         bar = ProgressBar(self.total_steps, start)
         every = self.cfg.logging.print_every_n_steps
         t0 = time.perf_counter()
-        for step in range(start, self.total_steps):
-            metrics = self.train_step(step)
-            if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
-                metrics.update({f"eval/{k}": v for k, v in self.evaluate(f"step {step + 1}").items()})
-            self.logger.log(step, metrics)
-            if self.rank == 0 and every and (step + 1) % every == 0:
-                bar.update(step, _progress_fields(metrics))
-            if self._checkpoint_due(step):
-                self.save(step, eval_before)
-            fault_point("after_step", step + 1)
+        if self.cfg.train.asynchronous:
+            from aepo_engine.asynchronous.loop import async_steps
+
+            steps = async_steps(self, start)
+        else:
+            steps = (self.train_step(step) for step in range(start, self.total_steps))
+        try:
+            for step, metrics in zip(range(start, self.total_steps), steps):
+                if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate(f"step {step + 1}").items()})
+                self.logger.log(step, metrics)
+                if self.rank == 0 and every and (step + 1) % every == 0:
+                    bar.update(step, _progress_fields(metrics))
+                if self._checkpoint_due(step):
+                    self.save(step, eval_before)
+                fault_point("after_step", step + 1)
+        finally:
+            steps.close()  # an asynchronous run stops its rollout process
         bar.close()
         eval_after = self.evaluate("after RL")
         return self._finish(eval_before, eval_after, time.perf_counter() - t0)
 
     def train_step(self, step: int) -> dict[str, Any]:
+        """One synchronous step: rollouts with this rank's engine, the update, the weight sync."""
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
         trajectories, rewards, correct, answers, stats = self._rollout_and_score(examples, step)
         if self.sleeps:  # the update gets the engine's memory back until the weight sync
             self.backend.sleep()
         t_rollout = time.perf_counter() - t0
+        metrics = self.learn(step, trajectories, rewards, correct, answers, stats)
+        t_sync = time.perf_counter()
+        self._sync_weights()
+        elapsed = time.perf_counter() - t0
+        tokens = float(sum(len(t.response_ids) for t in trajectories))
+        metrics.update({"time/rollout_s": t_rollout, "time/sync_s": time.perf_counter() - t_sync,
+                        "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+                        **{f"time/rollout_{part}_s": sum(getattr(st, f"{part}_s") for st in stats) / len(stats)
+                           for part in ("generate", "tool", "tail")}})
+        return metrics
+
+    def learn(self, step: int, trajectories, rewards, correct, answers, stats: list[RolloutStats]) -> dict[str, Any]:
+        """The learning part of step ``step``: group advantages, the proximal log-probs (the policy
+        before this update), the behaviour->proximal correction, the update; the step's metrics
+        (without its timing) and sample dump. ``trajectories`` etc. are in group order."""
+        t0 = time.perf_counter()
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
         batch = TokenBatch.from_trajectories(trajectories, advantages, self.tokenizer.pad_token_id or 0)
@@ -180,12 +213,11 @@ class Trainer:
         # Backend vs policy on the sampled tokens: ~0 for the HF backend; for vLLM the gap of its
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
+        staleness = token_staleness(batch.versions, batch.loss_mask, step)
         batch.is_weights, batch.loss_mask, correction = rollout_correction(
-            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.correction, batch.token_origin)
+            batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.correction, batch.token_origin, staleness)
         update = self.policy.update(batch)
-        self._sync_weights()
-        elapsed = time.perf_counter() - t0
-        tokens = float(sum(len(t.response_ids) for t in trajectories))
+        gaps = branching_version_gaps(trajectories)
         metrics = {
             "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
             "train/accuracy": float(np.mean(correct)),
@@ -193,7 +225,9 @@ class Trainer:
             **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             **branching_metrics(trajectories, self.cfg.rollout),
-            "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+            **staleness_metrics(batch.versions, sampled, step),
+            **({"staleness/branch_version_gap_mean": float(np.mean(gaps))} if gaps else {}),
+            "time/update_s": time.perf_counter() - t0,
         }
         log_cfg = self.cfg.logging
         self.logger.dump_samples(step, sample_rows(trajectories, rewards, correct, answers, self.tokenizer,
@@ -235,21 +269,29 @@ class Trainer:
         mine = self.layout.prompts(len(examples))
         local = self._sample(lambda: self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
                              if mine else None)
-        scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
-            scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
+        scored = self.score(local.trajectories if local else [], examples)
         gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
         stats = [st for _, st in gathered if st is not None]
         return (*([s[i] for s in everything] for i in range(4)), stats)
+
+    def score(self, trajectories, examples: list[Example]) -> list[tuple[Any, float, bool, Any]]:
+        """``(trajectory, reward, correct, answer)`` of each trajectory; ``prompt_index`` indexes ``examples``."""
+        scored = []
+        for traj in trajectories:
+            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
+            scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
+        return scored
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
         the questions are shared out over the engines (``engine_layout``) like rollout prompts."""
         if not self.eval_examples and not self.eval_sets:
             return {}
+        if self.cfg.train.asynchronous:  # this process's engine only evaluates: it gets the weights then
+            self._sync_weights()
         t0 = time.perf_counter()
         result = {}
         if self.eval_examples:
@@ -305,7 +347,10 @@ class Trainer:
         return (every > 0 and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_at_end)
 
     def save(self, step: int, eval_before: dict[str, float]) -> None:
-        extra = {"step": step, "sampler": self.sampler.state_dict(), "eval_before": eval_before}
+        # An asynchronous run has drawn the prompts of later steps already: it saves the sampler's
+        # state before those (a resumed run draws them again and samples them afresh).
+        sampler_state = self.resume_sampler_state or self.sampler.state_dict()
+        extra = {"step": step, "sampler": sampler_state, "eval_before": eval_before}
         self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
                               self.policy.scheduler, extra, self.config_text, export_hf=self.cfg.checkpoint.export_hf)
 

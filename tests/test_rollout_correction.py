@@ -90,12 +90,12 @@ def test_ratio_statistics_per_origin_and_staleness():
     assert not any(k.endswith("/stale3") for k in m)
 
 
-def test_auto_means_decoupled_ppo_when_asynchronous():
+def test_auto_means_decoupled_ppo_when_tokens_may_be_stale():
     auto = RolloutCorrectionConfig(threshold=3.0)
     assert auto.mode == "auto"
-    assert auto.resolved(asynchronous=True) == RolloutCorrectionConfig(mode="token_tis", threshold=3.0)
-    assert auto.resolved(asynchronous=False).mode == "off"
-    assert RolloutCorrectionConfig(mode="seq_mask").resolved(asynchronous=True).mode == "seq_mask"
+    assert auto.resolved(stale_tokens=True) == RolloutCorrectionConfig(mode="token_tis", threshold=3.0)
+    assert auto.resolved(stale_tokens=False).mode == "off"
+    assert RolloutCorrectionConfig(mode="seq_mask").resolved(stale_tokens=True).mode == "seq_mask"
     old, rollout, mask = _batch()
     with pytest.raises(ValueError, match="resolve mode 'auto'"):
         rollout_correction(old, rollout, mask, auto)

@@ -565,13 +565,13 @@ def test_reserve_runs_only_while_a_refill_may_need_it():
     sampled_in_reserve = 0
 
     class Checked(EntropyBalancedRollout):
-        def _round(self, states, batch, step, stats):
+        def _round(self, states, batch):
             nonlocal sampled_in_reserve
-            for state in states:
+            for state in states.values():
                 if any(t in state.reserve for t in batch):
                     assert len(state.members) < self.config.k
                     sampled_in_reserve += 1
-            super()._round(states, batch, step, stats)
+            super()._round(states, batch)
 
     for step in range(40):
         backend = ScriptedBackend(random_tool_agent())

@@ -14,7 +14,9 @@ from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence
 
 import torch
 
-FinishReason = Literal["stop", "eos", "length"]
+FinishReason = Literal["stop", "eos", "length", "abort"]
+"""stop: a stop string; eos: an end-of-sequence token; length: ``max_new_tokens``; abort: cut short
+because the caller's ``abort`` event was set (a weight update; the caller continues the segment)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,13 @@ class GenOutput:
 
 
 class GenerationBackend(Protocol):
-    """A batched sampler. Implementations must be deterministic given the request seeds."""
+    """A batched sampler. Implementations must be deterministic given the request seeds.
+
+    ``can_abort``: ``generate`` takes an ``abort`` event (``threading.Event``) and, once it is set,
+    ends every request at the next token with finish reason ``"abort"`` and what it has sampled so
+    far (asynchronous training cuts segments at weight updates and continues them from their
+    prefix). A backend without it (no attribute, or False) is only ever called without ``abort``.
+    """
 
     tokenizer: Any
     entropy_is_exact: bool
@@ -72,7 +80,8 @@ class GenerationBackend(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
-        """Sample every request (batched as the backend sees fit); outputs in request order."""
+        """Sample every request (batched as the backend sees fit); outputs in request order
+        (``can_abort`` backends also take ``abort=``, see above)."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -7,6 +7,7 @@ step"; the maths (m, P) is :mod:`aepo_engine.algorithms.branching`.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -31,9 +32,11 @@ _H_TOOL_FLOOR = -1e-3
 
 
 def derive_seed(root_seed: int, step: int, prompt_index: int, traj_id: int, counter: int,
-                purpose: int) -> int:
-    """A 63-bit seed from the identifying integers (independent of batch order)."""
-    seq = np.random.SeedSequence([root_seed, step, prompt_index, traj_id, counter, purpose])
+                purpose: int, resumed_at: int = 0) -> int:
+    """A 63-bit seed from the identifying integers (independent of batch order); ``resumed_at`` > 0
+    for the continuation of a segment cut after that many tokens (a new seed for the rest)."""
+    words = [root_seed, step, prompt_index, traj_id, counter, purpose] + ([resumed_at] if resumed_at else [])
+    seq = np.random.SeedSequence(words)
     return int(seq.generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
 
 
@@ -41,12 +44,83 @@ def derive_seed(root_seed: int, step: int, prompt_index: int, traj_id: int, coun
 # Bookkeeping
 
 
+def _key(traj: Trajectory) -> tuple[int, int]:
+    """A trajectory's prompt state key: ``(step, prompt index)``."""
+    return traj.step, traj.prompt_index
+
+
+def _cut_at_stop(output: GenOutput, resumed_at: int, stop_strings: Sequence[str], tokenizer: Any) -> GenOutput:
+    """A segment continued after ``resumed_at`` tokens (a cut), ended at the first stop string that
+    spans the cut: the backend saw only the tokens after it, so it could not match a stop string
+    whose first characters came before (it went on sampling past it; those tokens are dropped)."""
+    if resumed_at == 0 or not stop_strings:
+        return output
+    window = max(len(stop.encode()) for stop in stop_strings) + 1  # tokens decode to >= 1 byte each
+    head = list(output.token_ids[max(0, resumed_at - window):resumed_at])
+    cut_at = len(tokenizer.decode(head))
+    for j in range(resumed_at, min(len(output.token_ids), resumed_at + window)):
+        text = tokenizer.decode(head + list(output.token_ids[resumed_at:j + 1]))
+        hit = next((stop for stop in stop_strings if 0 <= text.find(stop) < cut_at), None)
+        if hit is not None:
+            keep = j + 1
+            return GenOutput(output.token_ids[:keep], output.logprobs[:keep], output.entropies[:keep], "stop", hit)
+    return output
+
+
+@dataclass
+class _Stats:
+    rounds: int = 0
+    tokens_generated: int = 0
+    tool_tokens: int = 0
+    tool_calls_executed: int = 0
+    tool_errors: int = 0
+    malformed_calls: int = 0
+    fresh_global_samples: int = 0
+    discarded_probes: int = 0
+    discarded_speculative: int = 0
+    discarded_tokens: int = 0
+    waited_decisions: int = 0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    tail_s: float = 0.0
+    widest_round: int = 0
+
+    def time_round(self, width: int, generate_s: float, tool_s: float) -> None:
+        """Add a round's seconds; a round less than half as wide as the widest so far counts as
+        tail (the call waiting for its slowest trajectories)."""
+        self.generate_s += generate_s
+        self.tool_s += tool_s
+        self.widest_round = max(self.widest_round, width)
+        if 2 * width < self.widest_round:
+            self.tail_s += generate_s + tool_s
+
+
+@dataclass
+class _Partial:
+    """What a segment cut short by a weight update (``GenOutput.finish_reason == "abort"``) has
+    sampled so far; the next round continues it from there."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add(self, output: GenOutput, version: int) -> None:
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        self.entropies += output.entropies
+        self.versions += [version] * len(output.token_ids)
+
+
 @dataclass
 class _PromptState:
-    """The trajectories of one prompt during a rollout call."""
+    """The trajectories of one prompt during a rollout call; ``step`` and ``stats`` are those of
+    the call (the training step its prompts are for, and its counters)."""
 
     index: int
     prompt_ids: list[int]
+    step: int = 0
+    stats: _Stats = field(default_factory=_Stats)
     members: list[Trajectory] = field(default_factory=list)  # returned; at most k
     probe: Trajectory | None = None      # while probing, and afterwards if discarded
     speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
@@ -85,21 +159,6 @@ class _PromptState:
         return sorted(pool, key=lambda t: t.traj_id)
 
 
-@dataclass
-class _Stats:
-    rounds: int = 0
-    tokens_generated: int = 0
-    tool_tokens: int = 0
-    tool_calls_executed: int = 0
-    tool_errors: int = 0
-    malformed_calls: int = 0
-    fresh_global_samples: int = 0
-    discarded_probes: int = 0
-    discarded_speculative: int = 0
-    discarded_tokens: int = 0
-    waited_decisions: int = 0
-
-
 @dataclass(frozen=True)
 class RolloutStats:
     """What one :meth:`EntropyBalancedRollout.rollout` call did.
@@ -124,6 +183,9 @@ class RolloutStats:
             waited_decisions: branch decisions that waited for m (``branch_before_m``);
             discarded_tokens: model tokens sampled in discarded trajectories (part of
             tokens_generated; the rest is what the returned trajectories hold).
+        generate_s, tool_s: seconds in the backend and waiting for tool calls (the slowest call
+            of each round); tail_s: the part of both spent in rounds less than half as wide as
+            the widest before them (the slowest trajectories, with the rest finished).
     """
 
     m: list[int]
@@ -146,6 +208,9 @@ class RolloutStats:
     discarded_speculative: int
     discarded_tokens: int
     waited_decisions: int
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    tail_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,77 +252,99 @@ class EntropyBalancedRollout:
                           [s.removeprefix("</").removesuffix(">") for s in TOOL_STOP_STRINGS])
         self.tool_names = tuple(tool_names)
         self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
+        # The policy version of the backend's weights: recorded on every token it samples.
+        self.policy_version = 0
+        self.tokens_sampled = 0  # every token the backend returned, over the scheduler's life
+        self._partial: dict[int, _Partial] = {}  # id(trajectory) -> its cut segment so far
 
     # -- public -------------------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], step: int) -> RolloutResult:
+    def rollout(self, prompts: list[list[int]], step: int, version: int | None = None) -> RolloutResult:
         """Sample exactly ``config.k`` trajectories per prompt.
 
         Args:
             prompts: prompt token ids, one list per prompt.
             step: the training step (part of every seed; trajectories record it).
+            version: the policy version of the backend's weights, recorded on every sampled token
+                (``Trajectory.versions``); None = ``step`` (a synchronous run's weights have had
+                ``step`` updates).
 
         Returns:
             ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
             sorted by ``traj_id``, with the call's statistics.
         """
+        self.policy_version = step if version is None else version
+        states = self._new_states(prompts, step)
+        while True:
+            batch = self._next_batch(states)
+            if not batch:
+                break
+            self._round(states, batch)
+            for state in states.values():
+                self._advance(state)
+        return self._result(list(states.values()))
+
+    def _new_states(self, prompts: list[list[int]], step: int) -> dict[tuple[int, int], _PromptState]:
+        """Started prompt states of one rollout call, keyed by ``(step, prompt index)``."""
         if step < 0:
             raise ValueError(f"step must be >= 0 because it seeds the rollout, got {step}")
         for i, ids in enumerate(prompts):
             if len(ids) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs a context")
         stats = _Stats()
-        states = [_PromptState(i, list(ids)) for i, ids in enumerate(prompts)]
-        for state in states:
-            self._start(state, step)
-        while True:
-            if self.config.branching and self.config.experimental.presample_children:
-                for state in states:
-                    self._presample(state)
-            batch = [t for state in states for t in state.generating()]
-            if not batch:
-                break
-            self._round(states, batch, step, stats)
-            for state in states:
-                self._advance(state, step, stats)
+        states = {(step, i): _PromptState(i, list(ids), step, stats) for i, ids in enumerate(prompts)}
+        for state in states.values():
+            self._start(state)
+        return states
+
+    def _next_batch(self, states: dict[tuple[int, int], _PromptState]) -> list[Trajectory]:
+        """What the next round samples (pre-sampled children started first, when on)."""
+        if self.config.branching and self.config.experimental.presample_children:
+            for state in states.values():
+                self._presample(state)
+        return [t for state in states.values() for t in state.generating()]
+
+    def _result(self, states: list[_PromptState]) -> RolloutResult:
+        """The call's k trajectories per prompt and statistics, once nothing is left to sample."""
         for state in states:  # reserve samples no refill needed: the budget went to branches
-            self._discard_reserve(state, stats)
+            self._discard_reserve(state, state.stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
-        return RolloutResult(out, self._summarize(states, out, stats))
+        return RolloutResult(out, self._summarize(states, out, states[0].stats))
 
     # -- prompt life cycle --------------------------------------------------------------------
 
-    def _start(self, state: _PromptState, step: int) -> None:
+    def _start(self, state: _PromptState) -> None:
         cfg = self.config
         if cfg.branching and cfg.pre_monitoring:
-            state.probe = self._new(state, step, "probe")
+            state.probe = self._new(state, "probe")
             if cfg.experimental.reuse_probe_as_sample:
                 state.members.append(state.probe)
-            state.speculative = [self._new(state, step, "global")
+            state.speculative = [self._new(state, "global")
                                  for _ in range(cfg.speculative_globals)]
             return
         state.m = cfg.global_samples_without_monitoring if cfg.branching else cfg.k
         for _ in range(state.m):
-            state.members.append(self._new(state, step, "global"))
+            state.members.append(self._new(state, "global"))
 
-    def _advance(self, state: _PromptState, step: int, stats: _Stats) -> None:
+    def _advance(self, state: _PromptState) -> None:
         """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
+        stats = state.stats
         if state.m is None:
             if not self._evidence_ready(state.probe):
-                if state.certain_slots is None:  # after the probe's first round
-                    self._bound_m(state, step)
+                if state.certain_slots is None and state.probe.segment_entropies:  # after its first segment
+                    self._bound_m(state)
                 return
-            self._finish_probe(state, step, stats)
+            self._finish_probe(state, stats)
         missing = self.config.k - len(state.members)
         if missing > 0 and not state.running():
             resumed, state.reserve = state.reserve[:missing], state.reserve[missing:]
             state.members.extend(resumed)
             for _ in range(missing - len(resumed)):
-                state.members.append(self._new(state, step, "global"))
+                state.members.append(self._new(state, "global"))
             stats.fresh_global_samples += missing
             for traj in resumed:  # the budget is spent now: recorded as blocked decisions
-                self._decide_late(state, traj, step)
+                self._decide_late(state, traj)
         if state.m is not None and len(state.members) == self.config.k and state.reserve:
             self._discard_reserve(state, stats)  # no refill can need it any more
 
@@ -272,7 +359,7 @@ class EntropyBalancedRollout:
         wanted = self.config.experimental.monitor_tool_steps
         return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
 
-    def _bound_m(self, state: _PromptState, step: int) -> None:
+    def _bound_m(self, state: _PromptState) -> None:
         """H_root is known: m <= m_max. Free the k - m_max branch slots every m leaves, and top
         the speculative globals up to the most that any m keeps (``speculative_top_up``)."""
         cfg = self.config
@@ -282,9 +369,9 @@ class EntropyBalancedRollout:
         if cfg.speculative_top_up:
             most_kept = m_max - int(cfg.experimental.reuse_probe_as_sample)
             for _ in range(most_kept - len(state.speculative)):
-                state.speculative.append(self._new(state, step, "global"))
+                state.speculative.append(self._new(state, "global"))
 
-    def _finish_probe(self, state: _PromptState, step: int, stats: _Stats) -> None:
+    def _finish_probe(self, state: _PromptState, stats: _Stats) -> None:
         cfg, probe = self.config, state.probe
         state.h_root = probe.segment_entropies[0]
         after_tool = probe.segment_entropies[1:][: cfg.experimental.monitor_tool_steps]
@@ -299,7 +386,7 @@ class EntropyBalancedRollout:
             self._to_reserve(state, traj, stats)
         state.members.extend(kept)
         for _ in range(wanted - len(kept)):
-            state.members.append(self._new(state, step, "global"))
+            state.members.append(self._new(state, "global"))
         state.probe = None  # a reused probe goes on as a member; a discarded one stops here
         if not reused:
             stats.discarded_probes += 1
@@ -312,7 +399,7 @@ class EntropyBalancedRollout:
         stats.waited_decisions += len(pending)
         for traj, seg_index, h_now in pending:
             if any(traj is member for member in state.members):  # not in reserve, not dropped
-                self._decide(state, traj, seg_index, h_now, step)
+                self._decide(state, traj, seg_index, h_now)
         for child in state.tentative.values():  # their decisions found no slot
             stats.discarded_speculative += 1
             stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
@@ -330,62 +417,107 @@ class EntropyBalancedRollout:
         traj.decisions.clear()
         traj.consecutive_branches = 0
 
-    def _decide_late(self, state: _PromptState, traj: Trajectory, step: int) -> None:
+    def _decide_late(self, state: _PromptState, traj: Trajectory) -> None:
         """Take the decisions of every model segment of ``traj`` that reacts to a tool result,
         in order (a resumed reserve sample has taken none)."""
         model_segments = [j for j, s in enumerate(traj.segments) if s.kind == "model"]
         for n_model, seg_index in enumerate(model_segments[1:], start=1):
-            self._decide(state, traj, seg_index, traj.segment_entropies[n_model], step)
+            self._decide(state, traj, seg_index, traj.segment_entropies[n_model])
 
-    def _new(self, state: _PromptState, step: int, kind: str) -> Trajectory:
+    def _new(self, state: _PromptState, kind: str) -> Trajectory:
         return Trajectory(prompt_ids=state.prompt_ids, prompt_index=state.index,
-                          traj_id=state.new_id(), step=step, kind=kind)
+                          traj_id=state.new_id(), step=state.step, kind=kind)
 
     # -- one round ----------------------------------------------------------------------------
 
-    def _round(self, states: list[_PromptState], batch: list[Trajectory], step: int,
-               stats: _Stats) -> None:
+    def _round(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory]) -> None:
+        """One round: sample every trajectory of ``batch``, then run their tool calls together."""
+        start = time.perf_counter()
+        calls, callers = self._generate(states, batch)
+        generated = time.perf_counter()
+        if calls:
+            self._run_tools(states, calls, callers)
+        for stats in {id(states[_key(t)].stats): states[_key(t)].stats for t in batch}.values():
+            stats.time_round(len(batch), generated - start, time.perf_counter() - generated)
+
+    def _generate(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory],
+                  abort: Any = None) -> tuple[list[ToolCall], list[Trajectory]]:
+        """Sample a segment for every trajectory of ``batch`` (``abort``: a ``threading.Event`` a
+        backend that can stop mid-call checks, ``GenerationBackend.can_abort``; a segment it cuts
+        is kept and continued next round), take the branch decisions due and classify the
+        segments; returns the tool calls to run and their callers."""
         cfg = self.config
-        outputs = self.backend.generate([self._request(t, step) for t in batch])
+        requests = [self._request(t) for t in batch]
+        outputs = (self.backend.generate(requests, abort=abort) if abort is not None
+                   else self.backend.generate(requests))
         if len(outputs) != len(batch):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(batch)} requests")
-        stats.rounds += 1
+        for stats in {id(states[_key(t)].stats): states[_key(t)].stats for t in batch}.values():
+            stats.rounds += 1
+        finished = []
         for traj, output in zip(batch, outputs):
+            states[_key(traj)].stats.tokens_generated += len(output.token_ids)
+            self.tokens_sampled += len(output.token_ids)
+            output, versions = self._complete_segment(traj, output)
+            if output is None:  # cut by a weight update: continued next round
+                continue
             traj.append_model_segment(output.token_ids, output.logprobs, output.entropies,
-                                      cfg.n_entropy_tokens)
-            stats.tokens_generated += len(output.token_ids)
-        for traj in batch:  # branch decisions first: a child copies the prefix before this call
-            state = states[traj.prompt_index]
+                                      cfg.n_entropy_tokens, versions)
+            finished.append((traj, output))
+        for traj, _ in finished:  # branch decisions first: a child copies the prefix before this call
+            state = states[_key(traj)]
             if cfg.branching and self._decision_due(traj) and self._samples(state, traj):
                 self._take_decision(state, traj, len(traj.segments) - 1,
-                                    traj.segment_entropies[-1], step)
+                                    traj.segment_entropies[-1])
         dropped: set[int] = set()  # pre-sampled children no decision took: their calls never run
-        for state in states:
+        for state in {id(states[_key(t)]): states[_key(t)] for t in batch}.values():
             for child in state.presampled.values():
                 dropped.add(id(child))
-                stats.discarded_speculative += 1
-                stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+                self._partial.pop(id(child), None)
+                state.stats.discarded_speculative += 1
+                state.stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
             state.presampled = {}
         calls, callers = [], []
-        for traj, output in zip(batch, outputs):
+        for traj, output in finished:
             if id(traj) in dropped:
                 continue
-            call = self._classify(traj, output, stats)
+            call = self._classify(traj, output, states[_key(traj)].stats)
             if call is not None:
                 calls.append(call)
                 callers.append(traj)
-        if calls:
-            self._run_tools(calls, callers, stats)
+        return calls, callers
 
-    def _request(self, traj: Trajectory, step: int) -> GenRequest:
+    def _complete_segment(self, traj: Trajectory, output: GenOutput) -> tuple[GenOutput | None, list[int]]:
+        """``(output, per-token versions)`` of a finished segment, the tokens of its cut parts first;
+        ``(None, [])`` when it was cut (again) by a weight update: kept for the next round."""
+        partial = self._partial.pop(id(traj), None)
+        if partial is None and output.finish_reason != "abort":
+            return output, [self.policy_version] * len(output.token_ids)
+        partial = partial or _Partial()
+        resumed_at = len(partial.token_ids)
+        partial.add(output, self.policy_version)
+        merged = GenOutput(partial.token_ids, partial.logprobs, partial.entropies, output.finish_reason,
+                           output.stop_string)  # text "": _classify decodes the whole segment
+        merged = _cut_at_stop(merged, resumed_at, self.stop_strings, self.tokenizer)
+        if merged.finish_reason == "abort":
+            self._partial[id(traj)] = partial
+            return None, []
+        return merged, partial.versions[:len(merged.token_ids)]
+
+    def _request(self, traj: Trajectory) -> GenRequest:
+        """The request for ``traj``'s next segment, or for the rest of a segment a weight update
+        cut (its own seed; the entropy head and the token budget count what was sampled)."""
         cfg = self.config
+        partial = self._partial.get(id(traj))
+        done = partial.token_ids if partial is not None else []
         remaining = cfg.max_response_tokens - len(traj.response_ids)
-        seed = derive_seed(self.seed, step, traj.prompt_index, traj.traj_id, len(traj.segments),
-                           _SAMPLE)
-        return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids),
-                          max_new_tokens=min(cfg.max_tokens_per_segment, remaining),
+        seed = derive_seed(self.seed, traj.step, traj.prompt_index, traj.traj_id, len(traj.segments),
+                           _SAMPLE, resumed_at=len(done))
+        return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids) + tuple(done),
+                          max_new_tokens=min(cfg.max_tokens_per_segment, remaining) - len(done),
                           stop_strings=self.stop_strings, seed=seed,
-                          temperature=cfg.temperature, top_p=cfg.top_p, entropy_tokens=cfg.n_entropy_tokens)
+                          temperature=cfg.temperature, top_p=cfg.top_p,
+                          entropy_tokens=max(cfg.n_entropy_tokens - len(done), 0))
 
     def _classify(self, traj: Trajectory, output: GenOutput, stats: _Stats
                   ) -> ToolCall | None:
@@ -411,22 +543,27 @@ class EntropyBalancedRollout:
             return call
         return None
 
-    def _run_tools(self, calls: list[ToolCall], callers: list[Trajectory], stats: _Stats) -> None:
+    def _run_tools(self, states: dict[tuple[int, int], _PromptState], calls: list[ToolCall],
+                   callers: list[Trajectory]) -> None:
         results = self.tool_runner.run(calls)
         if len(results) != len(calls):
             raise RuntimeError(f"tool runner returned {len(results)} results for "
                                f"{len(calls)} calls")
         for call, traj, result in zip(calls, callers, results):
-            traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
-            remaining = self.config.max_response_tokens - len(traj.response_ids)
-            ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
-            traj.append_tool_result(list(ids)[:remaining])
-            traj.tool_calls += 1
-            stats.tool_calls_executed += 1
-            stats.tool_errors += int(not result.ok)
-            stats.tool_tokens += min(len(ids), remaining)
-            if len(traj.response_ids) >= self.config.max_response_tokens:
-                traj.finish_reason = "length"
+            self._take_tool_result(traj, call, result, states[_key(traj)].stats)
+
+    def _take_tool_result(self, traj: Trajectory, call: ToolCall, result: Any, stats: _Stats) -> None:
+        """Append a tool call's result to its trajectory (cut to the response budget)."""
+        traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
+        remaining = self.config.max_response_tokens - len(traj.response_ids)
+        ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
+        traj.append_tool_result(list(ids)[:remaining])
+        traj.tool_calls += 1
+        stats.tool_calls_executed += 1
+        stats.tool_errors += int(not result.ok)
+        stats.tool_tokens += min(len(ids), remaining)
+        if len(traj.response_ids) >= self.config.max_response_tokens:
+            traj.finish_reason = "length"
 
     # -- branching ----------------------------------------------------------------------------
 
@@ -445,12 +582,12 @@ class EntropyBalancedRollout:
         return traj is not state.probe or self.config.experimental.reuse_probe_as_sample
 
     def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
-                       h_now: float, step: int) -> None:
+                       h_now: float) -> None:
         """Decide now, or leave the decision waiting for m (with the trajectory's later ones:
         their l depends on its outcome)."""
         if traj.traj_id in state.waiting:
             state.pending.append((traj, seg_index, h_now))
-        elif not self._decide(state, traj, seg_index, h_now, step):
+        elif not self._decide(state, traj, seg_index, h_now):
             state.waiting.add(traj.traj_id)
             state.pending.append((traj, seg_index, h_now))
             if len(state.tentative) < self.config.experimental.speculative_branches:
@@ -465,14 +602,13 @@ class EntropyBalancedRollout:
         state.waiting.add(child.traj_id)
         state.tentative[(traj.traj_id, seg_index)] = child
 
-    def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float,
-                step: int) -> bool:
+    def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float) -> bool:
         """Take the branch decision for the model segment ``traj.segments[seg_index]``; False
         (nothing recorded) when it wants a branch slot whose existence depends on m."""
         cfg = self.config
         tool_step = sum(s.kind == "tool" for s in traj.segments[:seg_index])
         if cfg.branch_alpha_mode == "random":
-            seed = derive_seed(self.seed, step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
+            seed = derive_seed(self.seed, traj.step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
             alpha = float(np.random.default_rng(seed).random())
         else:
             alpha = cfg.branch_alpha
@@ -557,4 +693,7 @@ class EntropyBalancedRollout:
             discarded_speculative=stats.discarded_speculative,
             discarded_tokens=stats.discarded_tokens,
             waited_decisions=stats.waited_decisions,
+            generate_s=stats.generate_s,
+            tool_s=stats.tool_s,
+            tail_s=stats.tail_s,
         )

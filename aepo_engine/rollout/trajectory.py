@@ -7,6 +7,12 @@ stored exactly as the backend sampled them; they are never decoded and re-encode
 
 Lineage: ``traj_id`` numbers the trajectories of one prompt in creation order; a branch records
 its parent, the tool step it branched at and the consecutive-branch count of its lineage.
+
+Policy versions: every model token records the version of the weights that sampled it
+(``versions``; the number of updates those weights had). In synchronous training all of a
+trajectory's tokens have one version; in asynchronous training a trajectory in flight at a weight
+update goes on under the new weights, so its tokens carry several, and a branch inherits its
+parent's prefix with the prefix's versions.
 """
 from __future__ import annotations
 
@@ -83,7 +89,8 @@ class Trajectory:
     """A prompt's sampled response with masks, log-probs, entropies and lineage.
 
     Token-aligned lists (all ``len(response_ids)`` long): ``loss_mask`` (1 model token, 0 tool
-    token), ``logprobs`` (sampling log-prob; 0.0 on tool tokens), ``entropies`` (per-token
+    token), ``logprobs`` (sampling log-prob; 0.0 on tool tokens), ``versions`` (the policy version
+    that sampled the token; -1 on tool tokens), ``entropies`` (per-token
     sampling entropy; 0.0 on tool tokens; NaN past a segment's head where the backend estimates
     entropies only there, see ``GenRequest.entropy_tokens``). ``segment_entropies[j]`` is the mean entropy of the
     first n_e tokens of the j-th *model* segment; ``segment_entropies[0]`` is H_init.
@@ -106,6 +113,7 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     segment_entropies: list[float] = field(default_factory=list)
     tool_calls: int = 0
@@ -133,25 +141,29 @@ class Trajectory:
         return sum(segment.kind == "tool" for segment in self.segments)
 
     def append_model_segment(self, token_ids: Sequence[int], logprobs: Sequence[float],
-                             entropies: Sequence[float], n_entropy_tokens: int) -> None:
-        """Append sampled tokens (mask 1) and record the segment's head entropy."""
-        if not len(token_ids) == len(logprobs) == len(entropies):
+                             entropies: Sequence[float], n_entropy_tokens: int,
+                             versions: int | Sequence[int] = 0) -> None:
+        """Append sampled tokens (mask 1) and record the segment's head entropy; ``versions``: the
+        policy version of every token, or one for all."""
+        versions = [versions] * len(token_ids) if isinstance(versions, int) else list(versions)
+        if not len(token_ids) == len(logprobs) == len(entropies) == len(versions):
             raise ValueError(f"backend output misaligned: {len(token_ids)} tokens, "
-                             f"{len(logprobs)} logprobs, {len(entropies)} entropies")
-        self._append("model", token_ids, 1, logprobs, entropies)
+                             f"{len(logprobs)} logprobs, {len(entropies)} entropies, {len(versions)} versions")
+        self._append("model", token_ids, 1, logprobs, entropies, versions)
         self.segment_entropies.append(mean_head_entropy(entropies, n_entropy_tokens))
 
     def append_tool_result(self, token_ids: Sequence[int]) -> None:
-        """Append tool-result tokens: loss mask 0, log-prob 0, entropy 0."""
+        """Append tool-result tokens: loss mask 0, log-prob 0, entropy 0, version -1."""
         zeros = [0.0] * len(token_ids)
-        self._append("tool", token_ids, 0, zeros, zeros)
+        self._append("tool", token_ids, 0, zeros, zeros, [-1] * len(token_ids))
 
-    def _append(self, kind, token_ids, mask_value, logprobs, entropies) -> None:
+    def _append(self, kind, token_ids, mask_value, logprobs, entropies, versions) -> None:
         start = len(self.response_ids)
         self.response_ids.extend(int(t) for t in token_ids)
         self.loss_mask.extend([mask_value] * len(token_ids))
         self.logprobs.extend(float(x) for x in logprobs)
         self.entropies.extend(float(x) for x in entropies)
+        self.versions.extend(int(v) for v in versions)
         self.segments.append(Segment(kind, start, len(self.response_ids)))
 
     def fork(self, at_segment: int, traj_id: int) -> "Trajectory":
@@ -176,7 +188,7 @@ class Trajectory:
             consecutive_branches=self.consecutive_branches,
             inherited_branches=self.consecutive_branches,
             response_ids=self.response_ids[:cut], loss_mask=self.loss_mask[:cut],
-            logprobs=self.logprobs[:cut], entropies=self.entropies[:cut],
+            logprobs=self.logprobs[:cut], entropies=self.entropies[:cut], versions=self.versions[:cut],
             segments=list(prefix), segment_entropies=self.segment_entropies[:n_model],
             tool_calls=n_tool, tool_log=self.tool_log[:n_tool],
         )

@@ -61,6 +61,17 @@ class ToolRunner:
             self._count(call, result)
         return results
 
+    def submit(self, call: ToolCall | MalformedToolCall) -> Future:
+        """Start one call and return at once; the future's result is its :class:`ToolResult`
+        (counted in ``stats`` when it is there). ``call_timeout_s`` does not apply: a caller that
+        must not wait on a hung tool waits on the future with its own timeout."""
+        item = self._submit(call)
+        future: Future = item if isinstance(item, Future) else Future()
+        if not isinstance(item, Future):
+            future.set_result(item)
+        future.add_done_callback(lambda done: None if done.cancelled() else self._count(call, done.result()))
+        return future
+
     def _submit(self, call: ToolCall | MalformedToolCall) -> Future | ToolResult:
         if isinstance(call, MalformedToolCall):
             return error_result(f"malformed tool call: {call.reason}")

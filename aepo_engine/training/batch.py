@@ -10,7 +10,9 @@ n_b = P_b + R_b), right-padded to L. Position t predicts token t+1, so
 so ``loss_mask`` is 1 exactly where the label is a model-written response token (prompt,
 tool-result tokens and padding are 0). ``token_origin`` (same positions) says which kind of
 trajectory sampled each response token (``TOKEN_ORIGINS``): statistics only, e.g. clip fractions of
-branched tokens apart from the others; the loss does not read it. Labels are kept on prompt and tool positions too (they are
+branched tokens apart from the others; the loss does not read it. ``versions`` (same positions) is
+the policy version that sampled each response token (``Trajectory.versions``; -1 elsewhere): the
+staleness of asynchronous training is the updated version minus it. Labels are kept on prompt and tool positions too (they are
 real next tokens; the mask, not the label, decides what counts).
 
 Splitting: a batch is cut into PPO mini-batches (consecutive rows, by prompt group or count),
@@ -62,6 +64,8 @@ class TokenBatch:
             mismatch correction (``training.rollout_correction``); None means all 1.
         token_origin: ``[B, L]`` long or None; who sampled each label (``ORIGIN_*``, aligned with
             labels): for split statistics only.
+        versions: ``[B, L]`` long or None; the policy version that sampled each label (-1 on
+            prompt, tool and padding positions, and where a trajectory recorded none).
     """
 
     input_ids: Tensor
@@ -75,6 +79,7 @@ class TokenBatch:
     ref_logprobs: Tensor | None = None
     is_weights: Tensor | None = None
     token_origin: Tensor | None = None
+    versions: Tensor | None = None
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -90,16 +95,16 @@ class TokenBatch:
             pad_token_id: id written into padding (never a label).
         Returns:
             A CPU ``TokenBatch``; ``group_ids`` are the trajectories' ``prompt_index``;
-            ``token_origin`` from their kind and branch position.
+            ``token_origin`` from their kind and branch position, ``versions`` from theirs.
         """
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
         if advantages.shape != (len(trajectories),):
             raise ValueError(f"advantages {tuple(advantages.shape)} != ({len(trajectories)},)")
         width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
         rows = [_encode(t, width, pad_token_id) for t in trajectories]
-        ids, attn, labels, mask, old, origin = (torch.stack(col) for col in zip(*rows))
+        ids, attn, labels, mask, old, origin, versions = (torch.stack(col) for col in zip(*rows))
         groups = torch.tensor([t.prompt_index for t in trajectories], dtype=torch.long)
-        return cls(ids, attn, labels, mask, advantages, old, groups, token_origin=origin)
+        return cls(ids, attn, labels, mask, advantages, old, groups, token_origin=origin, versions=versions)
 
     # --- properties -----------------------------------------------------------------------------
 
@@ -192,7 +197,7 @@ class TokenBatch:
 def concat_rows(batches: Sequence[TokenBatch]) -> TokenBatch:
     """Stack batches row-wise, right-padding the ``[B, L]`` tensors to the widest."""
     width = max(b.input_ids.shape[1] for b in batches)
-    fill = {"labels": IGNORE_INDEX}
+    fill = {"labels": IGNORE_INDEX, "versions": -1}
 
     def cat(name: str):
         parts = [getattr(b, name) for b in batches]
@@ -207,7 +212,8 @@ def concat_rows(batches: Sequence[TokenBatch]) -> TokenBatch:
 
 
 def _encode(traj: Trajectory, width: int, pad_token_id: int) -> tuple[Tensor, ...]:
-    """One row: ``(input_ids, attention_mask, labels, loss_mask, old_logprobs, token_origin)``, each ``[width]``."""
+    """One row: ``(input_ids, attention_mask, labels, loss_mask, old_logprobs, token_origin, versions)``, each
+    ``[width]``."""
     n_prompt, n_resp = len(traj.prompt_ids), len(traj.response_ids)
     if n_prompt == 0 or not n_resp == len(traj.loss_mask) == len(traj.logprobs):
         raise ValueError(f"{traj.uid}: needs a prompt and aligned response/loss_mask/logprobs "
@@ -231,4 +237,9 @@ def _encode(traj: Trajectory, width: int, pad_token_id: int) -> tuple[Tensor, ..
         origin[resp] = torch.tensor([ORIGIN_INHERITED] * cut + [ORIGIN_BRANCH] * (n_resp - cut), dtype=torch.long)
     else:
         origin[resp] = ORIGIN_GLOBAL
-    return ids, attn, labels, loss_mask, old, origin
+    versions = torch.full((width,), -1, dtype=torch.long)
+    if traj.versions:
+        if len(traj.versions) != n_resp:
+            raise ValueError(f"{traj.uid}: {len(traj.versions)} versions for {n_resp} response tokens")
+        versions[resp] = torch.tensor(traj.versions, dtype=torch.long)
+    return ids, attn, labels, loss_mask, old, origin, versions

@@ -17,8 +17,8 @@ need no second path (proved per rule against a float64 reference of the decouple
 ``tests/test_decoupled_ppo.py``).
 
 Modes (``RolloutCorrectionConfig.mode``), with ``log rho_t = old_t - rollout_t`` on model tokens:
-- ``auto`` (the default): ``token_tis`` when training is asynchronous (decoupled PPO), ``off``
-  when it is synchronous (the sampler holds the trainer's weights).
+- ``auto`` (the default): ``token_tis`` when tokens may be stale (``train.mode = "async"`` with
+  ``max_staleness >= 1``: decoupled PPO), ``off`` otherwise (the sampler holds the trainer's weights).
 - ``off``: weights 1; the metrics are still computed (they show whether correction is needed).
 - ``token_tis``: ``w_t = min(rho_t, C)`` (token-level truncated IS).
 - ``seq_tis``: ``w_t = min(rho_seq, C)`` for every token of the sequence, ``rho_seq`` the product
@@ -57,9 +57,10 @@ class RolloutCorrectionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen
     """Importance weights for the sampler/trainer log-prob gap (see the module docstring).
 
     Attributes:
-        mode: "auto" ("token_tis" when train.mode is "async", the decoupled PPO weight; "off" when
-            it is "sync"), "off", "token_tis" (per-token truncated IS), "seq_tis" (per-sequence
-            truncated IS) or "seq_mask" (drop sequences whose ratio leaves [1/threshold, threshold]).
+        mode: "auto" ("token_tis" when tokens may be stale, train.mode "async" with max_staleness >=
+            1: the decoupled PPO weight; "off" otherwise), "off", "token_tis" (per-token truncated
+            IS), "seq_tis" (per-sequence truncated IS) or "seq_mask" (drop sequences whose ratio
+            leaves [1/threshold, threshold]).
         threshold: C, the truncation cap of TIS and the band of seq_mask; > 1.
         sequence_ratio: how seq_tis / seq_mask form a sequence's ratio from its tokens: "product"
             (the exact sequence likelihood ratio) or "geometric" (its per-token geometric mean).
@@ -74,11 +75,12 @@ class RolloutCorrectionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen
             raise ValueError(f"threshold must be > 1 because it caps ratios from above (TIS) and "
                              f"bounds [1/threshold, threshold] (seq_mask), got {self.threshold}")
 
-    def resolved(self, asynchronous: bool) -> "RolloutCorrectionConfig":
-        """This config with ``auto`` replaced by what it means for a sync or an async run."""
+    def resolved(self, stale_tokens: bool) -> "RolloutCorrectionConfig":
+        """This config with ``auto`` replaced by what it means for a run whose updates may
+        (``stale_tokens``) or may not use tokens of older policies."""
         if self.mode != "auto":
             return self
-        return msgspec.structs.replace(self, mode="token_tis" if asynchronous else "off")
+        return msgspec.structs.replace(self, mode="token_tis" if stale_tokens else "off")
 
 
 # Token groups of the split ratio statistics: name -> the TokenBatch.token_origin value.

@@ -21,6 +21,12 @@ would have to fall right on a CDF boundary). Finished rows are dropped from the 
 Stop strings: after each token the decoded tail of the row's output is checked; the output ends
 with the token that completes a stop string (the string's tokens are part of ``token_ids``).
 
+Abort (``can_abort``): ``generate(requests, abort=event)`` checks the event after every sampled
+token; once it is set, every unfinished request ends there with finish reason ``"abort"`` and the
+tokens it has (a request of a later batch that has not started, with none). Asynchronous training
+sets it when new weights have arrived, loads them, and continues the cut segments from their
+prefix (``rollout.scheduler``).
+
 Prefix reuse (``prefix_cache_gib`` > 0, the default): a multi-turn rollout sends, round after
 round, the previous round's context plus the sampled tokens plus a tool result, and branches send
 their parent's context again. So the backend keeps the keys and values of every context it
@@ -48,7 +54,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections import OrderedDict
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -199,6 +205,7 @@ class HFBackend:
     """
 
     entropy_is_exact = True
+    can_abort = True
 
     def __init__(self, model_or_path, tokenizer=None, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, max_batch_size: int = 32, prefix_cache_gib: float = 1.0):
@@ -250,31 +257,37 @@ class HFBackend:
         return self._eos
 
     # -----------------------------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
-        """Sample every request, ``max_batch_size`` at a time; outputs in request order."""
+    def generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
+        """Sample every request, ``max_batch_size`` at a time; outputs in request order.
+        ``abort``: a ``threading.Event`` checked after every token (module docstring)."""
         outputs: list[GenOutput] = []
         for start in range(0, len(requests), self.max_batch_size):
-            outputs.extend(self._generate_batch(requests[start : start + self.max_batch_size]))
+            outputs.extend(self._generate_batch(requests[start : start + self.max_batch_size], abort))
         return outputs
 
     @torch.no_grad()
-    def _generate_batch(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+    def _generate_batch(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
         rows = [_Row(r) for r in requests]
         for row in rows:
             if not row.req.prompt_ids:
                 raise ValueError("empty prompt_ids: a backend needs at least one context token")
             if row.req.max_new_tokens <= 0:
                 row.finish = "length"
+            elif abort is not None and abort.is_set():
+                row.finish = "abort"
         live = [i for i, row in enumerate(rows) if row.finish is None]
         if live:
-            self._run(rows, live)
+            self._run(rows, live, abort)
         return [self._output(row) for row in rows]
 
-    def _run(self, rows: list[_Row], live: list[int]) -> None:
+    def _run(self, rows: list[_Row], live: list[int], abort: Any = None) -> None:
         spare = max(rows[i].req.max_new_tokens for i in live)  # slots a row's cache may still need
         cache, mask, next_pos, logits = self._prefill([tuple(rows[i].req.prompt_ids) for i in live], spare)
         while True:
             new_tokens = self._sample_step([rows[i] for i in live], logits)
+            if abort is not None and abort.is_set():
+                for i in live:
+                    rows[i].finish = rows[i].finish or "abort"
             keep = [b for b, i in enumerate(live) if rows[i].finish is None]
             if len(keep) < len(live):  # store finished rows, then drop them from every row tensor
                 self._store_finished(cache, mask, [(b, rows[i]) for b, i in enumerate(live)

@@ -1,0 +1,130 @@
+"""The trainer's handle on the rollout process: start it, push weights, order steps, take results.
+
+The process is started with ``multiprocessing``'s spawn method (a fresh interpreter: no torch or
+thread state inherited from the trainer) and is not a daemon, because its tools and engine start
+processes of their own; :meth:`RolloutProcess.close` stops it (and ``with`` does).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from aepo_engine.asynchronous.messages import (Failed, Order, Ready, StepDone, Stop, WeightsBegin, WeightsEnd,
+                                               encode_buckets)
+from aepo_engine.asynchronous.worker import WorkerSpec, worker_main
+
+__all__ = ["RolloutProcess", "RolloutProcessDied"]
+
+
+class RolloutProcessDied(RuntimeError):
+    """The rollout process failed (its traceback is in the message) or vanished."""
+
+
+class RolloutProcess:
+    """A running rollout process (:mod:`aepo_engine.asynchronous.worker`).
+
+    Args:
+        spec: what it builds.
+        start_timeout_s: how long building the engine and tools may take.
+    Raises:
+        RolloutProcessDied: it failed while starting.
+    """
+
+    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 900.0):
+        context = multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = context.Queue(), context.Queue()
+        self.process = context.Process(target=worker_main, args=(spec, self.inbox, self.outbox),
+                                       name="aepo-rollout", daemon=False)
+        self.process.start()
+        self._done: dict[int, StepDone] = {}
+        self.push_s = 0.0  # seconds the trainer spent handing weights to the queue
+        try:
+            message = self._receive(start_timeout_s)
+            if not isinstance(message, Ready):
+                raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- trainer -> rollout process ------------------------------------------------------------
+
+    def push_weights(self, version: int, buckets: Iterable[Mapping[str, torch.Tensor]]) -> float:
+        """Send the weights of policy ``version`` (a bucket at a time, as bytes; the call returns
+        once they are queued, the queue writes them while the trainer goes on). Returns seconds."""
+        start = time.perf_counter()
+        self.inbox.put(WeightsBegin(version))
+        for bucket in encode_buckets(buckets):
+            self.inbox.put(bucket)
+        self.inbox.put(WeightsEnd(version))
+        seconds = time.perf_counter() - start
+        self.push_s += seconds
+        return seconds
+
+    def order(self, step: int, prompts: list[list[int]], min_version: int) -> None:
+        """Have step ``step``'s prompts started once the engine holds weights of ``min_version`` or later."""
+        self.inbox.put(Order(step, prompts, min_version))
+
+    # -- rollout process -> trainer ------------------------------------------------------------
+
+    def take(self, step: int, timeout_s: float | None = None) -> StepDone:
+        """Wait for step ``step``'s trajectories (those of other steps that come first are kept).
+
+        Raises:
+            RolloutProcessDied: the process failed or exited.
+            TimeoutError: nothing for ``timeout_s`` seconds.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while step not in self._done:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no trajectories for step {step} within {timeout_s}s")
+            message = self._receive(left)
+            if isinstance(message, StepDone):
+                self._done[message.step] = message
+        return self._done.pop(step)
+
+    def _receive(self, timeout_s: float | None):
+        """The next message; raises if the process failed or died meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                message = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RolloutProcessDied(f"the rollout process exited (code {self.process.exitcode}) "
+                                             "without a word; see its output above") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the rollout process sent nothing within {timeout_s}s") from None
+                continue
+            if isinstance(message, Failed):
+                raise RolloutProcessDied(f"the rollout process failed:\n{message.traceback}")
+            return message
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the process (it finishes its current round first); kill it if it does not stop."""
+        if self.process.is_alive():
+            self.inbox.put(Stop())
+            deadline = time.monotonic() + timeout_s
+            while self.process.is_alive() and time.monotonic() < deadline:
+                try:  # drain: a process exits only once what it queued has gone into the pipe
+                    self.outbox.get(timeout=0.2)
+                except queue.Empty:
+                    pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()  # do not block exit on buckets nobody will read
+            q.close()
+
+    def __enter__(self) -> "RolloutProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

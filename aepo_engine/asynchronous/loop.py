@@ -1,0 +1,95 @@
+"""The trainer's side of ``train.mode = "async"``: rollouts of later steps run while this step updates.
+
+:func:`async_steps` is what :meth:`aepo_engine.train.Trainer.run` iterates instead of its synchronous
+steps. With eta = ``train.max_staleness``:
+
+    start the rollout process; push the weights (version = start step)
+    order steps start .. start + eta (each: its prompts, admitted from version step - eta)
+    for each step s:
+        wait for step s's trajectories (the oldest first: steps are trained in order)
+        score them, learn (Trainer.learn: proximal log-probs, decoupled correction, update)
+        push the weights of version s + 1 (the process loads them while it samples)
+        order step s + 1 + eta
+
+so the engine samples up to eta steps ahead of the update and never more. eta = 0 orders step s
+only after the weights of version s are pushed, with rounds that wait for their tool calls: the
+synchronous loop, run across two processes (the same trajectories and updates, bit for bit).
+
+What a resumed run does with trajectories in flight: they are not checkpointed. A checkpoint after
+step s holds the sampler's state before step s + 1 was drawn, so a resumed run draws steps s + 1 ..
+s + 1 + eta again and samples them afresh with the checkpoint's weights; what the old process had
+sampled for them is lost with it (the only place trajectories are dropped).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+
+from aepo_engine.asynchronous.client import RolloutProcess
+from aepo_engine.asynchronous.messages import EngineCounters
+from aepo_engine.asynchronous.staleness import admission_version
+from aepo_engine.asynchronous.worker import WorkerSpec
+
+__all__ = ["async_steps", "worker_spec"]
+
+
+def worker_spec(trainer: Any) -> WorkerSpec:
+    """The rollout process of ``trainer``'s run: its backend, rollout and tools sections, model and seeds."""
+    cfg = trainer.cfg
+    return WorkerSpec(backend=cfg.backend, rollout=cfg.rollout, tools=trainer.tools_config,
+                      model_dir=str(trainer.model_dir), engine_seed=cfg.rollout.seed, seed=cfg.seed,
+                      threads=torch.get_num_threads(), tool_barrier=cfg.train.max_staleness == 0)
+
+
+def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
+    """Run steps ``start .. trainer.total_steps - 1`` asynchronously; yields each step's metrics
+    (module docstring). Closing the generator stops the rollout process."""
+    eta, total = trainer.cfg.train.max_staleness, trainer.total_steps
+    bucket_bytes = int(trainer.cfg.backend.weight_sync_bucket_mb * 2**20)
+    examples: dict[int, list] = {}
+    sampler_states: dict[int, dict] = {}
+
+    def order(step: int) -> None:
+        sampler_states[step] = trainer.sampler.state_dict()  # before the step's draw: a checkpoint's resume point
+        examples[step] = trainer.sampler.next_batch()
+        process.order(step, [trainer.prompt_ids(e) for e in examples[step]], admission_version(step, eta, start))
+
+    process = RolloutProcess(worker_spec(trainer))
+    try:
+        process.push_weights(start, trainer.policy.iter_weight_buckets(bucket_bytes))
+        for step in range(start, min(start + eta + 1, total)):
+            order(step)
+        before = EngineCounters()
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            done = process.take(step)
+            waited = time.perf_counter() - t0
+            scored = trainer.score(done.trajectories, examples.pop(step))
+            metrics = trainer.learn(step, *([s[i] for s in scored] for i in range(4)), [done.stats])
+            push_s = 0.0
+            if step + 1 < total:
+                push_s = process.push_weights(step + 1, trainer.policy.iter_weight_buckets(bucket_bytes))
+            if step + 1 + eta < total:
+                order(step + 1 + eta)
+            trainer.resume_sampler_state = sampler_states.pop(step + 1, None) or trainer.sampler.state_dict()
+            elapsed = time.perf_counter() - t0
+            tokens = float(sum(len(t.response_ids) for t in done.trajectories))
+            metrics.update({"time/wait_for_rollouts_s": waited, "time/weight_push_s": push_s, "time/step_s": elapsed,
+                            "time/rollout_s": done.seconds, "throughput/tokens_per_s": tokens / elapsed,
+                            **_engine_metrics(done.counters, before)})
+            before = done.counters
+            yield metrics
+    finally:
+        process.close()
+
+
+def _engine_metrics(now: EngineCounters, before: EngineCounters) -> dict[str, float]:
+    """What the rollout process did between two steps' results."""
+    out = {f"engine/{name}": getattr(now, name) - getattr(before, name)
+           for name in ("generate_s", "tool_wait_s", "idle_s", "weight_load_s", "weight_receive_s", "aborts")}
+    out["engine/version"] = float(now.version)
+    out["engine/tokens"] = float(sum(now.tokens_by_version.values()) - sum(before.tokens_by_version.values()))
+    return out
+

@@ -1,0 +1,113 @@
+"""What the trainer and the rollout process send each other (pickled through ``multiprocessing``
+queues), and the byte path the weights take.
+
+Trainer -> rollout process: :class:`Order` (a step's prompts, to start once the engine holds at
+least ``min_version``), a weight push (:class:`WeightsBegin`, one :class:`WeightBucket` per bucket,
+:class:`WeightsEnd`), :class:`Stop`. Rollout process -> trainer: :class:`Ready`, :class:`StepDone`
+(a step's trajectories), :class:`Failed`.
+
+Weights cross the process boundary as raw bytes, a bucket at a time (``encode_bucket``: name,
+dtype, shape, bytes; the same encoding the out-of-process vLLM engine takes), so the sender never
+holds more than the buckets the queue has not yet written into the pipe, and the receiver decodes
+one bucket at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from aepo_engine.rollout.backends.vllm_ext import decode_bucket, encode_bucket
+from aepo_engine.rollout.scheduler import RolloutStats
+from aepo_engine.rollout.trajectory import Trajectory
+
+__all__ = ["EngineCounters", "Failed", "Order", "Ready", "Stop", "StepDone", "WeightBucket", "WeightsBegin",
+           "WeightsEnd", "decode_buckets", "encode_buckets"]
+
+
+@dataclass(frozen=True)
+class Order:
+    """Start the prompts of training step ``step`` once the engine's weights are at least version
+    ``min_version`` (admission control: ``step - train.max_staleness``)."""
+
+    step: int
+    prompts: list[list[int]]
+    min_version: int
+
+
+@dataclass(frozen=True)
+class WeightsBegin:
+    version: int
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    items: list  # encode_bucket output: [(name, dtype, shape, bytes)]
+
+
+@dataclass(frozen=True)
+class WeightsEnd:
+    version: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass
+class EngineCounters:
+    """What the rollout process did since it started (cumulative; the trainer logs differences).
+
+    Attributes:
+        version: the policy version the engine holds.
+        generate_s: seconds in the backend; tool_wait_s: waiting with nothing to sample but tool
+            calls in flight; idle_s: nothing to do (no admitted prompt: waiting for the trainer);
+            weight_load_s: loading pushed weights; weight_receive_s: from a push's first byte to
+            its last (received while generating).
+        tokens_by_version: tokens sampled under each policy version.
+        aborts: segments cut short by weight updates (and continued).
+    """
+
+    version: int = 0
+    generate_s: float = 0.0
+    tool_wait_s: float = 0.0
+    idle_s: float = 0.0
+    weight_load_s: float = 0.0
+    weight_receive_s: float = 0.0
+    tokens_by_version: dict[int, int] = field(default_factory=dict)
+    aborts: int = 0
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step's k trajectories per prompt (``prompt_index`` = the prompt's place in its order)."""
+
+    step: int
+    trajectories: list[Trajectory]
+    stats: RolloutStats
+    counters: EngineCounters
+    seconds: float  # from admission to the last trajectory's end
+
+
+@dataclass(frozen=True)
+class Failed:
+    traceback: str
+
+
+def encode_buckets(buckets: Iterable[Mapping[str, torch.Tensor]]) -> Iterator[WeightBucket]:
+    """One :class:`WeightBucket` per bucket, encoded when asked for."""
+    for bucket in buckets:
+        yield WeightBucket(encode_bucket(dict(bucket)))
+
+
+def decode_buckets(buckets: Iterable[WeightBucket]) -> Iterator[dict[str, Any]]:
+    """``{name: tensor}`` per bucket, decoded when asked for."""
+    for bucket in buckets:
+        yield dict(decode_bucket(bucket.items))

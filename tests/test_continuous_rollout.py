@@ -1,0 +1,222 @@
+"""Continuous rollouts (asynchronous training's scheduler, ``aepo_engine.rollout.continuous``), the
+policy versions on tokens, and the staleness bookkeeping (``aepo_engine.asynchronous.staleness``).
+
+The scheduler's per-prompt logic is the synchronous one (tests/test_rollout_scheduler.py); here:
+its rounds one step at a time with a tool barrier are exactly the synchronous rollout; several
+steps in flight with tool calls in the background still give exactly k trajectories per prompt
+with the token accounting intact, oldest step first; a segment cut by a weight update goes on
+under the new weights from its prefix, each token stamped with the version that sampled it (a
+real tiny model, teacher-forced under each version's weights); a stop string split by the cut is
+still found.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from aepo_engine.asynchronous.staleness import (admission_version, branching_version_gaps, staleness_metrics,
+                                                token_staleness)
+from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.continuous import ContinuousRollout
+from aepo_engine.rollout.protocol import GenOutput
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout, _cut_at_stop
+from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
+from aepo_engine.tools import Tool, ToolResult, ToolRunner
+from aepo_engine.training.batch import TokenBatch
+from fakes import CharTokenizer, ScriptedBackend
+from test_rollout_scheduler import E2E_TEXTS, PROMPTS, FoundTool, PureRunner, random_tool_agent, tiny_hf  # noqa: F401
+
+CONFIG = dict(k=6, n_entropy_tokens=4, max_response_tokens=400, max_tokens_per_segment=100)
+
+
+def _signature(trajectories):
+    return [(t.step, t.prompt_index, t.traj_id, t.kind, t.parent_id, tuple(t.response_ids), tuple(t.logprobs),
+             tuple(d.branched for d in t.decisions)) for t in trajectories]
+
+
+def _drain(rollout: ContinuousRollout, abort=None) -> dict[int, object]:
+    results = {}
+    while rollout.steps_in_flight:
+        if not rollout.step(abort):
+            rollout.take_tool_results(wait_s=0.05)
+        results.update(dict(rollout.finished()))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the synchronous scheduler
+
+
+def test_barrier_rounds_one_step_at_a_time_are_the_synchronous_rollout():
+    for step in range(6):
+        expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                          RolloutConfig(**CONFIG)).rollout(PROMPTS, step=step)
+        continuous = ContinuousRollout(ScriptedBackend(random_tool_agent()), PureRunner(), RolloutConfig(**CONFIG),
+                                       tool_barrier=True)
+        continuous.policy_version = step
+        continuous.admit(PROMPTS, step)
+        (got,) = _drain(continuous).values()
+        assert _signature(got.trajectories) == _signature(expected.trajectories)
+        assert got.stats.rounds == expected.stats.rounds and got.stats.m == expected.stats.m
+        assert all(v == step for t in got.trajectories for v, m in zip(t.versions, t.loss_mask) if m)
+
+
+class SlowSearch(Tool):
+    """Answers after a random few milliseconds (seeded by the payload): results come back out of order."""
+
+    name = "search"
+
+    def __call__(self, payload: str) -> ToolResult:
+        time.sleep(random.Random(payload).uniform(0.0, 0.02))
+        return ToolResult(f"search({payload})", ok=True)
+
+
+def test_many_steps_in_flight_each_get_k_per_prompt_oldest_first():
+    sampled_steps = []
+
+    class Recording(ContinuousRollout):
+        def ready(self):
+            batch = super().ready()
+            sampled_steps.append(sorted({t.step for t in batch}))
+            return batch
+
+    with ToolRunner({"search": SlowSearch()}, max_workers=8) as runner:
+        rollout = Recording(ScriptedBackend(random_tool_agent()), runner, RolloutConfig(**CONFIG), max_batch=5)
+        for step in (4, 5, 6):
+            rollout.admit(PROMPTS, step)
+        with pytest.raises(ValueError, match="admitted already"):
+            rollout.admit(PROMPTS, 5)
+        results = _drain(rollout)
+    assert sorted(results) == [4, 5, 6] and not rollout.states
+    for step, result in results.items():
+        assert len(result.trajectories) == CONFIG["k"] * len(PROMPTS)
+        assert all(t.done and t.step == step for t in result.trajectories)
+        kept = sum(sum(t.loss_mask[t.branch_position or 0:]) for t in result.trajectories)
+        assert result.stats.tokens_generated - result.stats.discarded_tokens == kept
+    assert sampled_steps[0] == [4]  # the oldest step's trajectories fill the first rounds
+    assert max(len(s) for s in sampled_steps) > 1  # and later steps sample while it waits on tools
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial rollouts: a cut segment goes on under new weights
+
+
+class CutAfter:
+    """An abort event that reports set from its ``n``-th check on (a weight update mid-segment)."""
+
+    def __init__(self, n: int):
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+def test_cut_segments_continue_under_the_new_weights(tiny_hf):
+    from transformers import AutoModelForCausalLM
+
+    from aepo_engine.rollout.backends.hf import HFBackend
+
+    base, tok = tiny_hf
+    model = AutoModelForCausalLM.from_config(base.config)
+    model.load_state_dict(base.state_dict())
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    v1 = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in v0.items()}
+    config = RolloutConfig(k=4, n_entropy_tokens=4, max_response_tokens=60, max_tokens_per_segment=24,
+                           max_tool_calls=3, seed=1, temperature=0.9)
+    prompts = [tok("Q:")["input_ids"], tok("Q: ")["input_ids"]]
+    with ToolRunner({"search": FoundTool()}, max_workers=2) as runner:
+        backend = HFBackend(model, tok)
+        rollout = ContinuousRollout(backend, runner, config)
+        rollout.admit(prompts, step=0)
+        assert rollout.step(CutAfter(5))  # every segment of the first round is cut after 5 tokens
+        assert rollout.cut_segments > 0
+        backend.update_weights(v1)
+        rollout.policy_version = 1
+        (result,) = _drain(rollout).values()
+    trajectories = result.trajectories
+    assert len(trajectories) == 8 and all(t.done for t in trajectories)
+    assert any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) == 2 for t in trajectories)
+    for weights, version in ((v0, 0), (v1, 1)):
+        model.load_state_dict(weights)
+        for t in trajectories:
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(t.prompt_ids) - 1:-1]
+            logp = torch.log_softmax(logits.float() / config.temperature, -1)
+            token_logp = logp.gather(-1, torch.tensor(t.response_ids)[:, None])[:, 0]
+            mine = torch.tensor([m == 1 and v == version for m, v in zip(t.loss_mask, t.versions)])
+            # the prefix the continuation saw is the stored one: its tokens score as sampled
+            torch.testing.assert_close(token_logp[mine], torch.tensor(t.logprobs)[mine], atol=1e-3, rtol=0)
+    assert all(v == -1 for t in trajectories for v, m in zip(t.versions, t.loss_mask) if not m)
+
+
+def test_a_stop_string_split_by_the_cut_ends_the_segment():
+    tok = CharTokenizer()
+    ids = tok.encode("ab</se") + tok.encode("arch>and on")  # the backend's continuation missed the stop
+    output = GenOutput(ids, [-0.5] * len(ids), [1.0] * len(ids), "length")
+    cut = _cut_at_stop(output, resumed_at=6, stop_strings=("</search>", "</python>"), tokenizer=tok)
+    assert tok.decode(cut.token_ids) == "ab</search>" and cut.finish_reason == "stop" and cut.stop_string == "</search>"
+    assert len(cut.logprobs) == len(cut.entropies) == len(cut.token_ids)
+    inside = GenOutput(tok.encode("ab cd</search>"), [0.0] * 14, [0.0] * 14, "stop", "</search>")
+    assert _cut_at_stop(inside, 3, ("</search>",), tok) is inside  # a stop string after the cut: the backend's
+    assert _cut_at_stop(output, 0, ("</search>",), tok) is output  # no cut: nothing to look for
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions on tokens and the staleness bookkeeping
+
+
+def _traj(versions, mask, kind="global", prompt_ids=(1, 2)):
+    t = Trajectory(prompt_ids=list(prompt_ids), prompt_index=0, traj_id=0, step=0, kind=kind)
+    t.response_ids = list(range(3, 3 + len(versions)))
+    t.loss_mask, t.versions = list(mask), list(versions)
+    t.logprobs, t.entropies = [-0.1] * len(mask), [0.5] * len(mask)
+    return t
+
+
+def test_versions_follow_segments_branches_and_the_batch():
+    t = Trajectory(prompt_ids=[1, 2], prompt_index=0, traj_id=0, step=3, kind="global")
+    t.append_model_segment([5, 6], [-0.1, -0.2], [1.0, 1.0], 2, versions=[2, 3])
+    t.append_tool_result([7, 8, 9])
+    t.append_model_segment([10], [-0.3], [0.5], 2, versions=3)
+    assert t.versions == [2, 3, -1, -1, -1, 3]
+    child = t.fork(2, traj_id=1)
+    assert child.versions == [2, 3, -1, -1, -1]  # the inherited prefix keeps its versions
+    with pytest.raises(ValueError, match="versions"):
+        t.append_model_segment([1, 2], [0.0, 0.0], [0.0, 0.0], 2, versions=[1])
+    batch = TokenBatch.from_trajectories([t, child], [1.0, -1.0])
+    # row 0: prompt of 2 -> response token j at label position 1 + j
+    assert batch.versions[0, 1:7].tolist() == [2, 3, -1, -1, -1, 3] and batch.versions[0, 0] == -1
+    assert batch.versions[1, 6:].eq(-1).all()  # padding
+
+
+def test_admission_and_staleness_hand_worked():
+    # eta = 2: step 5 may start from version 3; never before the run's first version
+    assert admission_version(5, 2) == 3 and admission_version(1, 2) == 0 and admission_version(6, 2, first_version=5) == 5
+    versions = torch.tensor([[-1, 4, 4, 3, -1], [-1, 5, 5, -1, -1], [-1, -1, -1, -1, -1]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 1, 0, 0, 0]])  # row 2: no version recorded
+    stale = token_staleness(versions, mask, step=5)
+    assert stale.tolist() == [[0, 1, 1, 2, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    m = staleness_metrics(versions, mask, step=5)
+    # known tokens: staleness 1, 1, 2, 0, 0 -> mean 0.8; row 0 mixes versions 3 and 4
+    assert m["staleness/mean"] == pytest.approx(0.8) and m["staleness/max"] == 2
+    assert (m["staleness/tokens_d0"], m["staleness/tokens_d1"], m["staleness/tokens_d2"]) == (2, 2, 1)
+    assert (m["staleness/tokens_v5"], m["staleness/tokens_v4"], m["staleness/tokens_v3"]) == (2, 2, 1)
+    assert m["staleness/mixed_trajectories"] == pytest.approx(1 / 2)
+    assert staleness_metrics(versions, torch.zeros_like(mask), 5) == {}
+
+
+def test_branch_decisions_report_the_version_gap_of_their_entropies():
+    t = Trajectory(prompt_ids=[1], prompt_index=0, traj_id=0, step=0, kind="global")
+    t.append_model_segment([5, 6], [0.0, 0.0], [1.0, 1.0], 2, versions=0)
+    t.append_tool_result([7])
+    t.append_model_segment([8], [0.0], [1.0], 2, versions=2)
+    t.decisions.append(BranchDecision(1, 1.0, 1.0, 0.5, 0, 0.5, False, False))
+    assert branching_version_gaps([t]) == [2]
+    assert branching_version_gaps([_traj([1, 1], [1, 1])]) == []
