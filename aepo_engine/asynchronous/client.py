@@ -46,6 +46,7 @@ class RolloutProcess:
             message = self._receive(start_timeout_s)
             if not isinstance(message, Ready):
                 raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
+            self.pid = message.pid
         except BaseException:
             self.close()
             raise

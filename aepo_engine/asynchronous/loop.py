@@ -57,6 +57,8 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         process.order(step, [trainer.prompt_ids(e) for e in examples[step]], admission_version(step, eta, start))
 
     process = RolloutProcess(worker_spec(trainer))
+    print(f"[async] rollout process {process.pid}: max staleness {eta}, "
+          f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}", flush=True)
     try:
         process.push_weights(start, trainer.policy.iter_weight_buckets(bucket_bytes))
         for step in range(start, min(start + eta + 1, total)):

@@ -13,13 +13,16 @@ and a :class:`~aepo_engine.rollout.continuous.ContinuousRollout`, then loops:
 4. send every step whose trajectories have all ended (:class:`StepDone`);
 5. nothing to sample: wait for a tool result, or, with no tool call in flight, for the trainer.
 
+It stops on :class:`Stop`, and by itself when the trainer process is gone (killed: its queue
+closes, its process sentinel fires), so a killed run leaves no engine behind.
+
 The time of each part is counted (:class:`EngineCounters`). A failure is sent as :class:`Failed`
 with its traceback before the process exits.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
-import queue
 import random
 import threading
 import time
@@ -114,7 +117,10 @@ class _Inbox(threading.Thread):
         buckets: list[WeightBucket] = []
         started = 0.0
         while True:
-            message = self.inbox.get()
+            try:
+                message = self.inbox.get()
+            except (EOFError, OSError):  # the trainer is gone (killed): stop
+                message = Stop()
             if isinstance(message, WeightsBegin):
                 buckets, started = [], time.perf_counter()
             elif isinstance(message, WeightBucket):
@@ -159,7 +165,8 @@ class _EngineLoop:
 
     def run(self) -> None:
         self.inbox.start()
-        while not self.inbox.stopped:
+        parent = multiprocessing.parent_process()
+        while not self.inbox.stopped and (parent is None or parent.is_alive()):
             self._load_weights()
             for order in self.inbox.take_orders(self.counters.version):
                 self.rollout.admit(order.prompts, order.step)

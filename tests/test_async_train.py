@@ -1,0 +1,160 @@
+"""``train.mode = "async"`` end to end on the tiny job, and the rollout process on its own.
+
+- eta = 0 runs the rollouts in the rollout process, weights sent there as bytes, and is the
+  synchronous run bit for bit (metrics, final weights, held-out results): the machinery adds
+  nothing but the overlap it is asked for.
+- eta = 1: every trained token is at most one version stale, the staleness and engine metrics are
+  logged, a run killed after a step leaves no rollout process behind, and resumes.
+- the rollout process: weights pushed as bytes arrive exactly; an order waits for its version; a
+  failure inside it reaches the trainer with its traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import runs
+from aepo_engine.asynchronous.client import RolloutProcess, RolloutProcessDied
+from aepo_engine.asynchronous.messages import decode_buckets, encode_buckets
+from aepo_engine.asynchronous.worker import WorkerSpec
+from aepo_engine.metrics import read_metrics
+from runs import TINY_RUN
+
+VOLATILE = ("time/", "throughput/", "engine/", "tokens_per_s")
+
+
+def _train(run_dir: Path, *extra: str, fault: str = "") -> "subprocess.CompletedProcess":  # noqa: F821
+    return runs.train(run_dir, *TINY_RUN, *extra, env=runs.child_env(compiled=True, AEPO_FAULT=fault))
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not any(k.startswith(p) or k.endswith(p) for p in VOLATILE)}
+            for row in read_metrics(run_dir / "logs" / "metrics.jsonl")]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(run_dir / "checkpoints" / latest / "hf_model" / "model.safetensors")
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_eta_zero_is_the_synchronous_run_bit_for_bit(tiny_run, tmp_path):
+    run_dir = tmp_path / "async0"
+    proc = _train(run_dir, "--train.mode=async", "--train.max_staleness=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[async] rollout process" in proc.stdout
+    got, expected = _rows(run_dir), _rows(tiny_run)
+    assert len(got) == len(expected) == 3
+    for got_row, expected_row in zip(got, expected):
+        differing = {k: (got_row.get(k), v) for k, v in {**expected_row, **got_row}.items()
+                     if got_row.get(k) != expected_row.get(k)}
+        assert not differing, f"step {expected_row['step']}: {differing}"
+        assert got_row["staleness/max"] == 0
+    expected_weights, got_weights = _weights(tiny_run), _weights(run_dir)
+    assert all(torch.equal(expected_weights[name], got_weights[name]) for name in expected_weights)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_after"] == json.loads((tiny_run / "summary.json").read_text())["eval_after"]
+
+
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_eta_one_stays_within_one_version_and_a_killed_run_resumes(tmp_path):
+    run_dir = tmp_path / "async1"
+    killed = _train(run_dir, "--train.mode=async", "--train.max_staleness=1", fault="after_step:2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    pid = int(re.search(r"\[async\] rollout process (\d+)", killed.stdout).group(1))
+    assert _gone(pid), "the rollout process outlived its killed trainer"
+    resumed = _train(run_dir, "--train.mode=async", "--train.max_staleness=1")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "[resume] from" in resumed.stdout
+    rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["staleness/max"] <= 1
+        assert sum(v for k, v in row.items() if k.startswith("staleness/tokens_d")) == row["loss/tokens"]
+        for key in ("time/wait_for_rollouts_s", "time/weight_push_s", "engine/generate_s", "engine/idle_s",
+                    "engine/version", "rollout_correction/ratio_mean", "rollout_correction/truncated_share"):
+            assert key in row, key
+    # steps 1 and 2 were ordered one version ahead: sampled (at least partly) by the version before
+    assert rows[1].get("staleness/tokens_d1", 0) > 0
+    assert all(torch.isfinite(w).all() for w in _weights(run_dir).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout process on its own
+
+
+def test_weight_buckets_cross_as_exact_bytes():
+    gen = torch.Generator().manual_seed(0)
+    buckets = [{"a": torch.randn(3, 5, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16)},
+               {"c": torch.randint(0, 9, (2, 2), generator=gen)}]
+    back = list(decode_buckets(encode_buckets(buckets)))
+    assert [sorted(b) for b in back] == [["a", "b"], ["c"]]
+    for sent, got in zip(buckets, back):
+        for name in sent:
+            assert got[name].dtype == sent[name].dtype and torch.equal(got[name], sent[name])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from aepo_engine.models import build_tiny_qwen3
+
+    return Path(build_tiny_qwen3(tmp_path_factory.mktemp("m") / "m", texts=["Q: <search>a</search> A: a"] * 8,
+                                 seed=0, hidden_size=64, num_layers=1, head_dim=32, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, vocab_size=200))
+
+
+def _spec(model_dir: Path, **overrides) -> WorkerSpec:
+    from aepo_engine.config import load_train_config
+
+    cfg = load_train_config(["--preset", "embedded", "--preset", "tiny", "--tools.enabled=[]",
+                             "--rollout.max_response_tokens=12", "--rollout.max_tokens_per_segment=12"])
+    fields = dict(backend=cfg.backend, rollout=cfg.rollout, tools=cfg.tools, model_dir=str(model_dir),
+                  engine_seed=0, seed=0, threads=1, tool_barrier=False)
+    return WorkerSpec(**{**fields, **overrides})
+
+
+@pytest.mark.slow
+def test_orders_wait_for_their_version_and_tokens_record_it(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    prompts = [[5, 6, 7], [8, 9]]
+    with RolloutProcess(_spec(tiny_model)) as process:
+        process.push_weights(0, [state])
+        process.order(1, prompts, min_version=1)  # needs version 1: waits
+        process.order(0, prompts, min_version=0)
+        first = process.take(0, timeout_s=300)
+        with pytest.raises(TimeoutError):
+            process.take(1, timeout_s=3)
+        process.push_weights(1, [{k: v * 1.01 for k, v in state.items()}])
+        second = process.take(1, timeout_s=300)
+    assert {v for t in first.trajectories for v, m in zip(t.versions, t.loss_mask) if m} == {0}
+    assert {v for t in second.trajectories for v, m in zip(t.versions, t.loss_mask) if m} == {1}
+    assert len(first.trajectories) == len(second.trajectories) == 2 * 2  # k = 2 (tiny preset)
+    assert second.counters.tokens_by_version[1] > 0 and second.counters.version == 1
+
+
+@pytest.mark.slow
+def test_a_failure_in_the_rollout_process_reaches_the_trainer(tmp_path):
+    with pytest.raises(RolloutProcessDied, match=r"(?s)the rollout process failed:.*Traceback"):
+        RolloutProcess(_spec(tmp_path / "no_such_model"), start_timeout_s=300)
