@@ -210,6 +210,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"backend.max_model_len={cfg.backend.max_model_len} is shorter than "
                         f"data.max_prompt_tokens + rollout.max_response_tokens = {context}: vLLM would "
                         "refuse or cut a long prompt's response")
+    if cfg.backend.placement == "split" and not cfg.train.asynchronous:
+        problems.append("backend.placement='split' needs train.mode='async' because the engines on GPUs of their "
+                        "own run in a rollout process (train.max_staleness=0 gives the synchronous schedule)")
     known_tools = registered_tools()
     for name in cfg.tools.enabled:
         if name not in known_tools:

@@ -103,6 +103,22 @@ PLOT_GROUPS = {
                     "rollout/consecutive_branch_share", "rollout/penalty_decisive_share"),
     "premonitoring": ("rollout/global_samples", "rollout/m_min", "rollout/m_max", "rollout/h_root_mean",
                       "rollout/h_tool_mean"),
+    # asynchronous training (docs/async.md): how stale the trained tokens were
+    "staleness": ("staleness/mean", "staleness/max", "staleness/mixed_trajectories", "rollout_correction/ratio_mean",
+                  "rollout_correction/truncated_share"),
+}
+
+# Where each step's time goes (plots/time.png), one stacked bar per step and panel: the parts a
+# step's seconds split into, per training mode (docs/async.md), and the part of the synchronous
+# rollout spent in tail rounds (drawn as a line over its bars: a share of generation + tools).
+TIME_PANELS = {
+    "synchronous step": {"generation": "time/rollout_generate_s", "tools": "time/rollout_tool_s",
+                         "update": "time/update_s", "weight sync": "time/sync_s"},
+    "asynchronous trainer": {"waiting for rollouts": "time/wait_for_rollouts_s", "update": "time/update_s",
+                             "weight push": "time/weight_push_s"},
+    "asynchronous engine (between two steps)": {"generation": "engine/generate_s", "waiting on tools only":
+                                                "engine/tool_wait_s", "idle": "engine/idle_s",
+                                                "loading weights": "engine/weight_load_s"},
 }
 
 
@@ -224,4 +240,40 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    return written
+    time_plot = plot_time(rows, out_dir / "time.png")
+    return written + ([time_plot] if time_plot else [])
+
+
+def plot_time(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Stacked bars of where each step's seconds went (``TIME_PANELS``); ``other`` is the rest of
+    ``time/step_s`` (scoring, logging, bookkeeping). None when the rows hold no timing."""
+    import matplotlib.pyplot as plt
+
+    panels = [(title, parts) for title, parts in TIME_PANELS.items()
+              if any(key in r for r in rows for key in list(parts.values())[:1])]
+    panels = [(t, p) for t, p in panels if not (t == "synchronous step" and any("time/wait_for_rollouts_s" in r for r in rows))]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), squeeze=False)
+    steps = [r["step"] for r in rows]
+    for ax, (title, parts) in zip(axes[:, 0], panels):
+        bottom = [0.0] * len(rows)
+        for label, key in parts.items():
+            values = [float(r.get(key, 0.0)) for r in rows]
+            ax.bar(steps, values, bottom=bottom, label=label, width=0.85)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        if not title.startswith("asynchronous engine"):
+            other = [max(float(r.get("time/step_s", b)) - b, 0.0) for r, b in zip(rows, bottom)]
+            ax.bar(steps, other, bottom=bottom, label="other", width=0.85, color="lightgrey")
+        if title == "synchronous step" and any("time/rollout_tail_s" in r for r in rows):
+            ax.plot(steps, [r.get("time/rollout_tail_s", 0.0) for r in rows], "k.-", lw=1,
+                    label="of which tail rounds (slowest trajectories)")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -156,7 +156,7 @@ class Trainer:
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
         bar = ProgressBar(self.total_steps, start)
         every = self.cfg.logging.print_every_n_steps
-        t0 = time.perf_counter()
+        t0, eval_s = time.perf_counter(), 0.0
         if self.cfg.train.asynchronous:
             from aepo_engine.asynchronous.loop import async_steps
 
@@ -165,8 +165,11 @@ class Trainer:
             steps = (self.train_step(step) for step in range(start, self.total_steps))
         try:
             for step, metrics in zip(range(start, self.total_steps), steps):
+                metrics["time/loop_s"] = time.perf_counter() - t0 - eval_s  # the loop so far, evaluations excluded
                 if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
+                    t_eval = time.perf_counter()
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate(f"step {step + 1}").items()})
+                    eval_s += time.perf_counter() - t_eval
                 self.logger.log(step, metrics)
                 if self.rank == 0 and every and (step + 1) % every == 0:
                     bar.update(step, _progress_fields(metrics))

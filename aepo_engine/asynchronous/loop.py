@@ -31,16 +31,28 @@ from aepo_engine.asynchronous.client import RolloutProcess
 from aepo_engine.asynchronous.messages import EngineCounters
 from aepo_engine.asynchronous.staleness import admission_version
 from aepo_engine.asynchronous.worker import WorkerSpec
+from aepo_engine.config_loader import ConfigError
+from aepo_engine.placement import engine_devices
 
 __all__ = ["async_steps", "worker_spec"]
 
 
 def worker_spec(trainer: Any) -> WorkerSpec:
-    """The rollout process of ``trainer``'s run: its backend, rollout and tools sections, model and seeds."""
+    """The rollout process of ``trainer``'s run: its backend, rollout and tools sections, model and
+    seeds, and with ``backend.placement = "split"`` on CUDA the engine's GPUs (``aepo_engine.placement``)."""
     cfg = trainer.cfg
+    environment: tuple[tuple[str, str], ...] = ()
+    if cfg.backend.placement == "split" and torch.cuda.is_available():
+        devices = engine_devices(trainer.world, cfg.backend.rollout_gpus, cfg.backend.tensor_parallel_size)
+        if len(devices) > 1:
+            raise ConfigError(f"backend.rollout_gpus={cfg.backend.rollout_gpus} makes {len(devices)} engines: one "
+                              "rollout process drives one engine today (several are not built: docs/async.md); use "
+                              "rollout_gpus = tensor_parallel_size")
+        environment = (("CUDA_VISIBLE_DEVICES", devices[0]),)
     return WorkerSpec(backend=cfg.backend, rollout=cfg.rollout, tools=trainer.tools_config,
                       model_dir=str(trainer.model_dir), engine_seed=cfg.rollout.seed, seed=cfg.seed,
-                      threads=torch.get_num_threads(), tool_barrier=cfg.train.max_staleness == 0)
+                      threads=torch.get_num_threads(), tool_barrier=cfg.train.max_staleness == 0,
+                      environment=environment)
 
 
 def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:

@@ -68,6 +68,15 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         sleep_level: 1: the KV cache is dropped and the weights offloaded to host memory (wake
             copies them back); 2: both dropped (the weight sync after waking refills them: no
             host copy). The trainer syncs weights after every update, so 2 loses nothing.
+        placement: where the engines run on a GPU node. "colocated": in the training ranks, on
+            their GPUs (sleeping during the update on CUDA). "split": on GPUs of their own
+            (``rollout_gpus`` of a node), the trainer on the others, rollouts overlapping the
+            update: needs ``train.mode = "async"`` (``max_staleness = 0`` for a synchronous
+            schedule); memory per role in ``--dry-run --gpu`` (``aepo_engine.placement``). On a
+            CPU the rollout process of an async run shares the cores either way.
+        rollout_gpus: with placement "split", the GPUs of a node given to engines (a multiple of
+            tensor_parallel_size: one engine per tensor_parallel_size GPUs); the trainer ranks use
+            the others.
     """
 
     kind: Literal["hf", "vllm"] = "vllm"
@@ -86,12 +95,14 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     in_process: bool = True
     sleep_between_steps: bool | None = None
     sleep_level: Literal[1, 2] = 2
+    placement: Literal["colocated", "split"] = "colocated"
+    rollout_gpus: int = 0
 
     def sleeps(self, cuda: bool) -> bool:
         """Whether the engine sleeps between steps (``sleep_between_steps`` resolved) on a machine
         with (``cuda``) or without CUDA."""
         if self.sleep_between_steps is None:
-            return self.kind == "vllm" and self.in_process and cuda
+            return self.kind == "vllm" and self.in_process and cuda and self.placement == "colocated"
         return self.sleep_between_steps
 
     def __post_init__(self) -> None:
@@ -117,6 +128,20 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             raise ValueError(f"kv_cache_gib must be > 0 (or none), got {self.kv_cache_gib}")
         if self.kind == "hf" and self.sleep_between_steps:
             raise ValueError("sleep_between_steps=true needs kind='vllm' because sleep mode is vLLM's")
+        if self.placement == "split":
+            if self.rollout_gpus < 1 or self.rollout_gpus % self.tensor_parallel_size:
+                raise ValueError(f"rollout_gpus={self.rollout_gpus} must be a positive multiple of tensor_parallel_size="
+                                 f"{self.tensor_parallel_size} because placement='split' gives each engine "
+                                 "tensor_parallel_size GPUs of its own")
+            if self.sleep_between_steps:
+                raise ValueError("sleep_between_steps=true with placement='split': an engine on GPUs of its own "
+                                 "never makes room for the update")
+            if self.kind == "vllm" and self.tensor_parallel_size > 1 and self.in_process:
+                raise ValueError("placement='split' with tensor_parallel_size > 1 needs in_process=false: the engine "
+                                 "spans its GPUs with vLLM's own worker processes, not with training ranks")
+        elif self.rollout_gpus:
+            raise ValueError(f"rollout_gpus={self.rollout_gpus} needs placement='split' (colocated engines share "
+                             "the training ranks' GPUs)")
 
 
 class EngineLayout(msgspec.Struct, frozen=True):
