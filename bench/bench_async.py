@@ -57,7 +57,7 @@ def build_setup(seed: int, folder: Path, extra: list[str]) -> Path:
 
     if (folder / "setup" / "warm_start" / "DONE").exists():
         return folder / "setup"
-    cfg = load_train_config(["--preset", "embedded", f"--seed={seed}", *[a for a in extra if a.startswith("--task.")]])
+    cfg = load_train_config(["--preset", "embedded", f"--seed={seed}", *extra])  # extra: presets and task sizes too
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "setup_config.toml").write_text(dump_config(SyntheticSetupConfig(task=cfg.task, tiny=cfg.model.tiny,
                                                                                tools=cfg.tools)))
