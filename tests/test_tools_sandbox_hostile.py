@@ -99,6 +99,17 @@ def test_scratch_mounts_are_removed_after_the_run():
                                      for p in scratch_parent().iterdir())
 
 
+@needs_root
+def test_documented_worst_case_is_the_one_computed():
+    # docs/sandbox.md states the per-call worst case with the defaults as root; it is the sum
+    # the start-up line reports.
+    from aepo_engine.tools.sandbox import describe_limits, worst_case_mib
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sandbox.md").read_text()
+    assert f"**{worst_case_mib(PythonConfig()):,} MiB**" in doc
+    assert f"worst case per call {worst_case_mib(PythonConfig())} MiB" in describe_limits(PythonConfig())
+    assert worst_case_mib(PythonConfig()) == 32 * 1024 + 64 + 10
+
+
 # ---------------------------------------------------------------------------------------------
 # uid 0 and what it could write
 
