@@ -91,7 +91,7 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig, scratch: st
         if path not in created:
             args += _parents(path, created) + ["--symlink", target, path]
             created.add(path)
-    for site_dir in layout.hidden_site_dirs():
+    for site_dir in layout.hidden:
         if not (config.site_packages and site_dir in layout.site_dirs):
             args += ["--size", "4096", "--tmpfs", site_dir, "--remount-ro", site_dir]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]

@@ -97,6 +97,7 @@ class InterpreterLayout:
             none inside another.
         links: ``(path, target)`` of the symbolic links to recreate on the way to the
             executable and to its program interpreter.
+        hidden: every site directory inside a bound directory (:func:`site_dirs_within`).
     """
 
     executable: str
@@ -104,19 +105,21 @@ class InterpreterLayout:
     site_dirs: tuple[str, ...]
     binds: tuple[str, ...] = ()
     links: tuple[tuple[str, str], ...] = ()
+    hidden: tuple[str, ...] = ()
 
-    def hidden_site_dirs(self) -> list[str]:
-        """Every site directory inside a bound directory: the interpreter's own, and any other
-        Python's found there (``python3*/{site,dist}-packages``, ``lib*/python*/...``)."""
-        found = {d for d in self.site_dirs if os.path.isdir(d) and _inside_any(d, self.binds)}
-        for bound in self.binds:
-            if not os.path.isdir(bound):
-                continue
-            for pattern in ("*-packages", "python*/*-packages", "lib*/python*/*-packages",
-                            "local/lib*/python*/*-packages"):
-                found |= {d for d in glob.glob(os.path.join(bound, pattern))
-                          if d.endswith(("/site-packages", "/dist-packages")) and os.path.isdir(d)}
-        return sorted(found)
+
+def site_dirs_within(binds: tuple[str, ...], site_dirs: tuple[str, ...]) -> list[str]:
+    """Every site directory inside a bound directory: the interpreter's own, and any other
+    Python's found there (``python3*/{site,dist}-packages``, ``lib*/python*/...``)."""
+    found = {d for d in site_dirs if os.path.isdir(d) and _inside_any(d, binds)}
+    for bound in binds:
+        if not os.path.isdir(bound):
+            continue
+        for pattern in ("*-packages", "python*/*-packages", "lib*/python*/*-packages",
+                        "local/lib*/python*/*-packages"):
+            found |= {d for d in glob.glob(os.path.join(bound, pattern))
+                      if d.endswith(("/site-packages", "/dist-packages")) and os.path.isdir(d)}
+    return sorted(found)
 
 
 def under(path: str, root: str) -> bool:
@@ -211,5 +214,6 @@ def interpreter_layout(python: str, site_packages: bool = False) -> InterpreterL
         for link, target in link_chain(path) if path else ():
             if not _inside_any(link, binds):
                 links[link] = target
-    return InterpreterLayout(python, tuple(info["roots"]), tuple(info["site_dirs"]), tuple(binds),
-                             tuple(sorted(links.items())))
+    site_dirs = tuple(info["site_dirs"])
+    return InterpreterLayout(python, tuple(info["roots"]), site_dirs, tuple(binds),
+                             tuple(sorted(links.items())), tuple(site_dirs_within(tuple(binds), site_dirs)))
