@@ -165,8 +165,10 @@ def _check_with_spans(response: str, spans: list[tuple[int, int]]) -> FormatChec
         else:
             closing = match.group(1) == "/"
             error = _step(scan, closing, name)
-            if name == "answer":
-                answer_end, answer_start = (match.start(), answer_start) if closing else (answer_end, match.end())
+            if name == "answer" and closing:
+                answer_end = match.start()
+            elif name == "answer":
+                answer_start = match.end()
         if error is not None:
             return FormatCheck(error, frozenset(scan.tools_used))
     error = _final_error(scan)

@@ -60,9 +60,10 @@ def _run_bwrap(code: str, config: PythonConfig, uid: int | None,
     # The code reaches the sandbox through an anonymous memory file that bwrap copies into the
     # scratch tmpfs: nothing of it is written to the host's disk. Each masked host file is read
     # from an empty descriptor of its own (bwrap reads each to its end).
-    scratch = Scratch(config.scratch_mb, config.scratch_inodes) if inode_cap_available() else None
-    fds = [_memfd("aepo_main_py", code.encode("utf-8")), _memfd("aepo_seccomp", seccomp_filter())]
+    scratch, fds = None, []
     try:
+        scratch = Scratch(config.scratch_mb, config.scratch_inodes) if inode_cap_available() else None
+        fds += [_memfd("aepo_main_py", code.encode("utf-8")), _memfd("aepo_seccomp", seccomp_filter())]
         fds += [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in MASKED_FILES]
         command = bwrap_command(config, uid, fds[0], fds[1], scratch.path if scratch else None,
                                 tuple(fds[2:]))
