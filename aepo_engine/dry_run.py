@@ -90,6 +90,10 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     _check_resume(cfg, report)
     if gpu is not None or world_size is not None:
         _plan_memory(cfg, gpu, world_size, report)
+    if cfg.train.asynchronous and world_size is not None and world_size.isdigit() and int(world_size) > 1:
+        report.problems.append(f"train.mode='async' with {world_size} trainer ranks: the asynchronous loop runs one "
+                               "trainer process today (several trainer ranks beside rollout processes are not built, "
+                               "docs/async.md); the memory plan above is the design's")
     return report
 
 
