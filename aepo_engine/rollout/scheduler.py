@@ -49,6 +49,11 @@ def _key(traj: Trajectory) -> tuple[int, int]:
     return traj.step, traj.prompt_index
 
 
+def _uid(traj: Trajectory) -> tuple[int, int, int]:
+    """A key unique to a trajectory for the scheduler's life (an object id may be reused once freed)."""
+    return traj.step, traj.prompt_index, traj.traj_id
+
+
 def _cut_at_stop(output: GenOutput, resumed_at: int, stop_strings: Sequence[str], tokenizer: Any) -> GenOutput:
     """A segment continued after ``resumed_at`` tokens (a cut), ended at the first stop string that
     spans the cut: the backend saw only the tokens after it, so it could not match a stop string
@@ -255,7 +260,7 @@ class EntropyBalancedRollout:
         # The policy version of the backend's weights: recorded on every token it samples.
         self.policy_version = 0
         self.tokens_sampled = 0  # every token the backend returned, over the scheduler's life
-        self._partial: dict[int, _Partial] = {}  # id(trajectory) -> its cut segment so far
+        self._partial: dict[tuple[int, int, int], _Partial] = {}  # _uid(trajectory) -> its cut segment so far
 
     # -- public -------------------------------------------------------------------------------
 
@@ -308,9 +313,11 @@ class EntropyBalancedRollout:
         """The call's k trajectories per prompt and statistics, once nothing is left to sample."""
         for state in states:  # reserve samples no refill needed: the budget went to branches
             self._discard_reserve(state, state.stats)
+        done = {(state.step, state.index) for state in states}  # cut segments of discarded trajectories
+        self._partial = {uid: part for uid, part in self._partial.items() if uid[:2] not in done}
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
-        return RolloutResult(out, self._summarize(states, out, states[0].stats))
+        return RolloutResult(out, self._summarize(states, out, states[0].stats if states else _Stats()))
 
     # -- prompt life cycle --------------------------------------------------------------------
 
@@ -473,7 +480,7 @@ class EntropyBalancedRollout:
         for state in {id(states[_key(t)]): states[_key(t)] for t in batch}.values():
             for child in state.presampled.values():
                 dropped.add(id(child))
-                self._partial.pop(id(child), None)
+                self._partial.pop(_uid(child), None)
                 state.stats.discarded_speculative += 1
                 state.stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
             state.presampled = {}
@@ -490,7 +497,7 @@ class EntropyBalancedRollout:
     def _complete_segment(self, traj: Trajectory, output: GenOutput) -> tuple[GenOutput | None, list[int]]:
         """``(output, per-token versions)`` of a finished segment, the tokens of its cut parts first;
         ``(None, [])`` when it was cut (again) by a weight update: kept for the next round."""
-        partial = self._partial.pop(id(traj), None)
+        partial = self._partial.pop(_uid(traj), None)
         if partial is None and output.finish_reason != "abort":
             return output, [self.policy_version] * len(output.token_ids)
         partial = partial or _Partial()
@@ -500,7 +507,7 @@ class EntropyBalancedRollout:
                            output.stop_string)  # text "": _classify decodes the whole segment
         merged = _cut_at_stop(merged, resumed_at, self.stop_strings, self.tokenizer)
         if merged.finish_reason == "abort":
-            self._partial[id(traj)] = partial
+            self._partial[_uid(traj)] = partial
             return None, []
         return merged, partial.versions[:len(merged.token_ids)]
 
@@ -508,7 +515,7 @@ class EntropyBalancedRollout:
         """The request for ``traj``'s next segment, or for the rest of a segment a weight update
         cut (its own seed; the entropy head and the token budget count what was sampled)."""
         cfg = self.config
-        partial = self._partial.get(id(traj))
+        partial = self._partial.get(_uid(traj))
         done = partial.token_ids if partial is not None else []
         remaining = cfg.max_response_tokens - len(traj.response_ids)
         seed = derive_seed(self.seed, traj.step, traj.prompt_index, traj.traj_id, len(traj.segments),
