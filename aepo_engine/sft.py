@@ -97,7 +97,8 @@ def split_response(response: str) -> list[tuple[str, bool]]:
     return segments
 
 
-def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: str) -> SFTExample:
+def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: str,
+                     encode_prompt: Callable[[list[dict[str, str]]], list[int]] | None = None) -> SFTExample:
     """Prompt (chat template with the generation prompt) + response segments + end-of-turn token.
 
     Args:
@@ -105,8 +106,10 @@ def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: s
             end-of-turn token the policy must learn to emit).
         messages: the chat prompt (system + user).
         response: the assistant's text, tool results included.
+        encode_prompt: the prompt's encoder (the rollout's tool format's); default
+            :func:`~aepo_engine.data.encode_chat_prompt`.
     """
-    input_ids = encode_chat_prompt(tokenizer, messages)
+    input_ids = list(encode_prompt(messages)) if encode_prompt is not None else encode_chat_prompt(tokenizer, messages)
     loss_mask = [0] * len(input_ids)
     for text, written_by_model in split_response(response):
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -133,7 +136,8 @@ def tokenize_in_format(tool_format: Any, messages: list[dict[str, str]], respons
             call = find_tool_call(text, tool_format.tool_names)
             ids = list(tokenizer.encode(text, add_special_tokens=False)) if not isinstance(call, ToolCall) else []
             if isinstance(call, ToolCall):
-                before = text[:text.rfind(f"<{call.tool}>")]
+                # a template that drops text beside a call (Llama 3) gets the call alone
+                before = text[:text.rfind(f"<{call.tool}>")] if tool_format.content_with_calls else ""
                 ids = list(tokenizer.encode(before + tool_format.render_call(call), add_special_tokens=False))
                 ended_turn = tool_format.calls_end_turn
                 ids += [tokenizer.eos_token_id] if ended_turn else []
@@ -158,7 +162,8 @@ def build_examples(tokenizer: Any, prompts: Sequence[list[dict[str, str]]], resp
     if tool_format is not None and tool_format.name != "tags":
         examples = [tokenize_in_format(tool_format, m, r) for m, r in zip(prompts, responses)]
     else:
-        examples = [tokenize_example(tokenizer, m, r) for m, r in zip(prompts, responses)]
+        encode = tool_format.encode_prompt if tool_format is not None else None
+        examples = [tokenize_example(tokenizer, m, r, encode) for m, r in zip(prompts, responses)]
     too_long = [len(e.input_ids) for e in examples if len(e.input_ids) > max_length]
     if too_long:
         raise ValueError(f"{len(too_long)} examples exceed max_length={max_length} "

@@ -37,12 +37,11 @@ import json
 import re
 from typing import Any, Literal, Protocol, Sequence
 
-from aepo_engine.data.prompts import encode_chat_prompt
 from aepo_engine.tools.base import MalformedToolCall, ToolCall
 from aepo_engine.tools.parsing import find_tool_call, format_tool_result
 from aepo_engine.tools.plain_text import encode_plain_text
 
-__all__ = ["ChatTemplateFormat", "TOOL_ARGUMENTS", "TagFormat", "ToolFormat", "build_tool_format",
+__all__ = ["ChatTemplateFormat", "TOOL_ARGUMENTS", "TagFormat", "ToolFormat", "build_tool_format", "encode_in_context",
            "drift_metrics", "retokenization_drift", "reward_text", "tool_schemas", "trajectory_turns"]
 
 ToolFormatName = Literal["tags", "chat_template"]
@@ -56,6 +55,21 @@ _DEFAULT_ARGUMENT = ("input", "The tool's input text.")
 
 # Probe texts: strings no template writes by itself.
 _Q, _R, _C = "QPROBE7Q", "RPROBE7R", "CPROBE7C"
+_ESCAPED = 'a"b\nc\\d'  # how the template writes a result's quotes, newlines and backslashes
+
+
+def encode_in_context(tokenizer: Any, text: str) -> list[int]:
+    """Ids of template text (control tokens recognised) as they are in the whole conversation,
+    where more text follows: a generation prompt or a tool turn that ends in whitespace
+    (Llama 3's ``<|end_header_id|>\n\n``) is cut into other tokens at the end of a string than
+    before text (``"\n\n"`` alone, ``"\n" "\n"`` before a word, with GPT-2-style
+    pre-tokenizers). Encoded with a following word, then cut back to ``text``; if no cut gives
+    ``text`` exactly, plain ``encode``."""
+    ids = list(tokenizer.encode(text + "Z", add_special_tokens=False))
+    for end in range(len(ids) - 1, max(len(ids) - 4, 0) - 1, -1):
+        if tokenizer.decode(ids[:end]) == text:
+            return ids[:end]
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def tool_schemas(tool_names: Sequence[str]) -> list[dict[str, Any]]:
@@ -95,6 +109,7 @@ class TagFormat:
 
     name = "tags"
     calls_end_turn = False
+    content_with_calls = True
 
     def __init__(self, tokenizer: Any, tool_names: Sequence[str]):
         self.tokenizer = tokenizer
@@ -102,13 +117,15 @@ class TagFormat:
         self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return encode_chat_prompt(self.tokenizer, messages)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return encode_in_context(self.tokenizer, text)
 
     def parse_call(self, text: str) -> ToolCall | MalformedToolCall | None:
         return find_tool_call(text, self.tool_names)
 
     def result_ids(self, text: str, ended_turn: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(format_tool_result(text), add_special_tokens=False))
+        # The result block holds no control token of its own: all of it is plain text.
+        return encode_plain_text(self.tokenizer, format_tool_result(text))
 
     def render_call(self, call: ToolCall) -> str:
         return f"<{call.tool}>{call.payload}</{call.tool}>"
@@ -150,7 +167,11 @@ class ChatTemplateFormat:
                              "(neither <tool_call>{json}</tool_call> nor Llama-3 JSON); use tools.format = 'tags'")
         self.calls_end_turn = self.syntax == "llama_json"
         self.stop_strings = ("</tool_call>",) if self.syntax == "hermes" else ()
+        # Whether text before a call survives in the template's rendering (Llama 3's drops it).
+        self.content_with_calls = not self.renders_calls or _C in self._render(
+            [*_probe_chat(), {**_call_message("search", _Q), "content": _C}])
         self._after_call, self._tool_open, self._tool_close = self._frames()
+        self._json_results = self._results_as_json()
         self._eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
 
     # -- rendering ----------------------------------------------------------------------------
@@ -182,13 +203,33 @@ class ChatTemplateFormat:
         tool_open, tool_close = tool_turn.split(_R)
         return after_call, tool_open, tool_close
 
+    def _results_as_json(self) -> bool:
+        """Whether the template writes a tool result as a JSON string (Llama 3 applies ``tojson`` to
+        string contents: quotes, newlines and backslashes escaped) rather than verbatim."""
+        assistant = _call_message("search", _Q) if self.renders_calls else {"role": "assistant", "content": _C}
+        text = self._render([*_probe_chat(), assistant, _tool_message("search", _R + _ESCAPED + _R)], tools=True)
+        written = text[text.index(_R) + len(_R):text.rindex(_R)]
+        if written == _ESCAPED:
+            return False
+        if written == json.dumps(_ESCAPED)[1:-1]:
+            return True
+        raise ValueError(f"the chat template rewrites tool results ({_ESCAPED!r} -> {written!r}) in a way this "
+                         "engine does not reproduce; use tools.format = 'tags'")
+
+    def call_start(self, text: str) -> int:
+        """Where the call that ends ``text`` starts (-1: no call)."""
+        if self.syntax == "hermes":
+            return text.rfind("<tool_call>")
+        found = [i for i in (text.find('{"name"'), text.find('{ "name"')) if i >= 0]
+        return min(found) if found else -1
+
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt with the tools offered: in the template's tool list, or (a template that
         renders none) in the system message."""
         if not self.renders_tools:
             messages = _with_tools_in_system(messages, self.schemas)
         text = self._render(messages, tools=self.renders_tools, generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_in_context(self.tokenizer, text)
 
     def render_call(self, call: ToolCall) -> str:
         """The text of a call as the model writes it (demonstrations)."""
@@ -203,12 +244,13 @@ class ChatTemplateFormat:
     def parse_call(self, text: str) -> ToolCall | MalformedToolCall | None:
         """The call a segment ends with (None: no call; malformed: a broken one)."""
         if self.syntax == "llama_json":
-            body = text.strip()
+            body = text.rstrip()
             if self._eos_text and body.endswith(self._eos_text):
                 body = body[: -len(self._eos_text)].rstrip()
-            if not body.startswith("{"):
-                return None
-            return self._call_from_json(body, "parameters")
+            start = self.call_start(body)
+            if start < 0 or not body.endswith("}"):
+                return None  # an answer, not a call
+            return self._call_from_json(body[start:], "parameters")
         end = text.rfind("</tool_call>")
         start = text.rfind("<tool_call>")
         if start < 0:
@@ -258,9 +300,9 @@ class ChatTemplateFormat:
             if not after.startswith(self._eos_text):
                 raise ValueError(f"the template ends a call's turn with {after!r}, not the end-of-turn token")
             after = after[len(self._eos_text):]
-        encode = self.tokenizer.encode
-        return [*encode(after + self._tool_open, add_special_tokens=False), *encode_plain_text(self.tokenizer, text),
-                *encode(self._tool_close, add_special_tokens=False)]
+        body = json.dumps(text, ensure_ascii=False)[1:-1] if self._json_results else text
+        return [*encode_in_context(self.tokenizer, after + self._tool_open), *encode_plain_text(self.tokenizer, body),
+                *encode_in_context(self.tokenizer, self._tool_close)]
 
     def conversation(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat a trajectory is, with calls as the template's tool calls and results as tool
@@ -271,7 +313,7 @@ class ChatTemplateFormat:
         for turn in turns:
             text, call = turn["text"], turn.get("call")
             if call is not None and self.renders_calls:
-                start = text.rfind("<tool_call>") if self.syntax == "hermes" else text.find("{")
+                start = self.call_start(text)
                 arg = TOOL_ARGUMENTS.get(call.tool, _DEFAULT_ARGUMENT)[0]
                 chat.append({"role": "assistant", "content": text[:start].rstrip("\n"),
                              "tool_calls": [{"type": "function", "id": "call0",
@@ -384,7 +426,7 @@ def reward_text(trajectory: Any, tool_format: Any) -> str:
         if call is None:
             parts.append(text)
             continue
-        start = text.rfind("<tool_call>") if tool_format.syntax == "hermes" else text.find("{")
+        start = tool_format.call_start(text)
         parts.append(text[:max(start, 0)] + f"<{call.tool}> {call.payload}</{call.tool}>"
                      + format_tool_result(turn["result"]))
     if trajectory.finish_reason == "malformed":
