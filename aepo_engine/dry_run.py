@@ -23,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
+
 from aepo_engine.config import TrainConfig, config_problems
 from aepo_engine.config_loader import dump_config
 
@@ -61,6 +63,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     """
     report = DryRunReport()
     report.problems += config_problems(cfg)
+    cfg = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
     if cfg.model.path:
         _check_model_dir(Path(cfg.model.path), report)
@@ -116,6 +119,25 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
 
 
 # --- checks ---------------------------------------------------------------------------------------
+
+def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> TrainConfig:
+    """``cfg`` with a GGUF ``model.path`` replaced by its converted HF folder (converted now, once:
+    :mod:`aepo_engine.models.gguf`), so every check reads the folder the run will load."""
+    if not cfg.model.path:
+        return cfg
+    from aepo_engine.models.gguf import find_gguf, resolve_model_dir
+
+    try:
+        source = find_gguf(cfg.model.path)
+        if source is None:
+            return cfg
+        folder = resolve_model_dir(cfg.model.path, log=lambda _: None)
+    except (OSError, ValueError, ImportError) as exc:
+        report.problems.append(f"model.path {cfg.model.path!r}: {exc}")
+        return cfg
+    report.notes.append(f"model: GGUF file {source} -> converted HF folder {folder}")
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder))
+
 
 def _check_model_dir(path: Path, report: DryRunReport) -> None:
     if not path.is_dir():

@@ -262,7 +262,7 @@ class Trainer:
                 self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
                 [e.ground_truth for e in questions], self.reward_fn,
                 msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions],
-                tool_format=self.tool_format))
+                tool_format=self.tool_format, progress=label if distributed.is_main() else None))
             result = merge_eval_results(distributed.all_gather_objects(local))
         for eval_set in self.eval_sets:
             result.update(self._evaluate_set(eval_set, label))
@@ -277,7 +277,8 @@ class Trainer:
         prompts = [self.tool_format.encode_prompt(eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
         local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
                                                     self.cfg.eval, prompts, mine, eval_set.check,
-                                                    tool_format=self.tool_format))
+                                                    tool_format=self.tool_format,
+                                                    progress=f"{label} {eval_set.name}" if distributed.is_main() else None))
         records = [r for part in distributed.all_gather_objects(local) for r in part]
         if self.rank != 0:
             return {}

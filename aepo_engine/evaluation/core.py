@@ -12,6 +12,8 @@ use, and accuracy per category label.
 """
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Callable, Sequence
 
 import msgspec
@@ -24,7 +26,7 @@ from aepo_engine.rollout.trajectory import Trajectory
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools.formats import reward_text
 
-__all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "sample_records",
+__all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "progress_printer", "sample_records",
            "trajectory_record"]
 
 
@@ -55,7 +57,7 @@ def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format
 def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
                    cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
                    reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0,
-                   tool_format: Any = None) -> list[dict[str, Any]]:
+                   tool_format: Any = None, progress: str | None = None) -> list[dict[str, Any]]:
     """Sample ``cfg.n_samples`` trajectories per prompt and score each.
 
     Args:
@@ -66,6 +68,8 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).
         tool_format: how calls and results are written (``aepo_engine.tools.formats``); none = tags.
+        progress: a label: print questions done / total, tokens/s and an ETA on stderr after
+            every rollout round (:func:`progress_printer`); none = silent.
 
     Returns:
         One record per sample, grouped by question: dataset, question index, question, references,
@@ -78,7 +82,8 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
     rollout = EntropyBalancedRollout(backend, tool_runner, eval_rollout_config(rollout_config, cfg),
                                      tokenizer=tokenizer, tool_format=tool_format)
     records = []
-    for traj in rollout.rollout(list(prompts), step=step).trajectories:
+    report = progress_printer(len(prompts), progress) if progress else None
+    for traj in rollout.rollout(list(prompts), step=step, progress=report).trajectories:
         example = examples[traj.prompt_index]
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
@@ -90,6 +95,22 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
             record["reward"], record["correct"] = float(result.score), bool(result.correct)
         records.append(record)
     return records
+
+
+def progress_printer(total: int, label: str, stream: Any = None) -> Callable[[int, int, int], None]:
+    """``report(done, total, tokens)`` printing ``[eval LABEL] [####....] question 12/100 | tok/s 230 |
+    eta 95s`` (the training bar's line: :class:`aepo_engine.metrics.ProgressBar`)."""
+    from aepo_engine.metrics import ProgressBar
+
+    bar = ProgressBar(total, stream=stream or sys.stderr, unit=f"[eval {label}] question")
+
+    def report(done: int, _total: int, tokens: int) -> None:
+        elapsed = time.perf_counter() - bar.t0
+        bar.update(done - 1, {"tok/s": tokens / max(elapsed, 1e-9)})
+        if done == total:
+            bar.close()
+
+    return report
 
 
 def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
@@ -118,6 +139,7 @@ def evaluate(
     config: EvalConfig,
     categories: Sequence[str] | None = None,
     tool_format: Any = None,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend`` (the trainer's
     held-out measurement).
@@ -128,6 +150,7 @@ def evaluate(
         rollout_config: the training rollout's config; branching settings are overridden.
         categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
         tool_format: the rollout's tool format (none = tags).
+        progress: a label to print progress under (:func:`sample_records`); none = silent.
     """
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"categories has {len(categories)} labels for {len(prompts)} prompts")
@@ -144,7 +167,7 @@ def evaluate(
     examples = [Example(index=i, question="", prompt_messages=None, ground_truth=list(g) if isinstance(g, (list, tuple))
                         else [str(g)], data_source=label) for i, (g, label) in enumerate(zip(ground_truths, labels))]
     records = sample_records(backend, tool_runner, tokenizer, rollout_config, config, prompts, examples, "qa",
-                             reward_fn=reward_fn, tool_format=tool_format)
+                             reward_fn=reward_fn, tool_format=tool_format, progress=progress)
     correct = [0] * len(prompts)
     for r in records:
         correct[r["question_index"]] += r["correct"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -194,12 +194,15 @@ class EntropyBalancedRollout:
 
     # -- public -------------------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], step: int) -> RolloutResult:
+    def rollout(self, prompts: list[list[int]], step: int,
+                progress: Callable[[int, int, int], None] | None = None) -> RolloutResult:
         """Sample exactly ``config.k`` trajectories per prompt.
 
         Args:
             prompts: prompt token ids, one list per prompt.
             step: the training step (part of every seed; trajectories record it).
+            progress: called after every round with (prompts whose k trajectories have all
+                ended, prompts, tokens sampled so far): the evaluations' progress line.
 
         Returns:
             ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
@@ -224,6 +227,9 @@ class EntropyBalancedRollout:
             self._round(states, batch, step, stats)
             for state in states:
                 self._advance(state, step, stats)
+            if progress is not None:
+                done = sum(len(s.members) == self.config.k and not s.generating() for s in states)
+                progress(done, len(states), stats.tokens_generated)
         for state in states:  # reserve samples no refill needed: the budget went to branches
             self._discard_reserve(state, stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]

@@ -18,16 +18,20 @@ __all__ = ["control_token_ids", "encode_plain_text"]
 
 
 def control_token_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the tokenizer's special and added tokens (the ones text must never produce)."""
-    added = getattr(tokenizer, "get_added_vocab", lambda: {})()
-    return frozenset(int(i) for i in (*getattr(tokenizer, "all_special_ids", ()), *added.values()))
+    """The ids of the tokenizer's special tokens (turn markers, end-of-text...): the ones text must
+    never produce. Added tokens that are not special (a format's tags, e.g. the tiny model's
+    ``<result>``) are ordinary vocabulary and stay matched."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = [i for i, token in added.items() if getattr(token, "special", False)]
+    return frozenset(int(i) for i in (*getattr(tokenizer, "all_special_ids", ()), *special))
 
 
 def encode_plain_text(tokenizer: Any, text: str) -> list[int]:
     """Ids of ``text`` with every control-token string in it encoded as ordinary text.
 
     Args:
-        tokenizer: a Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer (or any object with ``encode(text, add_special_tokens)``
+            and no control tokens).
         text: tool output (untrusted).
     Returns:
         Ids that decode back to ``text`` and hold no control id.
@@ -35,7 +39,10 @@ def encode_plain_text(tokenizer: Any, text: str) -> list[int]:
         ValueError: the tokenizer produced a control id anyway (its BPE merges reach one); such a
             tokenizer cannot keep tool text from forging turns, and is refused rather than trusted.
     """
-    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    if callable(tokenizer):  # a Hugging Face tokenizer
+        ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    else:  # a tokenizer with no special tokens to split (the tests' character tokenizer)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
     forged = set(ids) & control_token_ids(tokenizer)
     if forged:
         raise ValueError(f"the tokenizer encodes tool text to control ids {sorted(forged)} even with "

