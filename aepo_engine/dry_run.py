@@ -86,6 +86,8 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     _check_resume(cfg, report)
     if gpu is not None or world_size is not None:
         _plan_memory(cfg, gpu, world_size, report)
+    elif _cpu_run(cfg):
+        _plan_cpu_memory(cfg, report)
     return report
 
 
@@ -366,3 +368,39 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
         report.problems.append(
             f"memory plan: {plan.peak / gib:.1f} GiB per GPU at its peak ({plan.peak_phase}), more than the "
             f"{capacity / gib:.1f} GiB of a {gpu}; turn: " + "; ".join(plan.knobs))
+
+
+def _cpu_run(cfg: TrainConfig) -> bool:
+    """A run in one process on a machine without CUDA, with the HF backend: what the CPU plan covers."""
+    import torch
+
+    return cfg.backend.kind == "hf" and not torch.cuda.is_available() and bool(cfg.model.path)
+
+
+def _plan_cpu_memory(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The host-memory plan of a CPU run (:mod:`aepo_engine.cpu_memory_plan`), against this
+    machine's memory: a plan above it is a warning (the check may run on another machine)."""
+    from aepo_engine.cpu_memory_plan import plan_cpu_memory
+    from aepo_engine.memory_plan import GIB, ModelShape
+
+    try:
+        shape = ModelShape.from_dir(cfg.model.path)
+    except (ValueError, OSError):
+        return  # the model check above reports an unreadable config.json
+    plan = plan_cpu_memory(cfg, shape)
+    report.plan += [f"model: {shape.params() / 1e9:.3f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+                    f"vocabulary {shape.vocab})", *plan.lines()]
+    total = _machine_memory()
+    if total and plan.peak > total:
+        report.warnings.append(f"CPU memory plan: a peak of {plan.peak / GIB:.1f} GiB, more than this machine's "
+                               f"{total / GIB:.1f} GiB")
+
+
+def _machine_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -60,12 +60,21 @@ def test_package_path_of_a_missing_package_is_a_clear_error():
         find_gguf("package:no_such_package_here")
 
 
-@pytest.mark.parametrize("tool_format", ["tags", "chat_template"])
-def test_smollm2_preset_pipeline_runs_every_part(tmp_path, tool_format):
+def _vllm_param():
+    from conftest import vllm_missing
+
+    reason = vllm_missing()
+    return pytest.param("tags", "vllm", marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+
+
+@pytest.mark.parametrize("tool_format, backend", [("tags", "hf"), ("chat_template", "hf"), _vllm_param()])
+def test_smollm2_preset_pipeline_runs_every_part(tmp_path, tool_format, backend):
+    """The preset's pipeline, shrunk; with vLLM the engine runs in the trainer's process and takes
+    the updated weights by the weight sync (backend.in_process, the default)."""
     smollm2_dir()  # skip without the package; converts once for the child
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
-                           f"--tools.format={tool_format}", *SMOKE],
+                           f"--tools.format={tool_format}", f"--backend.kind={backend}", *SMOKE],
                           capture_output=True, text=True, timeout=3000, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warm = json.loads((run_dir / "setup" / "warm_start" / "warm_start.json").read_text())
@@ -86,3 +95,38 @@ def test_dry_run_reads_a_gguf_model_path(tmp_path):
                            "--dry-run"], capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LlamaForCausalLM" in proc.stderr
+
+
+def test_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
+    """A run's HF export loads back in transformers (the trained weights, not the cold start's)
+    and in vLLM, and ``python -m aepo_engine.eval`` evaluates the run folder with progress lines."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    smollm2_dir()
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
+                           *SMOKE], capture_output=True, text=True, timeout=3000, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (export,) = run_dir.glob("checkpoints/step_*/hf_model")
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    cold = AutoModelForCausalLM.from_pretrained(run_dir / "setup" / "warm_start", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(export).chat_template
+    changed = [n for (n, a), (_, b) in zip(model.state_dict().items(), cold.state_dict().items()) if not torch.equal(a, b)]
+    assert changed, "the export holds the cold start's weights: the RL update did not reach it"
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.eval", "--model", str(run_dir), "--out", str(out),
+                           "--eval.num_questions=2"], capture_output=True, text=True, timeout=1800, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "question 2/2" in proc.stderr and "tok/s" in proc.stderr
+    assert json.loads((out / "summary.json").read_text())
+    from conftest import vllm_missing
+
+    if vllm_missing() is None:  # the export in a fresh vLLM engine (its own processes)
+        code = ("import sys; from aepo_engine.rollout.backends.vllm import VLLMBackend; "
+                "from aepo_engine.rollout.protocol import GenRequest; "
+                f"e = VLLMBackend({str(export)!r}, seed=0, max_model_len=1024, dtype='float32', in_process=False); "
+                "o = e.generate([GenRequest(tuple(e.tokenizer.encode('Hello')), 8, seed=1)]); "
+                "assert len(o[0].token_ids) > 0; print('vllm ok')")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=child_env())
+        assert proc.returncode == 0 and "vllm ok" in proc.stdout, proc.stderr[-3000:]
