@@ -31,10 +31,13 @@ def rss() -> tuple[float, float]:
 
 
 class Parts:
-    """Times and memory of each part, in order."""
+    """Times and memory of each part, in order; each row is written when measured (``write``), so
+    a run stopped part-way (this machine is shared and slow when loaded) keeps what it measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: bool, shape: dict) -> None:
         self.rows: list[dict] = []
+        self.write, self.shape = write, shape
+        self.info = harness.machine()  # the commit the measurement started from
 
     def run(self, name: str, fn, **extra):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -48,6 +51,14 @@ class Parts:
         print(row, flush=True)
         return out
 
+    def flush(self) -> None:
+        """Write the rows measured since the last flush."""
+        if self.write:
+            harness.write_rows("real_model", [{**row, **self.shape} for row in self.rows[self.written:]], self.info)
+        self.written = len(self.rows)
+
+    written = 0
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,8 +69,8 @@ def main() -> None:
     parser.add_argument("--run-dir", default="/tmp/bench_real_model")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    parts = Parts()
-    parts.run("baseline (python)", lambda: None)
+    parts = Parts(not args.no_write, {"steps": args.steps, "prompts": args.prompts, "k": args.k, "overrides": args.set})
+    parts.run("baseline (python with torch)", lambda: None)
 
     def imports():
         import torch  # noqa: F401
@@ -88,6 +99,8 @@ def main() -> None:
     overrides = [f"--{kv}" for kv in args.set]
     cfg = load_train_config(["--preset", "smollm2", f"--run_dir={args.run_dir}", "--task.warm_start_enabled=false",
                              f"--train.prompts_per_step={args.prompts}", f"--rollout.k={args.k}", *overrides])
+    parts.shape.update(backend_dtype=cfg.backend.dtype, param_dtype=cfg.policy.param_dtype,
+                       micro_batch_size=cfg.policy.micro_batch_size)
     task = parts.run("task set-up (corpus, GGUF folder)", lambda: prepare_task(
         cfg.task, cfg.model, cfg.tools, cfg.data, Path(args.run_dir), log=lambda _: None))
     from transformers import AutoTokenizer
@@ -105,6 +118,7 @@ def main() -> None:
     for step in range(args.steps):
         chosen = examples[step * args.prompts:(step + 1) * args.prompts]
         prompts = [tool_format.encode_prompt(e.messages()) for e in chosen]
+        parts.flush()
         result = parts.run(f"step {step}: rollout", lambda: rollout.rollout(prompts, step))
         trajectories = result.trajectories
         tokens = result.stats.tokens_generated
@@ -122,11 +136,8 @@ def main() -> None:
         parts.run(f"step {step}: update", lambda: policy.update(batch), tokens=int((batch.loss_mask > 0).sum()))
         parts.run(f"step {step}: weight sync", lambda: backend.load_weight_buckets(
             policy.iter_weight_buckets(int(cfg.backend.weight_sync_bucket_mb * 2**20))))
+        parts.flush()
     tools.close()
-    if not args.no_write:
-        shape = {"steps": args.steps, "prompts": args.prompts, "k": args.k, "overrides": args.set,
-                 "backend_dtype": cfg.backend.dtype, "param_dtype": cfg.policy.param_dtype}
-        harness.write_rows("real_model", [{**row, **shape} for row in parts.rows])
 
 
 if __name__ == "__main__":
