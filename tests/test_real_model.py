@@ -130,3 +130,17 @@ def test_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
                 "assert len(o[0].token_ids) > 0; print('vllm ok')")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=child_env())
         assert proc.returncode == 0 and "vllm ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_real_model_benchmark_measures_every_part(tmp_path):
+    smollm2_dir()
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_real_model.py")
+    proc = subprocess.run([sys.executable, bench, "--steps", "1", "--prompts", "1", "--k", "2", "--no-write",
+                           f"--run-dir={tmp_path}", "--set", "rollout.max_response_tokens=48",
+                           "rollout.max_tokens_per_segment=24"], capture_output=True, text=True, timeout=1800,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in ("imports", "policy worker", "rollout backend", "step 0: rollout", "step 0: log-prob pass",
+                 "step 0: update", "step 0: weight sync"):
+        assert f"'part': '{part}" in proc.stdout, part
+    assert "tokens_per_s" in proc.stdout and "'load': [" in proc.stdout
