@@ -74,11 +74,12 @@ class Runner:
 
     tools = {"search": None, "python": None}
 
-    def __init__(self, text: str = 'Page 1: Zorva age 34.\nPage 2: "quoted" \\ RESULT#'):
-        self.text = text
+    def __init__(self, text: str = 'Page 1: Zorva age 34.\nPage 2: "quoted" \\ RESULT#', numbered: bool = True):
+        self.text, self.numbered = text, numbered
 
     def run(self, calls):
-        return [ToolResult(self.text + f" {i}", ok=True, elapsed_s=0.0) for i, _ in enumerate(calls)]
+        return [ToolResult(self.text + (f" {i}" if self.numbered else ""), ok=True, elapsed_s=0.0)
+                for i, _ in enumerate(calls)]
 
 
 def _rollout(tool_format, n_calls: int, runner=None):
@@ -185,3 +186,43 @@ def test_reward_reads_chat_calls_as_tags(tokenizer):
     assert text.count("<search> Zorva") == 2 and text.count("<result>") == 2
     assert deep_research(text, ["34"]).correct
 
+
+
+def test_cold_start_demonstrations_are_what_the_rollout_trains_on(tokenizer):
+    """A tag-format demonstration rewritten in the chat template's format (the cold start) is,
+    token for token, the template's rendering of the same conversation: the cold start teaches
+    exactly the ids the rollout produces (prompt, calls, inserted tool turns, answer, end of turn)."""
+    from types import SimpleNamespace
+
+    from aepo_engine.rollout.trajectory import Segment, ToolCallRecord
+    from aepo_engine.sft import tokenize_in_format
+    from aepo_engine.tools.parsing import format_tool_result
+
+    tool_format = ChatTemplateFormat(tokenizer, ["search", "python"])
+    results = ['Page 1: Zorva city Tarunu.', 'Page 1: Tarunu size 3400 "big".']
+    demo = ("<think></think>\n<search> Zorva city</search>" + format_tool_result(results[0])
+            + "\n<search> Tarunu size</search>" + format_tool_result(results[1]) + "\n<answer> \\boxed{ 3400} </answer>")
+    example = tokenize_in_format(tool_format, MESSAGES, demo)
+    prompt = tool_format.encode_prompt(MESSAGES)
+    assert list(example.input_ids[:len(prompt)]) == prompt and not any(example.loss_mask[:len(prompt)])
+    # the same ids as a trajectory: model segments where the mask is 1, tool segments where it is 0
+    response, mask = list(example.input_ids[len(prompt):]), list(example.loss_mask[len(prompt):])
+    segments, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            segments.append(Segment("model" if mask[start] else "tool", start, i))
+            start = i
+    calls = [("search", "Zorva city"), ("search", "Tarunu size")]
+    trajectory = SimpleNamespace(prompt_ids=prompt, response_ids=response, segments=segments,
+                                 tool_log=[ToolCallRecord(t, p, r, True, 0.0) for (t, p), r in zip(calls, results)])
+    assert sum(s.kind == "tool" for s in segments) == 2
+    assert retokenization_drift(trajectory, MESSAGES, tool_format) == 0
+
+
+@pytest.mark.parametrize("ending", ["\n", ".", " ", '"'])
+def test_zero_drift_whatever_a_result_ends_with(tokenizer, ending):
+    """A result's last characters meet the template's frame in one BPE stretch (a python print's
+    newline before Qwen's "\\n</tool_response>", a full stop before Llama's closing quote)."""
+    tool_format = ChatTemplateFormat(tokenizer, ["search", "python"])
+    for traj in _rollout(tool_format, 2, Runner("RESULT# 61" + ending, numbered=False)):
+        assert retokenization_drift(traj, MESSAGES, tool_format) == 0, tokenizer.decode(traj.response_ids)

@@ -301,8 +301,15 @@ class ChatTemplateFormat:
                 raise ValueError(f"the template ends a call's turn with {after!r}, not the end-of-turn token")
             after = after[len(self._eos_text):]
         body = json.dumps(text, ensure_ascii=False)[1:-1] if self._json_results else text
-        return [*encode_in_context(self.tokenizer, after + self._tool_open), *encode_plain_text(self.tokenizer, body),
-                *encode_in_context(self.tokenizer, self._tool_close)]
+        # The tokenizer cuts a rendering at its control tokens and encodes each stretch between
+        # two of them as a whole; so the frame's plain text next to the result (a quote, a
+        # "<tool_response>\n") goes into the result's stretch, or "." + '"' would be two tokens
+        # here and one ('."') in the rendering.
+        opening, open_tail = _split_at_control(self.tokenizer, after + self._tool_open, last=True)
+        close_head, closing = _split_at_control(self.tokenizer, self._tool_close, last=False)
+        return [*self.tokenizer.encode(opening, add_special_tokens=False),
+                *encode_plain_text(self.tokenizer, open_tail + body + close_head),
+                *encode_in_context(self.tokenizer, closing)]
 
     def conversation(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat a trajectory is, with calls as the template's tool calls and results as tool
@@ -323,6 +330,19 @@ class ChatTemplateFormat:
             if "result" in turn:
                 chat.append(_tool_message(call.tool if call else "tool", turn["result"]))
         return chat
+
+
+def _split_at_control(tokenizer: Any, text: str, last: bool) -> tuple[str, str]:
+    """``text`` cut just after its last control token (``last``) or just before its first one;
+    all of it on the plain side when it holds none."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    controls = {t.content for t in added.values() if getattr(t, "special", False)}
+    controls |= set(getattr(tokenizer, "all_special_tokens", ()))
+    if last:
+        cut = max((text.rfind(c) + len(c) for c in controls if c in text), default=0)
+    else:
+        cut = min((text.find(c) for c in controls if c in text), default=len(text))
+    return text[:cut], text[cut:]
 
 
 def _probe_chat() -> list[dict[str, Any]]:
