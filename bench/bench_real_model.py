@@ -39,7 +39,8 @@ class Parts:
         self.write, self.shape = write, shape
         self.info = harness.machine()  # the commit the measurement started from
 
-    def run(self, name: str, fn, **extra):
+    def run(self, name: str, fn, derived=None, **extra):
+        """Run ``fn``, record its row (``derived(out, row)`` adds fields computed from its output)."""
         wall, cpu = time.perf_counter(), time.process_time()
         out = fn()
         gc.collect()
@@ -47,6 +48,7 @@ class Parts:
         row = {"part": name, "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(time.process_time() - cpu, 2),
                "rss_gib": round(current, 3), "peak_rss_gib": round(peak, 3), "load": [round(x, 1) for x in os.getloadavg()],
                **extra}
+        row.update(derived(out, row) if derived is not None else {})
         self.rows.append(row)
         print(row, flush=True)
         return out
@@ -119,11 +121,13 @@ def main() -> None:
         chosen = examples[step * args.prompts:(step + 1) * args.prompts]
         prompts = [tool_format.encode_prompt(e.messages()) for e in chosen]
         parts.flush()
-        result = parts.run(f"step {step}: rollout", lambda: rollout.rollout(prompts, step))
+        def throughput(result, row):
+            tokens = result.stats.tokens_generated
+            return {"tokens": tokens, "tokens_per_s": round(tokens / row["wall_s"], 2),
+                    "tokens_per_cpu_s": round(tokens / max(row["cpu_s"], 1e-9), 2)}
+
+        result = parts.run(f"step {step}: rollout", lambda: rollout.rollout(prompts, step), derived=throughput)
         trajectories = result.trajectories
-        tokens = result.stats.tokens_generated
-        parts.rows[-1].update(tokens=tokens, tokens_per_s=round(tokens / parts.rows[-1]["wall_s"], 1),
-                              tokens_per_cpu_s=round(tokens / max(parts.rows[-1]["cpu_s"], 1e-9), 1))
         rewards = [reward_fn(reward_text(t, tool_format), chosen[t.prompt_index].ground_truth).score for t in trajectories]
         advantages = group_advantages(torch.tensor(rewards), torch.tensor([t.prompt_index for t in trajectories]))
         batch = TokenBatch.from_trajectories(trajectories, advantages, tokenizer.pad_token_id or 0)
