@@ -105,8 +105,11 @@ def test_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
 
     smollm2_dir()
     run_dir = tmp_path / "run"
+    # AdamW's decoupled weight decay moves every matrix even when the step's advantages are all
+    # zero (a 2-step cold start often scores every trajectory alike): the export must show it.
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
-                           *SMOKE], capture_output=True, text=True, timeout=3000, env=child_env())
+                           *SMOKE, "--optim.lr=1e-3", "--optim.weight_decay=0.1"],
+                          capture_output=True, text=True, timeout=3000, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     (export,) = run_dir.glob("checkpoints/step_*/hf_model")
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
