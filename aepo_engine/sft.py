@@ -26,7 +26,6 @@ from aepo_engine.errors import require
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools.base import ToolCall
 from aepo_engine.tools.parsing import find_tool_call
-from aepo_engine.tools.plain_text import encode_plain_text
 from aepo_engine.training.optim import OptimConfig, scheduled_lr
 
 # A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
@@ -113,8 +112,7 @@ def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], response: s
     input_ids = list(encode_prompt(messages)) if encode_prompt is not None else encode_chat_prompt(tokenizer, messages)
     loss_mask = [0] * len(input_ids)
     for text, written_by_model in split_response(response):
-        # tool text as the rollout encodes it (control-token strings stay plain text)
-        ids = tokenizer.encode(text, add_special_tokens=False) if written_by_model else encode_plain_text(tokenizer, text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         input_ids += ids
         loss_mask += [int(written_by_model)] * len(ids)
     input_ids.append(tokenizer.eos_token_id)

@@ -50,7 +50,7 @@ from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
-from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_text
+from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_view
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
@@ -241,7 +241,8 @@ class Trainer:
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-            result = self.reward_fn(reward_text(traj, self.tool_format), examples[traj.prompt_index].ground_truth)
+            text, tool_spans = reward_view(traj, self.tool_format)
+            result = self.reward_fn(text, examples[traj.prompt_index].ground_truth, tool_spans)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
         gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))

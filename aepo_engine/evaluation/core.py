@@ -22,9 +22,9 @@ from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.scoring import pass_at_k, score_response
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
-from aepo_engine.rollout.trajectory import Trajectory
+from aepo_engine.rollout.trajectory import Trajectory, decode_response
 from aepo_engine.seeding import section_seed
-from aepo_engine.tools.formats import reward_text
+from aepo_engine.tools.formats import reward_view
 
 __all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "progress_printer", "sample_records",
            "trajectory_record"]
@@ -40,11 +40,14 @@ def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> Rollo
 
 def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format: Any = None) -> dict[str, Any]:
     """The generation side of a sample record: prompt, response (as the reward reads it:
-    ``aepo_engine.tools.formats.reward_text``), tool calls, token counts."""
+    ``aepo_engine.tools.formats.reward_view``), where the engine put the tool results in it
+    (``tool_spans``, what the scores read), tool calls, token counts."""
+    response, tool_spans = reward_view(traj, tool_format) if tool_format is not None else decode_response(traj, tokenizer)
     return {
         "sample": sample,
         "prompt": tokenizer.decode(traj.prompt_ids),
-        "response": tokenizer.decode(traj.response_ids) if tool_format is None else reward_text(traj, tool_format),
+        "response": response,
+        "tool_spans": [list(span) for span in tool_spans],
         "tool_calls": [{"tool": r.tool, "payload": r.payload, "result": r.result, "ok": r.ok,
                         "latency_s": round(r.elapsed_s, 6)} for r in traj.tool_log],
         "response_tokens": sum(traj.loss_mask),
@@ -56,7 +59,7 @@ def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format
 
 def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
                    cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
-                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0,
+                   reward_fn: Callable[..., Any] | None = None, step: int = 0,
                    tool_format: Any = None, progress: str | None = None) -> list[dict[str, Any]]:
     """Sample ``cfg.n_samples`` trajectories per prompt and score each.
 
@@ -64,7 +67,8 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
         prompts: tokenized chat prompts, one per example.
         examples: the ``aepo_engine.data.Example`` of each prompt (question, ground truth, labels).
         check: answer check of :func:`~aepo_engine.evaluation.scoring.score_response` ("qa", "math", "mixed").
-        reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
+        reward_fn: ``(response, ground_truth, tool_spans=...) -> RewardResult``
+            (``rewards.build_reward_fn``); when given, ``correct`` is the reward's (the training task's own notion of a
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).
         tool_format: how calls and results are written (``aepo_engine.tools.formats``); none = tags.
@@ -88,10 +92,11 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
                   "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id, tool_format)}
+        spans = [tuple(span) for span in record["tool_spans"]]
         record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
-                                     gold=example.meta.get("gold")))
+                                     gold=example.meta.get("gold"), tool_spans=spans))
         if reward_fn is not None:
-            result = reward_fn(record["response"], example.ground_truth)
+            result = reward_fn(record["response"], example.ground_truth, tool_spans=spans)
             record["reward"], record["correct"] = float(result.score), bool(result.correct)
         records.append(record)
     return records
@@ -146,7 +151,8 @@ def evaluate(
 
     Args:
         prompts: tokenized chat prompts; ground_truths: references per prompt.
-        reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
+        reward_fn: ``(response_text, ground_truth, tool_spans=...) -> RewardResult`` (``score``,
+            ``correct``; ``rewards.build_reward_fn``).
         rollout_config: the training rollout's config; branching settings are overridden.
         categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
         tool_format: the rollout's tool format (none = tags).

@@ -432,6 +432,7 @@ class EntropyBalancedRollout:
         for call, traj, result, ended_turn in zip(calls, callers, results, ended_turns):
             traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
             remaining = self.config.max_response_tokens - len(traj.response_ids)
+            # plain text: tags and control tokens the tool printed cannot act as the engine's
             ids = self.tool_format.result_ids(result.text, ended_turn)
             traj.append_tool_result(list(ids)[:remaining])
             traj.tool_calls += 1

@@ -20,7 +20,7 @@ same assistant turn.
 
 Tokens in, tokens out: the ids the policy trains on are the ids sampled plus the ids inserted
 here; nothing sampled is decoded and re-encoded. The frames around a result are encoded with the
-template's control tokens; the result itself through :func:`~aepo_engine.tools.plain_text.encode_plain_text`,
+template's control tokens; the result itself through :func:`~aepo_engine.tools.framing.encode_plain_text` (the one encoder of tool text),
 so tool text can neither end the tool turn nor open a forged one.
 
 :func:`retokenization_drift` renders a finished trajectory's conversation with the chat template,
@@ -38,11 +38,11 @@ import re
 from typing import Any, Literal, Protocol, Sequence
 
 from aepo_engine.tools.base import MalformedToolCall, ToolCall
-from aepo_engine.tools.parsing import find_tool_call, format_tool_result
-from aepo_engine.tools.plain_text import encode_plain_text
+from aepo_engine.tools.framing import encode_plain_text, encode_tool_result, format_tool_result
+from aepo_engine.tools.parsing import find_tool_call
 
 __all__ = ["ChatTemplateFormat", "TOOL_ARGUMENTS", "TagFormat", "ToolFormat", "build_tool_format", "encode_in_context",
-           "drift_metrics", "retokenization_drift", "reward_text", "tool_schemas", "trajectory_turns"]
+           "drift_metrics", "retokenization_drift", "reward_view", "tool_schemas", "trajectory_turns"]
 
 ToolFormatName = Literal["tags", "chat_template"]
 
@@ -124,8 +124,7 @@ class TagFormat:
         return find_tool_call(text, self.tool_names)
 
     def result_ids(self, text: str, ended_turn: bool = False) -> list[int]:
-        # The result block holds no control token of its own: all of it is plain text.
-        return encode_plain_text(self.tokenizer, format_tool_result(text))
+        return encode_tool_result(self.tokenizer, text, self.tool_names)
 
     def render_call(self, call: ToolCall) -> str:
         return f"<{call.tool}>{call.payload}</{call.tool}>"
@@ -308,7 +307,7 @@ class ChatTemplateFormat:
         opening, open_tail = _split_at_control(self.tokenizer, after + self._tool_open, last=True)
         close_head, closing = _split_at_control(self.tokenizer, self._tool_close, last=False)
         return [*self.tokenizer.encode(opening, add_special_tokens=False),
-                *encode_plain_text(self.tokenizer, open_tail + body + close_head),
+                *encode_plain_text(self.tokenizer, body, before=open_tail, after=close_head),
                 *encode_in_context(self.tokenizer, closing)]
 
     def conversation(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -428,30 +427,39 @@ def retokenization_drift(trajectory: Any, messages: list[dict[str, str]], tool_f
 # What the reward reads
 
 
-def reward_text(trajectory: Any, tool_format: Any) -> str:
-    """The response as the reward reads it: in the tag format whatever the trajectory's format.
+def reward_view(trajectory: Any, tool_format: Any) -> tuple[str, list[tuple[int, int]]]:
+    """The response as the reward reads it, in the tag format whatever the trajectory's format,
+    with the character spans of the tool results in it (``rollout.trajectory.decode_response``'s
+    contract: rewards read results where the engine put them).
 
-    Tags: the decoded response. Chat template: each call rewritten as ``<tool> payload</tool>``
-    with its result as the tag format's result block, so the task's reward (format checks, tool
-    bonus, answer) applies unchanged; the engine knows where each call and result is (the
-    trajectory's segments), so nothing in a result can pass for a call or an answer. A trajectory
-    that ended on a malformed call ends with an unclosed call tag, which the reward penalizes as
-    it does a broken tag call.
+    Tags: :func:`~aepo_engine.rollout.trajectory.decode_response`. Chat template: each call
+    rewritten as ``<tool> payload</tool>`` followed by its result as the tag format's result
+    block, so the task's reward (format checks, tool bonus, answer) applies unchanged. A
+    trajectory that ended on a malformed call ends with an unclosed call tag, which the reward
+    penalizes as it does a broken tag call.
     """
+    from aepo_engine.rollout.trajectory import decode_response
+
     if isinstance(tool_format, TagFormat):
-        return tool_format.tokenizer.decode(trajectory.response_ids)
-    parts = []
+        return decode_response(trajectory, tool_format.tokenizer)
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
     for turn in trajectory_turns(trajectory, tool_format):
         text, call = turn["text"], turn.get("call")
         if call is None:
             parts.append(text)
+            pos += len(text)
             continue
         start = tool_format.call_start(text)
-        parts.append(text[:max(start, 0)] + f"<{call.tool}> {call.payload}</{call.tool}>"
-                     + format_tool_result(turn["result"]))
+        head = text[:max(start, 0)] + f"<{call.tool}> {call.payload}</{call.tool}>"
+        block = format_tool_result(turn["result"], tool_format.tool_names)
+        parts += [head, block]
+        spans.append((pos + len(head), pos + len(head) + len(block)))
+        pos += len(head) + len(block)
     if trajectory.finish_reason == "malformed":
         parts.append(f" <{tool_format.tool_names[0] if tool_format.tool_names else 'search'}>")
-    return "".join(parts)
+    return "".join(parts), spans
 
 
 def drift_metrics(trajectories: Sequence[Any], prompt_messages: Sequence[list[dict[str, str]]],
