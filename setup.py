@@ -34,6 +34,7 @@ setup(
         "pyarrow",
         "bm25s>=0.3",
         "matplotlib",
+        "xxhash>=3",  # checkpoint checksums (aepo_engine/files.py): a small C extension, ~5x zlib.crc32
         # The python tool's sandbox: a bwrap binary on Linux (a system bwrap on PATH is preferred
         # when present; tools.python.bwrap_path overrides both). libseccomp, loaded through
         # ctypes, comes with practically every Linux (the sandbox says so when it is missing).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from aepo_kernels.compile import give_toolchain_notice
 
 from aepo_engine import distributed
 from aepo_engine.algorithms.advantages import group_advantages
-from aepo_engine.checkpoint import CheckpointManager
+from aepo_engine.checkpoint import (CheckpointManager, CheckpointSaveError, checkpoint_footprint, model_dtype,
+                                    space_problem)
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
@@ -41,6 +43,7 @@ from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_
 from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
 from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
+from aepo_engine.files import write_text_atomic
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
@@ -67,6 +70,12 @@ def seed_everything(seed: int) -> None:
 def _log(message: str) -> None:
     if distributed.is_main():
         print(message, flush=True)
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line on stderr (rank 0)."""
+    if distributed.is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -143,6 +152,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config_text)
+        self._check_checkpoint_space()
         start, extra = self._resume()
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
         bar = ProgressBar(self.total_steps, start)
@@ -279,7 +289,7 @@ class Trainer:
             judge_records(records, self.judge)
         folder = self.run_dir / self.cfg.logging.dir / "eval_samples" / label.replace(" ", "_")
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{eval_set.name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_text_atomic(folder / f"{eval_set.name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
         return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
 
@@ -304,15 +314,41 @@ class Trainer:
         return (every > 0 and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_at_end)
 
     def save(self, step: int, eval_before: dict[str, float]) -> None:
+        """Checkpoint after ``step``; the HF export (in the model's own dtype) only with the final
+        checkpoint unless checkpoint.hf_export_every asks. A save the disk refuses ends the run
+        (checkpoint.on_save_error = "stop") or is reported and retried at the next checkpoint ("warn")."""
         extra = {"step": step, "sampler": self.sampler.state_dict(), "eval_before": eval_before}
-        self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
-                              self.policy.scheduler, extra, self.config_text, export_hf=self.cfg.checkpoint.export_hf)
+        ckpt = self.cfg.checkpoint
+        try:
+            self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
+                                  self.policy.scheduler, extra, self.config_text,
+                                  export_hf=ckpt.exports_hf(step + 1, final=step + 1 == self.total_steps),
+                                  hf_dtype=model_dtype(self.model_dir))
+        except CheckpointSaveError as err:
+            if ckpt.on_save_error == "stop":
+                raise
+            _warn(f"{err}; training goes on (checkpoint.on_save_error = 'warn')")
+
+    def _check_checkpoint_space(self) -> None:
+        """Warn before the first step when keep_last checkpoints (and the HF export) would not fit."""
+        if self.rank != 0:
+            return
+        ckpt = self.cfg.checkpoint
+        dtype = model_dtype(self.model_dir) or torch.float32
+        params = sum(p.numel() for p in self.policy.model.parameters())
+        footprint = checkpoint_footprint(params, dtype.itemsize, ckpt)
+        _log(f"[checkpoint] {footprint.describe(ckpt, str(dtype).removeprefix('torch.'))}")
+        problem = space_problem(self.checkpoints.root, footprint)
+        if problem:
+            _warn(problem)
 
     def _resume(self) -> tuple[int, dict[str, Any]]:
         loaded = self.checkpoints.resume(self.cfg.checkpoint.resume, self.policy.model,
                                          self.policy.optimizer, self.policy.scheduler)
         if loaded is None:
             return 0, {}
+        for path, problem in loaded.skipped:
+            _warn(f"checkpoint {path} is damaged ({problem}): skipped; resuming from {loaded.path} instead")
         self.sampler.load_state_dict(loaded.extra_state["sampler"])
         self._sync_weights()
         _log(f"[resume] from {loaded.path} (after step {loaded.step})")
@@ -324,7 +360,7 @@ class Trainer:
                    "scoring": {"reward": self.cfg.reward.rules, "eval": self.cfg.eval.scoring,
                                "judge_prompt": self.cfg.eval.judge.prompt if self.judge is not None else None}}
         if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             if self.cfg.logging.plots_at_end and self.logger.enabled and self.logger.metrics_path.exists():
                 try:
                     plot_metrics(self.logger.metrics_path, self.run_dir / "plots")
