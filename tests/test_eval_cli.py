@@ -16,6 +16,7 @@ import pytest
 
 from conftest import vllm_missing
 from runs import child_env, train
+from aepo_engine.config_loader import ConfigError
 from aepo_engine.eval.cli import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,6 +164,29 @@ def test_errors_say_what_to_do(tiny, shared_data, tmp_path, capsys, monkeypatch)
     assert exc.value.code == 2 and "python -m aepo_engine.train" in capsys.readouterr().err
 
 
+def test_a_checkpoints_export_is_verified_before_use(tmp_path):
+    """--model on a checkpoint: its hf_model/ files are checked against meta.json (a damaged
+    export is refused, naming the file); a checkpoint saved without an export says so."""
+    from transformers import AutoModelForCausalLM
+
+    from aepo_engine.checkpoint import CheckpointManager
+    from aepo_engine.models import build_tiny_qwen3
+
+    build_tiny_qwen3(tmp_path / "model", seed=0, hidden_size=32, intermediate_size=64, num_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    manager = CheckpointManager(tmp_path / "ckpt")
+    path = manager.save(1, model)
+    assert resolve_model(str(path)).model_dir == path / "hf_model"
+    weights = path / "hf_model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x04
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="the HF export of .*step_000001 is damaged: hf_model/model.safetensors"):
+        resolve_model(str(path))
+    with pytest.raises(ConfigError, match="has no hf_model/ export"):
+        resolve_model(str(manager.save(2, model, export_hf=False)))
+
+
 def test_dry_run(tiny, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(tiny, shared_data, tmp_path / "o", "--data", "hle", "gsm8k", "--dry-run"))
@@ -231,8 +255,10 @@ def test_eval_files_during_training(run_dir):
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
-    source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))
-    assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000001" / "hf_model"
+    source = resolve_model(str(run_dir / "checkpoints" / "step_000003"))  # the final checkpoint: exported
+    assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000003" / "hf_model"
+    with pytest.raises(ConfigError, match="has no hf_model/ export: a run exports its final checkpoint"):
+        resolve_model(str(run_dir / "checkpoints" / "step_000001"))
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "aepo-default").symlink_to(run_dir)
     monkeypatch.chdir(tmp_path)
