@@ -3,8 +3,9 @@
 - :func:`write_text_atomic` writes a file whole or not at all (a fsynced temporary file renamed
   over the target), so a full disk or a kill never leaves a truncated file that a later reader
   takes for a complete one (a shorter JSONL or CSV parses).
-- :func:`file_checksum` is the checksum checkpoints record for each file (xxHash's XXH3-64:
-  ~10 GB/s on one core of this machine, against ~2 GB/s for ``zlib.crc32``; ``bench/bench_checksum.py``).
+- :func:`file_checksum` is the checksum checkpoints record for each file: xxHash's XXH3-64, about
+  4x ``zlib.crc32`` and 7x sha256 on one core of the 2-core CI VM (``bench/bench_checksum.py``,
+  rows in ``bench/results/checksum.jsonl``), so verifying is bound by the disk, not the CPU.
 - :func:`out_of_space` tells a write that failed for lack of space from other failures.
   torch's zip writer reports a full disk without an errno (``RuntimeError: [enforce fail at
   inline_container.cc] unexpected pos``), so besides ENOSPC/EDQUOT it also counts a failed write

@@ -255,10 +255,8 @@ def test_eval_files_during_training(run_dir):
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
-    source = resolve_model(str(run_dir / "checkpoints" / "step_000003"))  # the final checkpoint: exported
-    assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000003" / "hf_model"
-    with pytest.raises(ConfigError, match="has no hf_model/ export: a run exports its final checkpoint"):
-        resolve_model(str(run_dir / "checkpoints" / "step_000001"))
+    source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))  # the final (and only) checkpoint
+    assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000001" / "hf_model"
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "aepo-default").symlink_to(run_dir)
     monkeypatch.chdir(tmp_path)
