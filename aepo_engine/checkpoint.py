@@ -382,10 +382,11 @@ class CheckpointFootprint:
     peak: int
 
     def describe(self, cfg: CheckpointConfig, export_dtype: str) -> str:
+        """One line: each checkpoint's training state, the HF export and the peak with keep_last."""
         exports = ("none (checkpoint.export_hf = false)" if not self.hf_export else
                    f"{format_bytes(self.hf_export)} ({export_dtype}) " +
                    (f"every {cfg.hf_export_every} steps and at the end" if cfg.hf_export_every else "at the end"))
-        return (f"checkpoint disk: {format_bytes(self.train_state)} of training state per checkpoint (fp32 weights "
+        return (f"{format_bytes(self.train_state)} of training state per checkpoint (fp32 weights "
                 f"+ AdamW moments); HF export {exports}; up to {format_bytes(self.peak)} with keep_last "
                 f"{cfg.keep_last} (+ the one being written)")
 

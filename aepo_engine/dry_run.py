@@ -363,7 +363,7 @@ def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
         return  # _check_model_dir reports a model directory without a readable config.json
     dtype = (model_dtype(path) if path is not None else None) or torch.float32
     footprint = checkpoint_footprint(shape.params(), dtype.itemsize, cfg.checkpoint)
-    report.notes.append(footprint.describe(cfg.checkpoint, str(dtype).removeprefix("torch.")))
+    report.notes.append("checkpoint disk: " + footprint.describe(cfg.checkpoint, str(dtype).removeprefix("torch.")))
     problem = space_problem(Path(cfg.run_dir) / cfg.checkpoint.dir, footprint)
     if problem:
         report.problems.append(problem)

@@ -289,7 +289,8 @@ class Trainer:
             judge_records(records, self.judge)
         folder = self.run_dir / self.cfg.logging.dir / "eval_samples" / label.replace(" ", "_")
         folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(folder / f"{eval_set.name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_text_atomic(folder / f"{eval_set.name}.jsonl",
+                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
         return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
 
@@ -337,7 +338,7 @@ class Trainer:
         dtype = model_dtype(self.model_dir) or torch.float32
         params = sum(p.numel() for p in self.policy.model.parameters())
         footprint = checkpoint_footprint(params, dtype.itemsize, ckpt)
-        _log(f"[checkpoint] {footprint.describe(ckpt, str(dtype).removeprefix('torch.'))}")
+        _log(f"[checkpoint] disk: {footprint.describe(ckpt, str(dtype).removeprefix('torch.'))}")
         problem = space_problem(self.checkpoints.root, footprint)
         if problem:
             _warn(problem)
