@@ -69,7 +69,7 @@ from aepo_engine.files import (CHECKSUM, TMP_TAG, file_checksum, format_bytes, f
 
 __all__ = [
     "CheckpointConfig", "CheckpointDamaged", "CheckpointFootprint", "CheckpointManager", "CheckpointSaveError",
-    "LoadedCheckpoint", "capture_rng_state", "checkpoint_footprint", "find_latest", "list_checkpoints",
+    "HF_EXPORT", "LoadedCheckpoint", "capture_rng_state", "checkpoint_footprint", "find_latest", "list_checkpoints",
     "model_dtype", "restore_rng_state", "resume_candidates", "space_problem", "verify_checkpoint",
 ]
 
@@ -143,6 +143,7 @@ class _Rank0Failed(RuntimeError):
 
 LATEST = "latest"
 META = "meta.json"
+HF_EXPORT = "hf_model"  # the model for from_pretrained, inside a checkpoint
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # the data file a rank wrote (DCP's FileSystemWriter)
 FORMAT_VERSION = 2  # 2: meta.json lists every file with its size and checksum
@@ -262,7 +263,7 @@ def _write_rank0_files(tmp: Path, model: torch.nn.Module, tokenizer: Any, full_s
                        hf_dtype: torch.dtype | None, config_text: str | None) -> None:
     """Rank 0's part of a checkpoint: the HF export (when ``full_state`` is given) and config.toml."""
     if full_state is not None:
-        _export_hf(tmp / "hf_model", model, tokenizer, full_state, hf_dtype)
+        _export_hf(tmp / HF_EXPORT, model, tokenizer, full_state, hf_dtype)
     if config_text is not None:
         (tmp / "config.toml").write_text(config_text, encoding="utf-8")
 

@@ -32,13 +32,14 @@ from typing import Any, Sequence
 
 import msgspec
 
+from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
 from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
 from aepo_engine.errors import entry_point
-from aepo_engine.files import write_text_atomic
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.core import judge_records, sample_records
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
+from aepo_engine.files import write_text_atomic
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -48,7 +49,6 @@ __all__ = ["ALIASES", "EvalCommandConfig", "expand_aliases", "load_eval_command"
 
 PROG = "python -m aepo_engine.eval"
 SAMPLES_FILE = "samples.jsonl"
-HF_EXPORT = "hf_model"  # a checkpoint's export for from_pretrained (aepo_engine.checkpoint)
 
 
 class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -161,8 +161,6 @@ def resolve_model(spec: str) -> ModelSource:
 def _check_export(checkpoint: Path) -> None:
     """Refuse a checkpoint's HF export whose files do not match the sizes and checksums its
     meta.json recorded (a damaged disk, a copy cut short)."""
-    from aepo_engine.checkpoint import verify_checkpoint
-
     problems = verify_checkpoint(checkpoint, prefix=f"{HF_EXPORT}/")
     if problems:
         raise ConfigError(f"the HF export of {checkpoint} is damaged: {problems[0]}")
@@ -171,8 +169,6 @@ def _check_export(checkpoint: Path) -> None:
 def _newest_export(root: Path, run: Path) -> Path:
     """The newest checkpoint under ``root`` with an intact HF export; a damaged one is skipped
     with a warning."""
-    from aepo_engine.checkpoint import resume_candidates, verify_checkpoint
-
     for checkpoint in resume_candidates(root):
         if not (checkpoint / HF_EXPORT / "config.json").is_file():
             continue
