@@ -97,7 +97,8 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
     for r in records:  # the records hold the authors' scores of each response
         check = "mixed" if r["dataset"] == "hle" else "math"
-        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"])
+        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"],
+                                  tool_spans=[tuple(span) for span in r["tool_spans"]])
         assert {k: r[k] for k in expected} == expected
     capsys.readouterr()
     # resuming the folder under the other scoring would mix two rule sets in one summary
