@@ -2,7 +2,8 @@
 
 One worker per process. Without torchrun it runs single-process; under torchrun it initialises
 torch.distributed (gloo on CPU, nccl on CUDA), shards every decoder layer and then the root with
-FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy``. A sharded model is built on the meta device
+FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy`` (the root does not cast its forward's
+inputs: the loss inputs it receives stay fp32). A sharded model is built on the meta device
 and each rank reads only its shards from the checkpoint (:mod:`aepo_engine.training.loading`):
 no rank ever holds the whole fp32 model. The lm_head's three matmuls run in ``param_dtype``
 (``_in_compute_dtype``; the kernels accumulate in fp32).
@@ -341,7 +342,12 @@ class PolicyWorker:
                                   reduce_dtype=DTYPES[self.config.reduce_dtype])
         for layer in self.policy.decoder.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+        # The root's forward takes the LossInputs: FSDP2 would cast every floating tensor of them
+        # (a dataclass is walked) to param_dtype -- old log-probs, advantages, the global token
+        # count and the entropy statistics rounded to bf16 (-7.3456 -> -7.34375, 425 -> 424).
+        # They stay fp32; the root's own parameters are still gathered in param_dtype and each
+        # decoder layer still casts its input.
+        fully_shard(self.policy, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
 
     def _autocast(self):
         dtype = DTYPES[self.config.param_dtype]
