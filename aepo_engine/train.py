@@ -19,6 +19,7 @@ which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and p
 """
 from __future__ import annotations
 
+import datetime
 import json
 import random
 import time
@@ -81,7 +82,8 @@ class Trainer:
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
-        self.rank, self.world, _ = distributed.init_distributed()
+        self.rank, self.world, _ = distributed.init_distributed(
+            datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes")
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
         task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,
@@ -165,7 +167,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
-        trajectories, rewards, correct, answers, stats = self._rollout_and_score(examples, step)
+        trajectories, rewards, correct, answers, stats, waited = self._rollout_and_score(examples, step)
         if self.sleeps:  # the update gets the engine's memory back until the weight sync
             self.backend.sleep()
         t_rollout = time.perf_counter() - t0
@@ -193,6 +195,7 @@ class Trainer:
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             **branching_metrics(trajectories, self.cfg.rollout),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+            "time/wait_for_ranks": waited,
         }
         log_cfg = self.cfg.logging
         self.logger.dump_samples(step, sample_rows(trajectories, rewards, correct, answers, self.tokenizer,
@@ -230,7 +233,8 @@ class Trainer:
 
     def _rollout_and_score(self, examples: list[Example], step: int):
         """This engine's share of prompts -> trajectories, rewards, correctness, the answers the
-        reward read (None where it reports none) and the rollout stats, all-gathered in prompt order."""
+        reward read (None where it reports none) and the rollout stats, all-gathered in prompt
+        order; and the seconds this rank waited in that gather for the slowest rank."""
         mine = self.layout.prompts(len(examples))
         local = self._sample(lambda: self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
                              if mine else None)
@@ -239,10 +243,12 @@ class Trainer:
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
             result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
-        gathered = distributed.all_gather_objects((scored, local.stats if local else None))
+        t0 = time.perf_counter()
+        gathered = distributed.all_gather_objects((scored, local.stats if local else None), "the step's rollouts")
+        waited = time.perf_counter() - t0  # this rank's wait for the slowest one
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
         stats = [st for _, st in gathered if st is not None]
-        return (*([s[i] for s in everything] for i in range(4)), stats)
+        return (*([s[i] for s in everything] for i in range(4)), stats, waited)
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
@@ -258,7 +264,7 @@ class Trainer:
                 self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
                 [e.ground_truth for e in questions], self.reward_fn,
                 msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions]))
-            result = merge_eval_results(distributed.all_gather_objects(local))
+            result = merge_eval_results(distributed.all_gather_objects(local, "the held-out evaluation"))
         for eval_set in self.eval_sets:
             result.update(self._evaluate_set(eval_set, label))
         _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
@@ -272,7 +278,7 @@ class Trainer:
         prompts = [encode_chat_prompt(self.tokenizer, eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
         local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
                                                     self.cfg.eval, prompts, mine, eval_set.check))
-        records = [r for part in distributed.all_gather_objects(local) for r in part]
+        records = [r for part in distributed.all_gather_objects(local, f"the evaluation of {eval_set.name}") for r in part]
         if self.rank != 0:
             return {}
         if self.judge is not None:
