@@ -20,6 +20,7 @@ which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and p
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import random
 import time
@@ -110,6 +111,9 @@ class Trainer:
                                       local_rank=distributed.local_rank(), group=group)
                         if self.layout.host or in_process else None)
         self.sleeps = self.backend is not None and cfg.backend.sleeps(torch.cuda.is_available())
+        # The dtype the weight sync gathers in: the engine's (rank 0 always holds one; every rank
+        # must gather alike, including those that hold none).
+        self.sync_dtype = distributed.broadcast_object(getattr(self.backend, "weight_dtype", None))
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
@@ -169,7 +173,7 @@ class Trainer:
         examples = self.sampler.next_batch()
         trajectories, rewards, correct, answers, stats, waited = self._rollout_and_score(examples, step)
         if self.sleeps:  # the update gets the engine's memory back until the weight sync
-            self.backend.sleep()
+            self._sleep_engine()
         t_rollout = time.perf_counter() - t0
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
@@ -203,19 +207,31 @@ class Trainer:
         return metrics
 
     def _sync_weights(self) -> None:
-        """Stream the updated weights into this rank's engine, a bucket at a time (collective:
-        every rank gathers every bucket, a rank without an engine then drops it). A sleeping
-        engine gets its weights' memory back first and its KV cache after the push."""
-        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20))
+        """Stream the updated weights into this rank's engine, a bucket at a time, gathered in the
+        engine's dtype (collective: every rank gathers every bucket, a rank without an engine then
+        drops it). A sleeping engine gets its weights' memory back first and its KV cache after
+        the push: update -> empty cache -> wake weights -> push -> empty cache -> wake KV cache."""
+        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20),
+                                                  dtype=self.sync_dtype)
         if self.backend is None:
             for _ in buckets:
                 pass
             return
         if self.sleeps:
-            self.backend.wake_up(["weights"])
+            self._wake_engine(["weights"])
         self.backend.load_weight_buckets(buckets)
         if self.sleeps:
-            self.backend.wake_up(["kv_cache"])
+            self._wake_engine(["kv_cache"])
+
+    def _sleep_engine(self) -> None:
+        """The engine drops its KV cache (and weights, level 2) and its blocks go back to the driver."""
+        self.backend.sleep()
+        free_cached_memory()
+
+    def _wake_engine(self, tags: list[str]) -> None:
+        """Reallocate ``tags`` of the engine, after returning PyTorch's cached blocks to the driver."""
+        free_cached_memory()
+        self.backend.wake_up(tags)
 
     def _sample(self, fn):
         """``fn()``: sampling with this rank's engine, on this rank's share of the prompts. A
@@ -345,6 +361,16 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def free_cached_memory() -> None:
+    """Return PyTorch's cached, unused GPU blocks to the driver (garbage first: a block is freed
+    only when no tensor holds it). vLLM's sleep mode allocates its weights and KV cache through a
+    pool of its own, outside PyTorch's caching allocator, so it cannot reuse the blocks the update
+    left cached: without this a wake-up sees the update's reserved peak still held (TRL and verl
+    empty the cache around sleep and wake for the same reason). A no-op without CUDA."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _load_tokenizer(model_dir: str):

@@ -65,7 +65,6 @@ from aepo_engine.training.loading import build_meta_model, load_hf_model, load_s
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
 from aepo_kernels import (
-    DEFAULT_CHUNK_BYTES,
     LossConfig,
     aepo_policy_loss,
     apply_token_weights,
@@ -109,7 +108,9 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         use_fused_linear: Compute the loss from hidden states and the lm_head weight in blocks
             (aepo_kernels.fused_linear_aepo_policy_loss) instead of materialising [B, L, V] logits.
         fused_chunk_bytes: Memory budget of the fused-linear kernels' logits block (its row
-            count is derived from it and the vocabulary size).
+            count is derived from it and the vocabulary size); none = 192 MiB on CPU and, on
+            CUDA, an eighth of the free memory within 192 MiB-2 GiB (each block re-reads and
+            re-writes the fp32 [V, D] weight-gradient accumulator: few large blocks on a GPU).
         entropy_stats_scope: "global": entropy mean/std of the entropy-aware advantage are
             all-reduced over all micro-batches and ranks of the mini-batch, so the loss does not
             depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
@@ -145,7 +146,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mini_batch_unit: Literal["prompts", "rows"] = "prompts"
     ppo_epochs: int = 1
     use_fused_linear: bool = True
-    fused_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fused_chunk_bytes: int | None = None
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
     sharded_load: bool = True
@@ -169,7 +170,8 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
         require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        require(self.fused_chunk_bytes >= 1, f"fused_chunk_bytes must be >= 1, got {self.fused_chunk_bytes}")
+        require(self.fused_chunk_bytes is None or self.fused_chunk_bytes >= 1,
+                f"fused_chunk_bytes must be >= 1 (or none), got {self.fused_chunk_bytes}")
         require(self.loss.aggregation == "token-mean",
                 f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
                 "count, which only token-mean supports; sequence-level modes are left out")
@@ -214,7 +216,7 @@ class PolicyModel(nn.Module):
     kernels (which read ``weight`` directly instead of calling the head).
     """
 
-    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int,
+    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int | None,
                  loss_config: LossConfig | None = None, pack: bool = False):
         super().__init__()
         self.hf = hf_model
@@ -566,14 +568,21 @@ class PolicyWorker:
 
     # --- weights --------------------------------------------------------------------------------
 
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Tensor]]:
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
         """Full weights with HF names, one size-bounded bucket at a time (collective: every rank
         must exhaust the iterator, in step, since each sharded parameter is all-gathered).
 
         A bucket holds parameters until their bytes reach ``bucket_bytes`` (one larger parameter
-        goes alone); it is gathered when asked for and dropped by the caller before the next, so
-        the extra memory is one bucket, not the model. Tied parameters are gathered once and
-        listed under each name. Tensors stay on the parameters' device and dtype.
+        closes it: a bucket holds at most ``bucket_bytes`` plus one parameter); it is gathered when
+        asked for and dropped by the caller before the next, so the extra memory is one bucket, not
+        the model. Tied parameters are gathered once and listed under each name. Tensors stay on
+        the parameters' device.
+
+        Args:
+            bucket_bytes: the size that closes a bucket.
+            dtype: the rollout engine's dtype: each rank casts its shard first and the gather runs
+                in it (bf16: half the bytes of gathering fp32 and casting after). None: the
+                parameters' own dtype.
         """
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -585,7 +594,7 @@ class PolicyWorker:
         bucket: dict[str, Tensor] = {}
         size = 0
         for key, value in params.items():
-            full = value.detach()
+            full = value.detach() if dtype is None else value.detach().to(dtype)  # a shard is cast locally
             if hasattr(full, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather it
                 full = full.full_tensor()
             for name in names[key]:
