@@ -127,12 +127,15 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         reduce_dtype: dtype of the FSDP2 gradient reduce-scatter.
         activation_checkpointing: Recompute each decoder layer in backward (HF gradient
             checkpointing, non-reentrant) to save activation memory.
-        attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager", or
-            "flash_attention_2" (only where flash-attn imports on CUDA).
+        attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager",
+            "varlen" (packed rows through torch's own FlashAttention varlen kernel on CUDA in
+            bf16, the same attention row by row with SDPA elsewhere: ``training.attention``; no
+            flash-attn package needed), or "flash_attention_2" (only where flash-attn imports on CUDA).
         pack_sequences: Concatenate a micro-batch's rows without padding into one sequence with
-            per-row position ids (HF's padding-free format): flash_attention_2 then runs its varlen
-            kernel, sdpa/eager a block-diagonal causal mask. "auto" packs with flash_attention_2
-            only (the sdpa/eager mask is [T, T] for T tokens per micro-batch); "on" / "off" force it.
+            per-row position ids (HF's padding-free format): varlen and flash_attention_2 then run
+            their varlen kernels, sdpa/eager a block-diagonal causal mask. "auto" packs with
+            varlen and flash_attention_2 only (the sdpa/eager mask is [T, T] for T tokens per
+            micro-batch); "on" / "off" force it ("varlen" needs it).
         counterfactual_stats: Every update also reports ``cf/*``: per-token gradients under PPO's
             and AEPO's clip and with the entropy-aware advantage on and off, from the log-probs and
             entropies the loss already computed (``training.counterfactual``; no model pass). Needs
@@ -153,7 +156,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "varlen", "flash_attention_2"] = "sdpa"
     pack_sequences: Literal["auto", "on", "off"] = "auto"
     counterfactual_stats: bool = True
 
@@ -161,7 +164,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def packs(self) -> bool:
         """Whether micro-batches are packed (``pack_sequences`` resolved)."""
         if self.pack_sequences == "auto":
-            return self.attn_implementation == "flash_attention_2"
+            return self.attn_implementation in ("varlen", "flash_attention_2")
         return self.pack_sequences == "on"
 
     def __post_init__(self) -> None:
@@ -170,6 +173,9 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
         require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        require(not (self.attn_implementation == "varlen" and self.pack_sequences == "off"),
+                "attn_implementation='varlen' with pack_sequences='off': the varlen kernel reads the rows of a "
+                "packed micro-batch from its position ids and takes no padding mask; use 'auto' or 'on'")
         require(self.fused_chunk_bytes is None or self.fused_chunk_bytes >= 1,
                 f"fused_chunk_bytes must be >= 1 (or none), got {self.fused_chunk_bytes}")
         require(self.loss.aggregation == "token-mean",
