@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aepo_kernels.fused_linear import CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES
+from aepo_kernels.fused_linear import CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunks_for_budget
 
 GIB = 1 << 30
 # nvidia-smi's memory.total of each card, MiB.
@@ -303,6 +303,16 @@ def engine_dtype_bytes(cfg: Any, checkpoint_bytes: int = 2) -> int:
     return checkpoint_bytes if cfg.backend.dtype == "auto" else DTYPE_BYTES[cfg.backend.dtype]
 
 
+def logprob_block_bytes(vocab: int, tokens: int, budget: int, c: int) -> int:
+    """What the fused log-prob pass (``fused_linear_logprob_entropy``) holds for its logits: the
+    ``[rows, vocab_chunk]`` block in the compute dtype and one temporary of its size, with the rows
+    ``fused_linear.chunks_for_budget`` cuts from ``budget`` (at most ``tokens``). Measured on CPU
+    (``tests/test_memory_plan.py``); the former "half the budget" held 1 GiB for 2 GiB CUDA blocks
+    where the pass makes ~0.5 GiB."""
+    rows, vocab_chunk = chunks_for_budget(vocab, budget)
+    return 2 * min(rows, tokens) * vocab_chunk * c
+
+
 def micro_batch_tokens(cfg: Any) -> int:
     """Tokens of the largest micro-batch: ``policy.micro_batch_max_tokens``, else
     ``micro_batch_size`` rows of the longest possible row (prompt + response)."""
@@ -375,8 +385,8 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     else:
         add("head", "materialised logits and their gradient (use_fused_linear=false)", 2 * tokens * v * c)
         add("head_saved", "the head's gradient kept for backward (dlogits)", tokens * v * c)
-    add("logprob_pass", "log-prob pass (no grad: hidden states, half the fused pass's chunk budget)",
-        2 * tokens * d * c + budget / 2)
+    add("logprob_pass", "log-prob pass (no grad: hidden states, a logits block and one temporary of its size)",
+        2 * tokens * d * c + logprob_block_bytes(v, tokens, budget, c))
     engine = cuda and backend.kind == "vllm"
     sleeps = engine and backend.sleeps(cuda)
     tp, e = backend.tensor_parallel_size, engine_dtype_bytes(cfg, checkpoint_bytes)

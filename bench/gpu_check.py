@@ -912,6 +912,9 @@ def check_memory_plan(ctx: EngineContext) -> dict:
                                           "these terms (malloc's in-use bytes)")
     tokens, cuda = TOKENS[DEVICE], torch.cuda
     allocated = cuda.memory_allocated
+    import gc
+
+    gc.collect()  # the previous check's worker
     cuda.empty_cache()
     base = allocated()
     worker = ctx.worker(ctx.model_05b, ppo_mini_batch_size=8, micro_batch_max_tokens=tokens, **BF16_POLICY)
