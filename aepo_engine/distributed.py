@@ -76,7 +76,7 @@ def _waiting(what: str, call: Callable[[], Any]) -> Any:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
         minutes = f"{_TIMEOUT.total_seconds() / 60:g} minutes" if _TIMEOUT else "torch's default timeout"
-        setting = f"; raise {_TIMEOUT_SETTING} (now {_TIMEOUT.total_seconds() / 60:g})" if _TIMEOUT_SETTING else ""
+        setting = f"; raise {_TIMEOUT_SETTING} (now {_TIMEOUT.total_seconds() / 60:g})" if _TIMEOUT_SETTING and _TIMEOUT else ""
         raise CollectiveTimeout(f"rank {dist.get_rank()} waited more than {minutes} for the other ranks at "
                                 f"{what} (a slower rank's rollouts or checkpoint, or a rank that died){setting} "
                                 f"[{type(exc).__name__}: {str(exc).splitlines()[0][:200]}]") from exc

@@ -430,7 +430,7 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         plan.carried.append(f"PyTorch's cache: {held / GIB:.2f} GiB (not emptied)")
     elif sleeps:
         plan.carried.append("PyTorch's cache: emptied after the engine sleeps and before each wake-up")
-    if engine and cuda:
+    if engine and cuda and gpu:  # the cache is the GPU's share less the rest: no GPU, no cache to plan
         plan.kv = engine_kv_cache(cfg, shape, w, gpu, gpu_name, checkpoint_bytes)
     if sharded and policy.sharded_load:
         plan.load_read_bytes = math.ceil(shape.largest_tensor() / w) * checkpoint_bytes

@@ -117,6 +117,8 @@ def test_the_plan_counts_kv_tokens_and_names_the_knobs_of_a_preempting_engine(tm
     KV cache (160 KiB/token: 6 trajectories of 8,192 tokens) for the 96 trajectories it samples at
     once; the plan says so and the dry run makes it a problem naming the knobs. The preset's H100
     settings (TP 2, 0.6, max_num_seqs 40) plan without preemption on H100 and H200."""
+    from aepo_engine.config import load_train_config
+
     old = _paper_plan("h100-80gb", 8, "--backend.tensor_parallel_size=1", "--backend.gpu_memory_utilization=0.5",
                       "--backend.max_num_seqs=none")
     kv = old.kv
@@ -134,6 +136,9 @@ def test_the_plan_counts_kv_tokens_and_names_the_knobs_of_a_preempting_engine(tm
         plan = _paper_plan(gpu)
         assert plan.fits and not plan.preempts and plan.kv.tp == 2 and plan.kv.concurrent == 40, gpu
         assert plan.kv.trajectories >= 48
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research", "--backend.tensor_parallel_size=1"])
+    unsized = plan_memory(cfg, ModelShape.from_config(QWEN3_14B), 8)  # --world-size without --gpu
+    assert unsized.kv is None and not unsized.preempts
 
 
 def test_the_wake_up_fits_only_because_the_cache_is_emptied():
