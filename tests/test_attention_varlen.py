@@ -10,7 +10,6 @@ preset, which now uses it, dry-runs without flash-attn installed.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 
