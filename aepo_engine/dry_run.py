@@ -294,7 +294,7 @@ def _check_packages(cfg: TrainConfig, report: DryRunReport) -> None:
                                "backend.kind='hf')")
     if cfg.policy.attn_implementation == "flash_attention_2" and missing("flash_attn"):
         report.problems.append("policy.attn_implementation='flash_attention_2' but flash-attn is not installed "
-                               "(pip install -e '.[gpu]', or 'sdpa')")
+                               "(pip install flash-attn, or 'varlen': torch's own varlen kernel)")
     if cfg.logging.tensorboard == "on" and missing("tensorboard"):
         report.problems.append("logging.tensorboard='on' but tensorboard is not installed")
     if cfg.logging.wandb and missing("wandb"):
@@ -390,7 +390,7 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
     except (ValueError, OSError) as exc:
         report.problems.append(f"memory plan: {cfg.model.path}/config.json: {exc}")
         return
-    plan = plan_memory(cfg, shape, world, capacity)
+    plan = plan_memory(cfg, shape, world, capacity, gpu_name=gpu or "")
     report.plan += [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
                     f"vocabulary {shape.vocab})", *plan.lines()]
     if not plan.fits:
@@ -398,3 +398,9 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
         report.problems.append(
             f"memory plan: {plan.peak / gib:.1f} GiB per GPU at its peak ({plan.peak_phase}), more than the "
             f"{capacity / gib:.1f} GiB of a {gpu}; turn: " + "; ".join(plan.knobs))
+    if plan.preempts:
+        kv = plan.kv
+        report.problems.append(
+            f"memory plan: vLLM's KV cache holds {kv.tokens:,} tokens per engine, {kv.trajectories} trajectories of "
+            f"max_model_len {kv.max_model_len}, but up to {kv.concurrent} run at once: the engine would preempt "
+            "(recompute) sequences whenever they grow long; turn: " + "; ".join(plan.kv_knobs))
