@@ -37,6 +37,11 @@ the forward call (their version counter is bumped, so a node that saved them ear
 Hyper-parameters, the clip rule included, are runtime values (a small tensor here, scalar kernel
 arguments in Triton): changing any of them never recompiles.
 
+A row without a valid target (its label is ``ignore_index`` or outside ``[0, V)``) has log-prob 0,
+``L_t = 0`` and no gradient on every backend, whatever its weight: such a label is never counted
+(the public functions refuse it, or on CUDA take it out of the mask and fail at the next sync:
+:mod:`aepo_kernels.contract`).
+
 Gradients flow to the logits only: old log-probs, advantages, weights and the entropy statistics
 are treated as constants (as everywhere in this package). ``-inf`` logits (a masked vocabulary)
 are supported on every backend (probability 0, gradient 0; :mod:`aepo_kernels.logits_ops`); rows

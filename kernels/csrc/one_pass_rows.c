@@ -14,7 +14,8 @@
  * output's pages are faulted in before the sweeps (prefault_output).
  * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
  * the tests compare all of them with aepo_kernels.reference. -inf logits (a masked vocabulary)
- * get probability 0 and gradient 0; a row of only -inf logits has no softmax (NaN).
+ * get probability 0 and gradient 0; a row of only -inf logits has no softmax (NaN). A row whose
+ * label is ignore_index or outside [0, vocab) has no target: log-prob 0, L_t = 0, no gradient.
  */
 #define _GNU_SOURCE /* madvise */
 #include <math.h>
