@@ -173,12 +173,14 @@ def engine_group(layout: EngineLayout, world: int) -> Any:
         return None
     import torch.distributed as dist
 
+    from aepo_engine.distributed import collective_timeout
     from aepo_engine.rollout.backends.vllm import EngineGroup
 
     mine = None
     for first in range(0, world, size):
         ranks = list(range(first, first + size))
-        process_group = dist.new_group(ranks, backend="gloo")
+        # followers wait here while their leader runs tool calls: the run's collective timeout
+        process_group = dist.new_group(ranks, backend="gloo", timeout=collective_timeout())
         if layout.group[0] == first:
             mine = EngineGroup(ranks, process_group)
     return mine
