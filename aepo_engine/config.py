@@ -77,6 +77,11 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             its samples will be trained within eta (admission control; nothing is dropped).
             0 samples each step's rollouts with the weights of the step before, as "sync" does
             (and gives the same run, bit for bit).
+        collective_timeout_minutes: under torchrun, how long a rank waits for the others at a
+            gather or barrier before the run stops with an error naming this setting. Each rank
+            samples its own agentic rollouts (tool calls, HTTP search) and rank 0 alone writes
+            checkpoint exports and asks the judge, so a rank may wait long for a slower one:
+            hours, not torch's 10-minute NCCL default. Lower it to find a hung rank sooner.
     """
 
     steps: int | None = None
@@ -84,12 +89,15 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     prompts_per_step: int = 64
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1
+    collective_timeout_minutes: float = 180.0
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 0:
             raise ValueError(f"steps must be >= 0 (or none for epochs), got {self.steps}")
         if self.epochs < 1 or self.prompts_per_step < 1:
             raise ValueError("epochs and prompts_per_step must be >= 1")
+        if not self.collective_timeout_minutes > 0:
+            raise ValueError(f"collective_timeout_minutes must be > 0, got {self.collective_timeout_minutes}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (policy versions), got {self.max_staleness}")
 

@@ -13,8 +13,9 @@ Memory per role (:func:`plan_placement`), from the model's ``config.json`` and t
   engine terms at 0 (no engine on these GPUs) and the phases of an update; the weight push gathers
   one bucket at a time (its fp32 gather on the GPU, its bytes through host memory).
 - **engine GPU**: the engine's weights in its dtype (``2 P / tensor_parallel_size`` for bf16), its KV
-  cache (``backend.kv_cache_gib``, else what ``gpu_memory_utilization`` leaves after the weights),
-  one pushed bucket being loaded, and the CUDA overhead; and how many tokens that cache holds
+  cache (``backend.kv_cache_gib``, else :func:`aepo_engine.memory_plan.engine_kv_cache`: what
+  ``gpu_memory_utilization`` leaves after the weights, vLLM's profiling peak and the memory outside
+  torch, the colocated plan's arithmetic), one pushed bucket being loaded; and how many tokens that cache holds
   against the most the run can have in flight: ``(eta + 1) x prompts_per_step x k`` trajectories
   of at most ``max_prompt_tokens + max_response_tokens`` tokens, over the engines (vLLM queues what
   does not fit; the plan says when it would).
@@ -30,9 +31,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from aepo_engine.memory_plan import CUDA_OVERHEAD, GIB, MemoryPlan, ModelShape, Term, plan_memory
+from aepo_engine.memory_plan import (VLLM_NON_TORCH, MemoryPlan, ModelShape, Term, engine_dtype_bytes,
+                                     engine_kv_cache, plan_memory)
 
-__all__ = ["PlacementPlan", "engine_devices", "kv_bytes_per_token", "plan_placement"]
+__all__ = ["PlacementPlan", "engine_devices", "plan_placement"]
 
 _ENGINE_TERMS = ("vllm_awake", "vllm_idle", "vllm_weights")
 
@@ -58,13 +60,6 @@ def engine_devices(trainer_ranks: int, rollout_gpus: int, tensor_parallel_size: 
     first = trainer_ranks
     return [",".join(names[i] if names else str(i) for i in range(start, start + tensor_parallel_size))
             for start in range(first, first + rollout_gpus, tensor_parallel_size)]
-
-
-def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int, dtype_bytes: int = 2) -> int:
-    """KV-cache bytes one token takes on one engine GPU: keys and values of every layer, the
-    engine's share of the KV heads (at least one head per GPU)."""
-    kv_heads = max(1, shape.kv_heads // tensor_parallel_size)
-    return 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
 
 
 @dataclass
@@ -94,7 +89,8 @@ class PlacementPlan:
         return out
 
 
-def plan_placement(cfg: Any, shape: ModelShape, trainer_world: int, gpu: int = 0) -> PlacementPlan:
+def plan_placement(cfg: Any, shape: ModelShape, trainer_world: int, gpu: int = 0,
+                   gpu_name: str = "") -> PlacementPlan:
     """The split placement's memory plans (module docstring).
 
     Args:
@@ -102,10 +98,12 @@ def plan_placement(cfg: Any, shape: ModelShape, trainer_world: int, gpu: int = 0
         shape: the model's shapes.
         trainer_world: trainer ranks (all nodes); the engines are ``rollout_gpus`` per node.
         gpu: bytes of one GPU (0: terms only).
+        gpu_name: the ``--gpu`` name (for the trainer's plan, as plan_memory).
     """
     backend = cfg.backend
     tp = backend.tensor_parallel_size
-    trainer = plan_memory(cfg, shape, trainer_world, gpu, cuda=True)
+    trainer = plan_memory(cfg, shape, trainer_world, gpu, cuda=True, gpu_name=gpu_name)
+    trainer.kv = None  # no engine on a trainer GPU
     for key in _ENGINE_TERMS:
         trainer.terms[key] = Term(f"{key} (none: engines on GPUs of their own)", 0)
     trainer.phases.pop("rollout (engine awake)", None)
@@ -115,29 +113,27 @@ def plan_placement(cfg: Any, shape: ModelShape, trainer_world: int, gpu: int = 0
     trainer.knobs = [k for k in trainer.knobs if "sleep" not in k and "gpu_memory_utilization" not in k]
 
     params = shape.params()
-    weights = 2 * params / tp
-    engine = MemoryPlan(gpu=gpu, world=tp)
-    if backend.kv_cache_gib is not None:
-        kv = backend.kv_cache_gib * GIB
-        note = "backend.kv_cache_gib"
-    else:
-        budget = backend.gpu_memory_utilization * gpu if gpu else weights
-        kv = max(budget - weights - CUDA_OVERHEAD / 2, 0)
-        note = f"gpu_memory_utilization {backend.gpu_memory_utilization} of the GPU, less the weights and activations"
+    dtype_bytes = engine_dtype_bytes(cfg)
+    weights = dtype_bytes * params // tp
+    # vLLM's own arithmetic (the colocated plan's too): its share of the GPU less the weights, its
+    # profiling peak and the memory outside torch; the trajectories per engine of one step
+    kv = engine_kv_cache(cfg, shape, backend.rollout_gpus, gpu, gpu_name)
     bucket = backend.weight_sync_bucket_mb * (1 << 20)
+    engine = MemoryPlan(gpu=gpu, world=tp, kv=kv)
     engine.terms = {
-        "weights": Term(f"engine weights (bf16 / {tp} GPUs)", int(weights)),
-        "kv": Term("KV cache", int(kv), note),
-        "activations": Term("engine activations and CUDA graphs (assumed: half the overhead)", CUDA_OVERHEAD // 2),
-        "bucket": Term("one pushed bucket being loaded (engine dtype)", int(bucket / 2)),
-        "overhead": Term("CUDA context, NCCL, allocator slack (assumed)", CUDA_OVERHEAD),
+        "weights": Term(f"engine weights ({dtype_bytes} bytes / {tp} GPUs)", int(weights)),
+        "kv": Term("KV cache", kv.cache_bytes, "backend.kv_cache_gib" if backend.kv_cache_gib is not None else
+                   f"gpu_memory_utilization {backend.gpu_memory_utilization} of the GPU, less the rest of vLLM's share"),
+        "profile": Term("vLLM's profiling peak (activations, sampler; estimated)", kv.profile_bytes),
+        "non_torch": Term("memory outside torch (NCCL, cuBLAS, CUDA graphs; assumed)", VLLM_NON_TORCH),
+        "bucket": Term("one pushed bucket being loaded (engine dtype)", int(bucket * dtype_bytes / 4)),
     }
-    engine.phases = {"sampling": ["weights", "kv", "activations", "overhead"],
-                     "loading pushed weights (between tokens)": ["weights", "kv", "activations", "bucket", "overhead"]}
-    engine.host = {"received buckets (bytes) until a push is complete": int(2 * params)}
-    engine.sync_bytes = {"received per push (its dtype)": int(2 * params)}
+    engine.phases = {"sampling": ["weights", "kv", "profile", "non_torch"],
+                     "loading pushed weights (between tokens)": ["weights", "kv", "profile", "non_torch", "bucket"]}
+    engine.host = {"received buckets (bytes) until a push is complete": int(dtype_bytes * params)}
+    engine.sync_bytes = {"received per push (its dtype)": int(dtype_bytes * params)}
     engines = backend.rollout_gpus // tp
-    kv_tokens = int(kv // kv_bytes_per_token(shape, tp))
+    kv_tokens = kv.tokens
     eta = cfg.train.max_staleness if cfg.train.asynchronous else 0
     trajectories = (eta + 1) * cfg.train.prompts_per_step * cfg.rollout.k
     context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens

@@ -55,7 +55,7 @@ class Hardware:
 @dataclass(frozen=True)
 class Job:
     params: float = 14.77e9
-    kv_bytes_per_token: float = 163840.0  # Qwen3-14B, bf16 (aepo_engine.placement.kv_bytes_per_token)
+    kv_bytes_per_token: float = 163840.0  # Qwen3-14B, bf16 (aepo_engine.memory_plan.engine_kv_cache)
     prompts: int = 64
     k: int = 12
     prompt_tokens: int = 1064

@@ -106,14 +106,14 @@ def test_decoupled_weight_is_a_per_token_weight_for_every_rule(rule):
         for backend in BACKENDS:
             leaf = logits.float().requires_grad_()
             loss, _ = aepo_policy_loss(leaf, labels, prox.float(), adv.float(), mask.float(), config=cfg,
-                                       backend=backend, token_weights=weights)
+                                       backend=backend, token_weights=weights, shift_labels=False)
             loss.backward()
             torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-6, msg=f"{rule} {backend}")
             torch.testing.assert_close(leaf.grad.double(), expected_grad, rtol=1e-4, atol=2e-7,
                                        msg=f"{rule} {backend} gradient")
         hidden = h.float().requires_grad_()
         loss, _ = fused_linear_aepo_policy_loss(hidden, w.float(), labels, prox.float(), adv.float(), mask.float(),
-                                                config=cfg, backend="torch", token_weights=weights)
+                                                config=cfg, backend="torch", token_weights=weights, shift_labels=False)
         loss.backward()
         torch.testing.assert_close(loss.double(), expected, rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(hidden.grad.double(), expected_grad @ w, rtol=1e-4, atol=2e-6)

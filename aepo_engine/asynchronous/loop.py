@@ -80,8 +80,9 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             t0 = time.perf_counter()
             done = process.take(step)
             waited = time.perf_counter() - t0
-            scored = trainer.score(done.trajectories, examples.pop(step))
-            metrics = trainer.learn(step, *([s[i] for s in scored] for i in range(4)), [done.stats])
+            prompts = examples.pop(step)
+            scored = trainer.score(done.trajectories, prompts)
+            metrics = trainer.learn(step, prompts, *([s[i] for s in scored] for i in range(4)), [done.stats])
             push_s = 0.0
             if step + 1 < total:
                 push_s = process.push_weights(step + 1, trainer.policy.iter_weight_buckets(bucket_bytes))

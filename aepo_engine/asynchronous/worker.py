@@ -40,6 +40,7 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.continuous import ContinuousRollout
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.tools.config import ToolsConfig
+from aepo_engine.tools.formats import build_tool_format
 
 __all__ = ["WorkerSpec", "worker_main"]
 
@@ -89,7 +90,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         # the engine before the tools: a vLLM engine must start before the search index loads numba
         backend = build_backend(spec.backend, spec.model_dir, tokenizer, seed=spec.engine_seed)
         tools = ToolRunner(build_tools(spec.tools), max_workers=spec.tools.max_workers)
-        rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_barrier=spec.tool_barrier,
+        tool_format = build_tool_format(spec.tools.format, tokenizer, spec.tools.enabled)  # as the trainer's
+        rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,
+                                    tool_barrier=spec.tool_barrier,
                                     max_batch=None if spec.tool_barrier else getattr(backend, "max_batch_size", None))
         outbox.put(Ready(os.getpid()))
         _EngineLoop(rollout, backend, inbox, outbox).run()

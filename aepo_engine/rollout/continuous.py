@@ -29,9 +29,8 @@ from typing import Any, Sequence
 
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutResult, _key, _PromptState
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutResult, _key, _PendingCall, _PromptState
 from aepo_engine.rollout.trajectory import Trajectory
-from aepo_engine.tools import ToolCall
 
 __all__ = ["ContinuousRollout"]
 
@@ -40,7 +39,8 @@ class ContinuousRollout(EntropyBalancedRollout):
     """Entropy-balanced rollouts of many steps at once (module docstring).
 
     Args:
-        backend, tool_runner, config, tokenizer, tool_names: as :class:`EntropyBalancedRollout`;
+        backend, tool_runner, config, tokenizer, tool_names, tool_format: as
+            :class:`EntropyBalancedRollout`;
             the tool runner must have ``submit(call) -> Future`` unless ``tool_barrier``.
         tool_barrier: each round waits for its tool calls (the synchronous scheduler's rounds).
         max_batch: the most trajectories one round samples (e.g. the backend's batch); None = all
@@ -48,14 +48,15 @@ class ContinuousRollout(EntropyBalancedRollout):
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig, tokenizer: Any = None,
-                 tool_names: Sequence[str] | None = None, *, tool_barrier: bool = False,
+                 tool_names: Sequence[str] | None = None, tool_format: Any = None, *, tool_barrier: bool = False,
                  max_batch: int | None = None) -> None:
-        super().__init__(backend, tool_runner, config, tokenizer=tokenizer, tool_names=tool_names)
+        super().__init__(backend, tool_runner, config, tokenizer=tokenizer, tool_names=tool_names,
+                         tool_format=tool_format)
         self.tool_barrier = tool_barrier
         self.max_batch = max_batch
         self.states: dict[tuple[int, int], _PromptState] = {}
         self._steps: dict[int, list[tuple[int, int]]] = {}  # step -> its prompts' state keys
-        self._tools: dict[Future, tuple[Trajectory, ToolCall]] = {}
+        self._tools: dict[Future, _PendingCall] = {}
         self.generate_s = self.tool_wait_s = 0.0  # seconds in the backend / waiting on tools alone
 
     # -- admission and results ------------------------------------------------------------------
@@ -90,7 +91,7 @@ class ContinuousRollout(EntropyBalancedRollout):
     def ready(self) -> list[Trajectory]:
         """What the next round samples: trajectories not waiting on a tool, oldest step first,
         at most ``max_batch``."""
-        waiting = {id(traj) for traj, _ in self._tools.values()}
+        waiting = {id(pending.traj) for pending in self._tools.values()}
         batch = [t for t in self._next_batch(self.states) if id(t) not in waiting]
         batch.sort(key=lambda t: (t.step, t.prompt_index, t.traj_id))
         return batch if self.max_batch is None else batch[: self.max_batch]
@@ -102,16 +103,16 @@ class ContinuousRollout(EntropyBalancedRollout):
         if not batch:
             return False
         start = time.perf_counter()
-        calls, callers = self._generate(self.states, batch, abort)
+        calls = self._generate(self.states, batch, abort)
         self.generate_s += time.perf_counter() - start
         if self.tool_barrier:
             tools_start = time.perf_counter()
             if calls:
-                self._run_tools(self.states, calls, callers)
+                self._run_tools(self.states, calls)
             self.tool_wait_s += time.perf_counter() - tools_start
         else:
-            for call, traj in zip(calls, callers):
-                self._tools[self.tool_runner.submit(call)] = (traj, call)
+            for pending in calls:
+                self._tools[self.tool_runner.submit(pending.call)] = pending
         self.take_tool_results()
         return True
 
@@ -124,9 +125,9 @@ class ContinuousRollout(EntropyBalancedRollout):
         start = time.perf_counter()
         done, _ = wait_futures(list(self._tools), timeout=wait_s, return_when=FIRST_COMPLETED)
         self.tool_wait_s += time.perf_counter() - start if wait_s else 0.0
-        for future in sorted(done, key=lambda f: _order(self._tools[f][0])):  # deterministic order
-            traj, call = self._tools.pop(future)
-            self._take_tool_result(traj, call, future.result(), self.states[_key(traj)].stats)
+        for future in sorted(done, key=lambda f: _order(self._tools[f].traj)):  # deterministic order
+            pending = self._tools.pop(future)
+            self._take_tool_result(pending, future.result(), self.states[_key(pending.traj)].stats)
         self._advance_all()
         return len(done)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -19,8 +19,8 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
 from aepo_engine.seeding import section_seed
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
-from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, encode_tool_result,
-                               find_tool_call)
+from aepo_engine.tools import TOOL_STOP_STRINGS, MalformedToolCall, ToolCall
+from aepo_engine.tools.formats import TagFormat
 
 # ---------------------------------------------------------------------------------------------
 # Seeds
@@ -115,6 +115,15 @@ class _Partial:
         self.logprobs += output.logprobs
         self.entropies += output.entropies
         self.versions += [version] * len(output.token_ids)
+
+
+@dataclass(frozen=True)
+class _PendingCall:
+    """A tool call a segment ended with, waiting for its result."""
+
+    traj: Trajectory
+    call: ToolCall
+    ended_turn: bool  # the segment ended the model's turn (eos): the format inserts the result after it
 
 
 @dataclass
@@ -241,11 +250,14 @@ class EntropyBalancedRollout:
         tokenizer: encodes tool-result text (``encode(text, add_special_tokens=False)``) and
             decodes segments when the backend gives no text; default ``backend.tokenizer``.
         tool_names: enabled tool tags; default the keys of ``tool_runner.tools`` if present,
-            else the tags of ``TOOL_STOP_STRINGS``. Stop strings are ``</name>`` for each.
+            else the tags of ``TOOL_STOP_STRINGS``.
+        tool_format: how calls are parsed and results inserted (``aepo_engine.tools.formats``:
+            the paper's tags, the default, or the chat template's own format); its stop strings
+            end a segment.
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
-                 tokenizer: Any = None, tool_names: Sequence[str] | None = None) -> None:
+                 tokenizer: Any = None, tool_names: Sequence[str] | None = None, tool_format: Any = None) -> None:
         self.backend = backend
         self.tool_runner = tool_runner
         self.config = config
@@ -256,7 +268,8 @@ class EntropyBalancedRollout:
             tool_names = (list(runner_tools) if runner_tools else
                           [s.removeprefix("</").removesuffix(">") for s in TOOL_STOP_STRINGS])
         self.tool_names = tuple(tool_names)
-        self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
+        self.tool_format = tool_format if tool_format is not None else TagFormat(self.tokenizer, self.tool_names)
+        self.stop_strings = tuple(self.tool_format.stop_strings)
         # The policy version of the backend's weights: recorded on every token it samples.
         self.policy_version = 0
         self.tokens_sampled = 0  # every token the backend returned, over the scheduler's life
@@ -264,7 +277,8 @@ class EntropyBalancedRollout:
 
     # -- public -------------------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], step: int, version: int | None = None) -> RolloutResult:
+    def rollout(self, prompts: list[list[int]], step: int, version: int | None = None,
+                progress: Callable[[int, int, int], None] | None = None) -> RolloutResult:
         """Sample exactly ``config.k`` trajectories per prompt.
 
         Args:
@@ -273,6 +287,8 @@ class EntropyBalancedRollout:
             version: the policy version of the backend's weights, recorded on every sampled token
                 (``Trajectory.versions``); None = ``step`` (a synchronous run's weights have had
                 ``step`` updates).
+            progress: called after every round with (prompts whose k trajectories have all
+                ended, prompts, tokens sampled so far): the evaluations' progress line.
 
         Returns:
             ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
@@ -287,6 +303,10 @@ class EntropyBalancedRollout:
             self._round(states, batch)
             for state in states.values():
                 self._advance(state)
+            if progress is not None:
+                done = sum(len(s.members) == self.config.k and not s.generating() for s in states.values())
+                stats = next(iter(states.values())).stats  # one per call (_new_states)
+                progress(done, len(states), stats.tokens_generated)
         return self._result(list(states.values()))
 
     def _new_states(self, prompts: list[list[int]], step: int) -> dict[tuple[int, int], _PromptState]:
@@ -440,19 +460,19 @@ class EntropyBalancedRollout:
     def _round(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory]) -> None:
         """One round: sample every trajectory of ``batch``, then run their tool calls together."""
         start = time.perf_counter()
-        calls, callers = self._generate(states, batch)
+        calls = self._generate(states, batch)
         generated = time.perf_counter()
         if calls:
-            self._run_tools(states, calls, callers)
+            self._run_tools(states, calls)
         for stats in {id(states[_key(t)].stats): states[_key(t)].stats for t in batch}.values():
             stats.time_round(len(batch), generated - start, time.perf_counter() - generated)
 
     def _generate(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory],
-                  abort: Any = None) -> tuple[list[ToolCall], list[Trajectory]]:
+                  abort: Any = None) -> list[_PendingCall]:
         """Sample a segment for every trajectory of ``batch`` (``abort``: a ``threading.Event`` a
         backend that can stop mid-call checks, ``GenerationBackend.can_abort``; a segment it cuts
         is kept and continued next round), take the branch decisions due and classify the
-        segments; returns the tool calls to run and their callers."""
+        segments; returns the tool calls to run, with their callers."""
         cfg = self.config
         requests = [self._request(t) for t in batch]
         outputs = (self.backend.generate(requests, abort=abort) if abort is not None
@@ -484,15 +504,14 @@ class EntropyBalancedRollout:
                 state.stats.discarded_speculative += 1
                 state.stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
             state.presampled = {}
-        calls, callers = [], []
+        calls = []
         for traj, output in finished:
             if id(traj) in dropped:
                 continue
             call = self._classify(traj, output, states[_key(traj)].stats)
             if call is not None:
-                calls.append(call)
-                callers.append(traj)
-        return calls, callers
+                calls.append(_PendingCall(traj, call, output.finish_reason == "eos"))
+        return calls
 
     def _complete_segment(self, traj: Trajectory, output: GenOutput) -> tuple[GenOutput | None, list[int]]:
         """``(output, per-token versions)`` of a finished segment, the tokens of its cut parts first;
@@ -530,16 +549,17 @@ class EntropyBalancedRollout:
                   ) -> ToolCall | None:
         """Set the finish reason of a trajectory that ends here, or return its tool call."""
         cfg = self.config
-        if output.finish_reason == "eos":
+        # A format whose calls end the turn (Llama-3 JSON) reads a call from a segment ended by eos.
+        if output.finish_reason == "eos" and not self.tool_format.calls_end_turn:
             traj.finish_reason = "eos"
             return None
         if output.finish_reason == "length" or len(traj.response_ids) >= cfg.max_response_tokens:
             traj.finish_reason = "length"  # a call at the cap could not receive its result
             return None
         text = output.text or self.tokenizer.decode(output.token_ids)
-        call = find_tool_call(text, self.tool_names)
+        call = self.tool_format.parse_call(text)
         if call is None:
-            traj.finish_reason = "stop"
+            traj.finish_reason = "eos" if output.finish_reason == "eos" else "stop"
         elif isinstance(call, MalformedToolCall):
             traj.malformed_calls += 1
             stats.malformed_calls += 1
@@ -550,21 +570,21 @@ class EntropyBalancedRollout:
             return call
         return None
 
-    def _run_tools(self, states: dict[tuple[int, int], _PromptState], calls: list[ToolCall],
-                   callers: list[Trajectory]) -> None:
-        results = self.tool_runner.run(calls)
+    def _run_tools(self, states: dict[tuple[int, int], _PromptState], calls: list[_PendingCall]) -> None:
+        results = self.tool_runner.run([pending.call for pending in calls])
         if len(results) != len(calls):
             raise RuntimeError(f"tool runner returned {len(results)} results for "
                                f"{len(calls)} calls")
-        for call, traj, result in zip(calls, callers, results):
-            self._take_tool_result(traj, call, result, states[_key(traj)].stats)
+        for pending, result in zip(calls, results):
+            self._take_tool_result(pending, result, states[_key(pending.traj)].stats)
 
-    def _take_tool_result(self, traj: Trajectory, call: ToolCall, result: Any, stats: _Stats) -> None:
+    def _take_tool_result(self, pending: _PendingCall, result: Any, stats: _Stats) -> None:
         """Append a tool call's result to its trajectory (cut to the response budget)."""
+        traj, call = pending.traj, pending.call
         traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
         remaining = self.config.max_response_tokens - len(traj.response_ids)
         # plain text: tags and control tokens the tool printed cannot act as the engine's
-        ids = encode_tool_result(self.tokenizer, result.text, self.tool_names)
+        ids = self.tool_format.result_ids(result.text, pending.ended_turn)
         traj.append_tool_result(list(ids)[:remaining])
         traj.tool_calls += 1
         stats.tool_calls_executed += 1
