@@ -35,13 +35,32 @@ def test_256_concurrent_clients_all_answered(corpus):
     path, queries = corpus
     # 20 ms of added latency keeps the 256 connections overlapping, as slow searches do
     with ServerProcess(path, "--latency-median-s", "0.02", "--latency-sigma", "0", cwd=REPO) as server:
+        overflows = _listen_overflows()
         result = run_load(server.host, server.port, clients=256, requests_per_client=4, queries=queries)
+        overflows = _listen_overflows() - overflows
     summary = result.summary()
     assert summary["failures"] == 0, summary
     assert summary["ok"] == 1024
-    # A dropped SYN is resent after 1 s: no answer may have waited for one. Generous for a loaded
-    # 2-core machine (quiet: p99 of a few hundred ms with 256 client threads on the same cores).
-    assert summary["p99_ms"] < 1000, summary
+    # No connection found the listen queue full (the old server's backlog of 5 overflowed: its
+    # clients' SYNs were dropped and resent a second later, the 1 s p99). The latency itself is
+    # the machine's load as much as the server's (p99 0.3 s quiet, 2.4 s at load 23): the bench
+    # reports it, the test does not bound it.
+    if overflows is not None:
+        assert overflows == 0, (overflows, summary)
+
+
+def _listen_overflows() -> int | None:
+    """The kernel's count of connections dropped for a full listen queue (TcpExt ListenOverflows,
+    this network namespace), or None where /proc does not say."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            fields = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(fields["ListenOverflows"]) if "ListenOverflows" in fields else None
+    return None
 
 
 def test_latency_draws_follow_the_configured_lognormal():
