@@ -16,15 +16,17 @@ Assumptions (every one a flag): H200 HBM 4.8 TB/s at 70% achieved, bf16 989 TFLO
 for the engines and 35% for training (FSDP2, activation checkpointing: 8 P T FLOPs for forward,
 backward and recompute, plus 2 P T for the proximal log-prob pass); an engine decode step reads
 the weights and every active sequence's KV once, ``t = (2P/tp + KV) / BW + 2 P N / (tp F)``;
-prefill of a tool result ``2 P n / (tp F)``; active sequences capped by the engine's KV cache (the
-memory plan's, ``aepo_engine.placement``); a weight update re-prefills the contexts in flight (their
+prefill of a tool result ``2 P n / (tp F)``; active sequences capped by the engine's KV cache and
+``max_num_seqs`` (the memory plan's vLLM arithmetic, ``memory_plan.engine_kv_cache``, for the
+paper's preset: ``gpu_memory_utilization`` 0.6 colocated, 0.9 for an engine on GPUs of its own); a weight update re-prefills the contexts in flight (their
 cached keys and values came from the old weights); weight sync 2 s colocated (in-process, by
 reference) and a 29.5 GB bf16 push at 50 GB/s (a broadcast over NVLink; the byte path through host
 memory that runs today would be far slower) for split placements; 64 prompt tokens of system prompt
 plus 1,000 of question per prompt. Not modelled: branching (every trajectory is an independent
 sample), stragglers' preemption by vLLM, the trainer's scoring and host work, and network time.
-Placements: colocated sync (the engines in the 8 training ranks, sleeping during the update) and
-split ``E`` engine GPUs + ``8 - E`` trainer GPUs where the memory plan fits both roles.
+Placements: colocated sync (the engines in the 8 training ranks, sleeping during the update; 4
+engines of 2 GPUs, the preset's, and 8 of 1) and split ``E`` engine GPUs + ``8 - E`` trainer GPUs
+where the memory plan fits both roles.
 """
 from __future__ import annotations
 
@@ -111,8 +113,9 @@ def scale_shapes(shapes: list[Shape], mean_model_tokens: float, tool_result_toke
 class Engine:
     """One vLLM engine over ``tp`` GPUs, advanced in chunks of decode steps (module docstring)."""
 
-    def __init__(self, hw: Hardware, job: Job, tp: int, kv_tokens: int):
+    def __init__(self, hw: Hardware, job: Job, tp: int, kv_tokens: int, max_seqs: int | None = None):
         self.hw, self.job, self.tp, self.kv_tokens = hw, job, tp, kv_tokens
+        self.max_seqs = max_seqs or 10**9  # vLLM's max_num_seqs: sequences decoded at once
         self.busy_s = 0.0
 
     def decode_step_s(self, contexts: list[int]) -> float:
@@ -157,7 +160,7 @@ def run_engine(engine: Engine, trajs: list[Traj], until: float, now: float, rng:
         ready.sort(key=lambda t: (t.step, t.context))  # oldest step first
         active, kv = [], 0
         for t in ready:
-            if kv + t.context + t.left > engine.kv_tokens and active:
+            if (kv + t.context + t.left > engine.kv_tokens or len(active) >= engine.max_seqs) and active:
                 break
             active.append(t)
             kv += t.context + t.left
@@ -203,31 +206,34 @@ def update_s(hw: Hardware, job: Job, trajs: list[Traj], gpus: int) -> float:
 # The two schedules
 
 
-def simulate_sync(hw: Hardware, job: Job, shapes: list[Shape], steps: int, kv_tokens: int, seed: int) -> dict:
-    """Colocated: 8 engines (one per GPU) sample a step, then 8 GPUs update, then the weights sync."""
+def simulate_sync(hw: Hardware, job: Job, shapes: list[Shape], steps: int, kv_tokens: int, seed: int, tp: int = 1,
+                  max_seqs: int | None = None) -> dict:
+    """Colocated: ``8 / tp`` engines (in the training ranks) sample a step, then 8 GPUs update, then
+    the weights sync."""
     rng = random.Random(seed)
-    engines = [Engine(hw, job, 1, kv_tokens) for _ in range(8)]
+    n = 8 // tp
+    engines = [Engine(hw, job, tp, kv_tokens, max_seqs) for _ in range(n)]
     now, parts = 0.0, {"rollout_s": 0.0, "update_s": 0.0, "sync_s": 0.0}
     for step in range(steps):
         trajs = new_trajs(step, shapes, job, rng)
-        ends = [run_engine(e, trajs[i::8], math.inf, now, rng) for i, e in enumerate(engines)]
+        ends = [run_engine(e, trajs[i::n], math.inf, now, rng) for i, e in enumerate(engines)]
         rollout = max(ends) - now
         update = update_s(hw, job, trajs, 8)
         parts["rollout_s"] += rollout
         parts["update_s"] += update
         parts["sync_s"] += hw.colocated_sync_s
         now += rollout + update + hw.colocated_sync_s
-    return {"schedule": "sync, colocated on 8 GPUs", "step_s": now / steps, **{k: v / steps for k, v in parts.items()},
-            "engine_busy": sum(e.busy_s for e in engines) / (8 * now)}
+    return {"schedule": f"sync, colocated: {n} engines of {tp} GPU(s) in the 8 training ranks", "step_s": now / steps,
+            **{k: v / steps for k, v in parts.items()}, "engine_busy": sum(e.busy_s for e in engines) / (n * now)}
 
 
 def simulate_async(hw: Hardware, job: Job, shapes: list[Shape], steps: int, engine_gpus: int, tp: int,
-                   kv_tokens: int, eta: int, seed: int) -> dict:
+                   kv_tokens: int, eta: int, seed: int, max_seqs: int | None = None) -> dict:
     """Split: ``engine_gpus / tp`` engines sample continuously; ``8 - engine_gpus`` GPUs update; step
     ``s`` starts once version ``s - eta`` is loaded; an update re-prefills the contexts in flight."""
     rng = random.Random(seed)
     n = engine_gpus // tp
-    engines = [Engine(hw, job, tp, kv_tokens) for _ in range(n)]
+    engines = [Engine(hw, job, tp, kv_tokens, max_seqs) for _ in range(n)]
     per_engine: list[list[Traj]] = [[] for _ in range(n)]
     by_step: dict[int, list[Traj]] = {}
     push = 2 * job.params / hw.push_bytes_per_s
@@ -277,8 +283,10 @@ def _label(engine_gpus: int, tp: int, eta: int) -> str:
     return f"async eta {eta}, split: {8 - engine_gpus} trainer GPUs + {engine_gpus // tp} engines of {tp} GPU(s)"
 
 
-def kv_capacity(engine_gpus: int, tp: int, trainer_gpus: int, eta: int) -> tuple[int, bool]:
-    """An engine's KV tokens and whether both roles fit one H200 each (the memory plan)."""
+def kv_capacity(engine_gpus: int, tp: int, trainer_gpus: int, eta: int) -> tuple[int, bool, int]:
+    """An engine's KV tokens, whether the memory plan fits (both roles, one H200 each, when split) and
+    the sequences it decodes at once (``max_num_seqs``): the memory plan's vLLM arithmetic
+    (``memory_plan.engine_kv_cache``) for the paper's preset with ``tp`` GPUs per engine."""
     from aepo_engine.config import load_train_config
     from aepo_engine.memory_plan import ModelShape, gpu_bytes, plan_memory
     from aepo_engine.placement import plan_placement
@@ -287,17 +295,15 @@ def kv_capacity(engine_gpus: int, tp: int, trainer_gpus: int, eta: int) -> tuple
     from test_memory_plan import QWEN3_14B
 
     shape, h200 = ModelShape.from_config(QWEN3_14B), gpu_bytes("h200")
-    base = ["--preset", "qwen3_14b_deep_research", "--model.path=/m"]
-    if engine_gpus == 0:  # colocated: the engine's share of the GPU while awake
-        plan = plan_memory(load_train_config(base), shape, 8, h200)
-        kv = plan.terms["vllm_awake"].bytes - 2 * shape.params() - (1 << 30)
-        return int(kv // 163840), plan.fits
+    base = ["--preset", "qwen3_14b_deep_research", "--model.path=/m", f"--backend.tensor_parallel_size={tp}"]
+    if engine_gpus == 0:  # colocated: the engines in the 8 training ranks, the preset's gpu_memory_utilization
+        plan = plan_memory(load_train_config(base), shape, 8, h200, gpu_name="h200")
+        return plan.kv.tokens, plan.fits, plan.kv.max_num_seqs
     cfg = load_train_config([*base, "--backend.placement=split", f"--backend.rollout_gpus={engine_gpus}",
-                             f"--backend.tensor_parallel_size={tp}", "--train.mode=async",
-                             f"--train.max_staleness={eta}", "--backend.gpu_memory_utilization=0.9"]
+                             "--train.mode=async", f"--train.max_staleness={eta}", "--backend.gpu_memory_utilization=0.9"]
                             + (["--backend.in_process=false"] if tp > 1 else []))
-    split = plan_placement(cfg, shape, trainer_gpus, h200)
-    return split.kv_tokens, split.fits
+    split = plan_placement(cfg, shape, trainer_gpus, h200, gpu_name="h200")
+    return split.kv_tokens, split.fits, split.engine.kv.max_num_seqs
 
 
 def main() -> None:
@@ -327,21 +333,30 @@ def main() -> None:
 
 
 def simulate_all(hw: Hardware, job: Job, shapes: list[Shape], steps: int, seed: int, common: dict) -> list[dict]:
-    """Sync colocated, then every split placement (and eta 1, 2) the memory plan fits, with speed-ups."""
-    kv, fits = kv_capacity(0, 1, 8, 0)
-    rows = [{**common, **simulate_sync(hw, job, shapes, steps, kv, seed), "fits": fits, "kv_tokens": kv}]
-    for engine_gpus, tp in ((2, 1), (4, 1), (4, 2), (6, 1)):
+    """Sync colocated (engines of 2 GPUs, the preset's, and of 1), then every split placement (and
+    eta 1, 2) the memory plan fits; speed-ups against the faster synchronous schedule that fits."""
+    rows = []
+    for tp in (2, 1):
+        kv, fits, seqs = kv_capacity(0, tp, 8, 0)
+        row = {**common, "fits": fits, "kv_tokens": kv, "max_num_seqs": seqs}
+        if fits:
+            row.update(simulate_sync(hw, job, shapes, steps, kv, seed, tp, seqs))
+        else:
+            row["schedule"] = f"sync, colocated: {8 // tp} engines of {tp} GPU(s): does not fit (memory plan)"
+        rows.append(row)
+    baseline = min(row["step_s"] for row in rows if "step_s" in row)
+    for engine_gpus, tp in ((2, 1), (4, 1), (4, 2), (6, 1), (6, 2)):
         for eta in (1, 2):
-            kv, fits = kv_capacity(engine_gpus, tp, 8 - engine_gpus, eta)
-            row = {**common, "fits": fits, "kv_tokens": kv}
+            kv, fits, seqs = kv_capacity(engine_gpus, tp, 8 - engine_gpus, eta)
+            row = {**common, "fits": fits, "kv_tokens": kv, "max_num_seqs": seqs}
             if fits:
-                row.update(simulate_async(hw, job, shapes, steps, engine_gpus, tp, kv, eta, seed))
+                row.update(simulate_async(hw, job, shapes, steps, engine_gpus, tp, kv, eta, seed, seqs))
             else:
                 row["schedule"] = _label(engine_gpus, tp, eta) + ": does not fit (memory plan)"
             rows.append(row)
     for row in rows:
         if "step_s" in row:
-            row["speedup_vs_sync"] = round(rows[0]["step_s"] / row["step_s"], 2)
+            row["speedup_vs_sync"] = round(baseline / row["step_s"], 2)
     return rows
 
 
