@@ -81,6 +81,7 @@ __all__ = [
     "format_help",
     "load_config",
     "loads_config",
+    "merge_trees",
     "parse_args",
     "read_config_file",
 ]
@@ -276,12 +277,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return _parse_text(path.read_text(encoding="utf-8"), fmt, str(path))
 
 
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``update`` into a copy of ``base`` (tables merge, other values replace)."""
+def merge_trees(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``update`` into a copy of ``base`` (tables merge, other values replace); the
+    one merge of raw config trees (files, presets, a run's saved settings under a command's)."""
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_trees(out[key], value)
         else:
             out[key] = dict(value) if isinstance(value, Mapping) else value
     return out
@@ -487,7 +489,7 @@ def apply_overrides(cls: type, raw: dict[str, Any], argv: Sequence[str]) -> dict
     Returns:
         A new raw tree with the overridden values, already converted to the fields' types.
     """
-    out = _merge({}, raw)
+    out = merge_trees({}, raw)
     for dotted, text in _split_overrides(cls, argv):
         keys, tp = _resolve(cls, dotted)
         try:
@@ -556,10 +558,10 @@ def load_config(
     raw: dict[str, Any] = {}
     sources = []
     for p in paths:
-        raw = _merge(raw, read_config_file(p))
+        raw = merge_trees(raw, read_config_file(p))
         sources.append(str(p))
     if data:
-        raw = _merge(raw, data)
+        raw = merge_trees(raw, data)
         sources.append("dict")
     source = " + ".join(sources) or "defaults"
     errors = _check_keys(cls, raw, source)  # report file typos before override errors

@@ -19,7 +19,7 @@ import pytest
 from conftest import vllm_missing
 from aepo_engine.evaluation.config import JudgeConfig
 from aepo_engine.evaluation.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
-                                          parse_verdict)
+                                          parse_verdict, start_judge)
 
 
 class Stub:
@@ -173,6 +173,20 @@ def test_unreachable_endpoint_and_unknown_model(stub, tmp_path):
         down.check()
     with pytest.raises(JudgeUnreachable, match="'other' is not served"):
         LLMJudge(JudgeConfig(url=stub.url, model="other"), tmp_path / "c").check()
+
+
+def test_start_judge_is_off_ready_or_gone_with_the_reason(stub, tmp_path):
+    """The one start of the judge that the trainer and the eval command share."""
+    warned = []
+    assert start_judge(JudgeConfig(), tmp_path / "c.jsonl", warned.append) == (None, None) and not warned
+    judge, why = start_judge(JudgeConfig(url=stub.url), tmp_path / "c.jsonl", warned.append)
+    assert why is None and judge.model == "judge-m" and judge.cache_path == tmp_path / "c.jsonl"
+    mine = JudgeConfig(url=stub.url, cache_path=str(tmp_path / "mine.jsonl"))  # the section's cache wins
+    assert start_judge(mine, tmp_path / "c.jsonl", warned.append)[0].cache_path == tmp_path / "mine.jsonl"
+    down = JudgeConfig(url=f"http://127.0.0.1:{_free_port()}/v1", retries=0)
+    judge, why = start_judge(down, tmp_path / "c.jsonl", warned.append)
+    assert judge is None and "is unreachable" in why
+    assert warned == [f"error: {why}; going on without the judge"]
 
 
 @pytest.mark.parametrize("reply,verdict", [

@@ -33,11 +33,13 @@ from typing import Any, Sequence
 import msgspec
 
 from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
-from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
+from aepo_engine.config_loader import (ConfigError, format_help, load_config, merge_trees, pop_option,
+                                      read_config_file)
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.core import judge_records, sample_records
+from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge, start_judge
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
 from aepo_engine.files import write_text_atomic
 from aepo_engine.rollout.backends import BackendConfig
@@ -189,13 +191,6 @@ def _default_run_dir() -> Path:
 
 # --- config ----------------------------------------------------------------------------------------
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSource]:
     """The command's config and model: run settings (if the model is a run's) < --config files <
     overrides.
@@ -206,7 +201,7 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
     files, overrides = pop_option(expand_aliases(argv), "--config")
     raw: dict[str, Any] = {}
     for f in files:
-        raw = _merge(raw, read_config_file(f))
+        raw = merge_trees(raw, read_config_file(f))
     probe = load_config(EvalCommandConfig, data=raw, overrides=overrides)
     spec = probe.model
     if not spec:
@@ -221,7 +216,7 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
         base |= {name: msgspec.to_builtins(getattr(run, name)) for name in ("backend", "rollout", "tools", "eval")}
         # The run's held-out set is what its folder is evaluated on unless --data names others.
         base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("every_n_steps", "files")}
-    cfg = load_config(EvalCommandConfig, data=_merge(base, raw), overrides=overrides)
+    cfg = load_config(EvalCommandConfig, data=merge_trees(base, raw), overrides=overrides)
     return cfg, source
 
 
@@ -338,21 +333,6 @@ def _print_skipped(sets: list[EvalSet]) -> None:
             print(f"[data] {s.name}: skipped {len(s.skipped)} rows: {rows}{more}", file=sys.stderr)
 
 
-def _start_judge(cfg: EvalCommandConfig, out: Path) -> tuple[Any, str | None]:
-    """The judge, or (None, why not) when it is off or unreachable (the other scores still count)."""
-    if not cfg.eval.judge.url:
-        return None, None
-    from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
-    judge = LLMJudge(cfg.eval.judge, cfg.eval.judge.cache_path or out / "judge_cache.jsonl")
-    try:
-        judge.check()
-    except JudgeUnreachable as err:
-        print(f"error: {err}; continuing without the judge", file=sys.stderr)
-        return None, str(err)
-    return judge, None
-
-
 def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     """Generate, score, judge and report; returns the summary (also written to the output folder)."""
     from aepo_engine.data import encode_chat_prompt
@@ -373,7 +353,8 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
     # The backend first: a vLLM engine must start before the search index loads numba.
     backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
-    judge, judge_error = _start_judge(cfg, out)
+    judge, judge_error = start_judge(cfg.eval.judge, out / "judge_cache.jsonl",
+                                     warn=lambda line: print(line, file=sys.stderr))
     judge_info = None if judge is None else {"model": judge.model, "prompt": cfg.eval.judge.prompt, "url": judge.base}
     print(f"[eval] {provenance({'scoring': cfg.eval.scoring, 'judge': judge_info})}", flush=True)
     bar = ProgressBar(total, start=len(done), unit="questions")
@@ -423,8 +404,6 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
     except ConfigError as err:
         problems.append(str(err))
     if cfg.eval.judge.url:
-        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
         try:
             print(f"[dry-run] judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")
         except JudgeUnreachable as err:

@@ -41,12 +41,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from aepo_engine.evaluation.config import JudgeConfig
 from aepo_engine.evaluation.reference import is_equiv
 
-__all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict"]
+__all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict",
+           "start_judge"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,3 +292,27 @@ class LLMJudge:
             return []
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="aepo-judge") as pool:
             return list(pool.map(lambda item: self.judge(*item), items))
+
+
+def start_judge(cfg: JudgeConfig, cache_path: str | Path, warn: Callable[[str], None]
+                ) -> tuple[LLMJudge | None, str | None]:
+    """The judge of a run or of the eval command, checked to answer.
+
+    Args:
+        cfg: the judge section; an empty ``cfg.url`` means no judge.
+        cache_path: the judge cache when ``cfg.cache_path`` is empty (the caller's output folder).
+        warn: called with one line when the endpoint does not answer.
+
+    Returns:
+        ``(judge, None)``; ``(None, None)`` when the judge is off; ``(None, why)`` when it is
+        unreachable: the other scores still count, so the caller goes on without it.
+    """
+    if not cfg.url:
+        return None, None
+    judge = LLMJudge(cfg, cfg.cache_path or cache_path)
+    try:
+        judge.check()
+    except JudgeUnreachable as err:
+        warn(f"error: {err}; going on without the judge")
+        return None, str(err)
+    return judge, None
