@@ -264,3 +264,19 @@ def test_scoring_agreement_variants_and_summary_hand_worked():
     (row, *_) = summarize(cases, lambda c: (c["variant"], c["kind"]), _eval_row, "eval_by_variant")
     assert row["group"] == "all" and row["cases"] == 2 and row["agree_correct"] == 0.5 and row["agree_answer"] == 1.0
     assert row["engine_correct"] == 1 and row["reference_correct"] == 0
+
+
+def test_the_commit_a_row_records_is_looked_up_in_one_place(tmp_path):
+    """Benchmark rows and the comparison grid's runs get the commit from aepo_engine.provenance,
+    which says "" outside a checkout; no other file asks git for it."""
+    from aepo_engine.provenance import git_commit
+
+    repo = BENCH.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert git_commit() == git_commit(BENCH / "harness.py") == head.stdout.strip() != ""
+    assert git_commit(tmp_path) == ""
+    askers = [str(p.relative_to(repo)) for folder in ("aepo_engine", "bench", "kernels")
+              for p in (repo / folder).rglob("*.py") if "rev-parse" in p.read_text(encoding="utf-8")]
+    assert askers == ["aepo_engine/provenance.py"]
