@@ -191,9 +191,25 @@ def test_a_checkpoints_export_is_verified_before_use(tmp_path):
 def test_dry_run(tiny, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(tiny, shared_data, tmp_path / "o", "--data", "hle", "gsm8k", "--dry-run"))
-    printed = capsys.readouterr().out
-    assert exc.value.code == 0 and "hle: 500 questions" in printed and "gsm8k: 1319 questions" in printed
+    printed = capsys.readouterr()
+    assert exc.value.code == 0 and "note: hle: 500 questions" in printed.err and "gsm8k: 1319 questions" in printed.err
+    assert "search: cache" in printed.err and printed.err.endswith("dry run: no problems found\n")
+    assert "[eval]\n" in printed.out  # the resolved config, as the trainer's dry run prints it
     assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_checks_the_tools_the_evaluation_runs(tiny, shared_data, tmp_path, capsys):
+    """The eval runs the search and python tools, so its dry run checks them as the trainer's
+    does (it checked the model, the data and the judge only)."""
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, tmp_path / "o", "--data", "bamboogle", "--dry-run",
+                   "--tools.enabled=search,python", "--tools.search.backend=corpus",
+                   f"--tools.search.corpus_path={tmp_path / 'none.jsonl'}",
+                   f"--tools.python.bwrap_path={tmp_path / 'no-bwrap'}"))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "2 problem(s) found" in err
+    assert f"problem: tools.search.corpus_path '{tmp_path / 'none.jsonl'}' does not exist" in err
+    assert "problem: the python tool cannot isolate generated code" in err
 
 
 def test_unreachable_judge_keeps_the_other_scores(tiny, shared_data, tmp_path, capsys):

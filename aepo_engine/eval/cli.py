@@ -10,8 +10,9 @@ the latest embedded-default run (``runs/aepo-default``) on its held-out set.
 
 Options are the fields of :class:`EvalCommandConfig` (``-h`` lists them), from ``--config FILE``
 (TOML/YAML/JSON) and ``--section.key=value`` overrides, plus the short names in ``ALIASES``
-(``--data a b`` and ``--k 1 5`` take several values). ``--dry-run`` checks everything (model,
-data rows, judge endpoint) without generating; ``--list`` lists the benchmarks.
+(``--data a b`` and ``--k 1 5`` take several values). ``--dry-run`` prints the resolved config and
+checks everything (model folder, data rows, the tools' back-ends and sandbox, the backend's
+package, the judge endpoint) without generating; ``--list`` lists the benchmarks.
 
 Output folder (``--out``): ``samples.jsonl`` (one record per sample: prompt, response, tool calls
 with results and latencies, scores, judge verdict), ``summary.{md,csv,json}``, ``judge_cache.jsonl``
@@ -33,7 +34,7 @@ from typing import Any, Sequence
 import msgspec
 
 from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
-from aepo_engine.config_loader import (ConfigError, format_help, load_config, merge_trees, pop_option,
+from aepo_engine.config_loader import (ConfigError, dump_config, format_help, load_config, merge_trees, pop_option,
                                       read_config_file)
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
@@ -325,12 +326,16 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
 
 # --- running ---------------------------------------------------------------------------------------
 
+def _skipped_line(eval_set: EvalSet) -> str:
+    rows = "; ".join(str(b) for b in eval_set.skipped[:5])
+    more = f" (and {len(eval_set.skipped) - 5} more)" if len(eval_set.skipped) > 5 else ""
+    return f"{eval_set.name}: skipped {len(eval_set.skipped)} rows: {rows}{more}"
+
+
 def _print_skipped(sets: list[EvalSet]) -> None:
     for s in sets:
         if s.skipped:
-            rows = "; ".join(str(b) for b in s.skipped[:5])
-            more = f" (and {len(s.skipped) - 5} more)" if len(s.skipped) > 5 else ""
-            print(f"[data] {s.name}: skipped {len(s.skipped)} rows: {rows}{more}", file=sys.stderr)
+            print(f"[data] {_skipped_line(s)}", file=sys.stderr)
 
 
 def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
@@ -392,26 +397,35 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
 
 
 def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
-    """Check the model, the data (rows kept / skipped) and the judge without generating."""
-    print(f"[dry-run] model {source.model_dir}" + (f" (run {source.run_dir})" if source.run_dir else ""))
-    problems = []
+    """Check what the command would use without generating: the model folder, the data (rows kept
+    and skipped), the tools it runs (the trainer's dry-run checks), the backend's package and the
+    judge. Prints the resolved config (stdout) and the findings (stderr); returns 0 or 2."""
+    from aepo_engine.dry_run import DryRunReport, check_backend, check_model_dir, check_tools
+
+    report = DryRunReport()
+    report.notes.append(f"model {source.model_dir}" + (f" (run {source.run_dir})" if source.run_dir else ""))
+    check_model_dir(source.model_dir, report, field="--model")
     try:
         plan = build_plan(cfg, source)
-        for s in plan.sets:
-            print(f"[dry-run] {s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows skipped, "
-                  f"answers checked as {s.check} under {cfg.eval.scoring} scoring")
-        _print_skipped(plan.sets)
     except ConfigError as err:
-        problems.append(str(err))
+        report.problems.append(str(err))
+    else:
+        for s in plan.sets:
+            report.notes.append(f"{s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows "
+                                f"skipped, answers checked as {s.check} under {cfg.eval.scoring} scoring")
+            if s.skipped:
+                report.notes.append(_skipped_line(s))
+        check_tools(plan.tools, report)
+    check_backend(cfg.backend, report)
     if cfg.eval.judge.url:
         try:
-            print(f"[dry-run] judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")
+            report.notes.append(f"judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")
         except JudgeUnreachable as err:
-            problems.append(str(err))
-    print(f"[dry-run] output folder {output_dir(cfg, source)}")
-    for problem in problems:
-        print(f"problem: {problem}", file=sys.stderr)
-    return 2 if problems else 0
+            report.problems.append(str(err))
+    report.notes.append(f"output folder {output_dir(cfg, source)}")
+    sys.stdout.write(dump_config(cfg))
+    sys.stdout.flush()
+    return report.write(sys.stderr)
 
 
 def list_benchmarks(data_root: str) -> str:
