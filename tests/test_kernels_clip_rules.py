@@ -7,7 +7,7 @@ written five times on purpose (see the note beside ``CLIP_RULES`` in kernels/con
 2. ``policy_loss.policy_loss_from_logprobs`` (``clipped_token_loss``) -- autograd;
 3. ``one_pass.token_head`` -- explicit derivatives, all rules evaluated then one selected;
 4. ``triton_kernels._token_head`` -- the same in Triton (interpreter mode on the CPU);
-5. ``token_head`` of the native C kernel (``kernels/native/one_pass_rows.c``) -- reached through
+5. ``token_head`` of the native C kernel (``kernels/csrc/one_pass_rows.c``) -- reached through
    its row pass, where the C compiler is there.
 
 The rules are read from ``CLIP_RULES``, so a new rule is tested in all five the day it is added;
