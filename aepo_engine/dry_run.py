@@ -23,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
+
 from aepo_engine.config import TrainConfig, config_problems
 from aepo_engine.config_loader import dump_config
 from aepo_engine.rollout.backends import BackendConfig
@@ -79,6 +81,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     """
     report = DryRunReport()
     report.problems += config_problems(cfg)
+    cfg = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
     if cfg.model.path:
         check_model_dir(Path(cfg.model.path), report)
@@ -101,6 +104,8 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     _check_checkpoint_disk(cfg, report)
     if gpu is not None or world_size is not None:
         _plan_memory(cfg, gpu, world_size, report)
+    elif _cpu_run(cfg):
+        _plan_cpu_memory(cfg, report)
     return report
 
 
@@ -123,6 +128,25 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
 
 
 # --- checks ---------------------------------------------------------------------------------------
+
+def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> TrainConfig:
+    """``cfg`` with a GGUF ``model.path`` replaced by its converted HF folder (converted now, once:
+    :mod:`aepo_engine.models.gguf`), so every check reads the folder the run will load."""
+    if not cfg.model.path:
+        return cfg
+    from aepo_engine.models.gguf import find_gguf, resolve_model_dir
+
+    try:
+        source = find_gguf(cfg.model.path)
+        if source is None:
+            return cfg
+        folder = resolve_model_dir(cfg.model.path, log=lambda _: None)
+    except (OSError, ValueError, ImportError) as exc:
+        report.problems.append(f"model.path {cfg.model.path!r}: {exc}")
+        return cfg
+    report.notes.append(f"model: GGUF file {source} -> converted HF folder {folder}")
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder))
+
 
 def check_model_dir(path: Path, report: DryRunReport, field: str = "model.path") -> None:
     """A Hugging Face model folder: a readable config.json, a tokenizer, weights.
@@ -215,7 +239,7 @@ def _prompt_token_counter(cfg: TrainConfig, report: DryRunReport) -> Callable[[A
     or None when there is no loadable tokenizer."""
     path = Path(cfg.model.path) if cfg.model.path else None
     if path is None or not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None  # _check_model_dir reports the missing tokenizer
+        return None  # check_model_dir reports the missing tokenizer
     try:
         from transformers import AutoTokenizer
 
@@ -320,7 +344,7 @@ def _check_packages(cfg: TrainConfig, report: DryRunReport) -> None:
     missing = _missing
     if cfg.policy.attn_implementation == "flash_attention_2" and missing("flash_attn"):
         report.problems.append("policy.attn_implementation='flash_attention_2' but flash-attn is not installed "
-                               "(pip install -e '.[gpu]', or 'sdpa')")
+                               "(pip install flash-attn, or 'varlen': torch's own varlen kernel)")
     if cfg.logging.tensorboard == "on" and missing("tensorboard"):
         report.problems.append("logging.tensorboard='on' but tensorboard is not installed")
     if cfg.logging.wandb and missing("wandb"):
@@ -386,7 +410,7 @@ def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
         else:
             shape = ModelShape.from_dir(path)
     except (ValueError, OSError):
-        return  # _check_model_dir reports a model directory without a readable config.json
+        return  # check_model_dir reports a model directory without a readable config.json
     dtype = (model_dtype(path) if path is not None else None) or torch.float32
     footprint = checkpoint_footprint(shape.params(), dtype.itemsize, cfg.checkpoint)
     report.notes.append("checkpoint disk: " + footprint.describe(cfg.checkpoint, str(dtype).removeprefix("torch.")))
@@ -416,7 +440,7 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
     except (ValueError, OSError) as exc:
         report.problems.append(f"memory plan: {cfg.model.path}/config.json: {exc}")
         return
-    plan = plan_memory(cfg, shape, world, capacity)
+    plan = plan_memory(cfg, shape, world, capacity, gpu_name=gpu or "")
     report.plan += [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
                     f"vocabulary {shape.vocab})", *plan.lines()]
     if not plan.fits:
@@ -424,3 +448,45 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
         report.problems.append(
             f"memory plan: {plan.peak / gib:.1f} GiB per GPU at its peak ({plan.peak_phase}), more than the "
             f"{capacity / gib:.1f} GiB of a {gpu}; turn: " + "; ".join(plan.knobs))
+    if plan.preempts:
+        kv = plan.kv
+        report.problems.append(
+            f"memory plan: vLLM's KV cache holds {kv.tokens:,} tokens per engine, {kv.trajectories} trajectories of "
+            f"max_model_len {kv.max_model_len}, but up to {kv.concurrent} run at once: the engine would preempt "
+            "(recompute) sequences whenever they grow long; turn: " + "; ".join(plan.kv_knobs))
+
+
+def _cpu_run(cfg: TrainConfig) -> bool:
+    """A run in one process on a machine without CUDA, with the HF backend: what the CPU plan covers."""
+    import torch
+
+    return cfg.backend.kind == "hf" and not torch.cuda.is_available() and bool(cfg.model.path)
+
+
+def _plan_cpu_memory(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The host-memory plan of a CPU run (:mod:`aepo_engine.cpu_memory_plan`), against this
+    machine's memory: a plan above it is a warning (the check may run on another machine)."""
+    from aepo_engine.cpu_memory_plan import plan_cpu_memory
+    from aepo_engine.memory_plan import GIB, ModelShape
+
+    try:
+        shape = ModelShape.from_dir(cfg.model.path)
+    except (ValueError, OSError):
+        return  # the model check above reports an unreadable config.json
+    plan = plan_cpu_memory(cfg, shape)
+    report.plan += [f"model: {shape.params() / 1e9:.3f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+                    f"vocabulary {shape.vocab})", *plan.lines()]
+    total = _machine_memory()
+    if total and plan.peak > total:
+        report.warnings.append(f"CPU memory plan: a peak of {plan.peak / GIB:.1f} GiB, more than this machine's "
+                               f"{total / GIB:.1f} GiB")
+
+
+def _machine_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

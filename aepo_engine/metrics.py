@@ -123,7 +123,7 @@ class ProgressBar:
         filled = int(width * (step + 1) / max(self.total, 1))
         parts = [f"[{'#' * filled}{'.' * (width - filled)}] {self.unit} {step + 1}/{self.total}"]
         parts += [f"{k} {v:.3g}" for k, v in fields.items() if isinstance(v, (int, float)) and math.isfinite(v)]
-        parts.append(f"eta {eta:.0f}s")
+        parts.append(f"eta {eta:.0f}s" if done > 0 else "eta ?")  # nothing finished: no rate yet
         line = " | ".join(parts)
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LossConfig
-from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
+from .fused_linear import FusedLinearAEPOLossFunction, chunk_bytes_for, fused_linear_logprob_entropy, token_chunk_for_budget
 from .logits_ops import _as_3d, _resolve_backend, logit_map, logprob_entropy, shift_labels_left, shift_to_labels
 from .one_pass import OnePassLossFunction, aggregation_weights, one_pass_loss_traceable
 from .policy_loss import _loss_stats, apply_token_weights, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
@@ -365,7 +365,7 @@ def fused_linear_aepo_policy_loss(
     loss_mask: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
     **options,
@@ -375,7 +375,8 @@ def fused_linear_aepo_policy_loss(
 
     Args (others as :func:`aepo_policy_loss`):
         chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block in ``hidden``'s
-            dtype (``token_chunk = chunk_bytes // (V * element size)``), unless ``token_chunk`` is given.
+            dtype (``token_chunk = chunk_bytes // (V * element size)``), unless ``token_chunk`` is given;
+            None: 192 MiB off CUDA, from free memory on CUDA (``fused_linear.chunk_bytes_for``).
         vocab_chunk: vocab block of the no-grad entropy pass of the two-phase path only.
         **options: the keywords of :class:`LossOptions`. ``backend``: the row op on each logits
             block, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``. ``shift_labels``: hidden
@@ -402,6 +403,7 @@ def fused_linear_aepo_policy_loss(
         softcap=o.softcap)[1])
     n_tokens = labels.numel()
     inputs = _as_3d_inputs(inputs, (1, n_tokens))
+    chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
     token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
     loss, rows = FusedLinearAEPOLossFunction.apply(
         hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs,

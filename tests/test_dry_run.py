@@ -16,8 +16,9 @@ from runs import child_env, run_main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo"
 PAPER = ["--preset", "qwen3_14b_deep_research"]
-# The paper preset on a CPU machine without vLLM/flash-attn packages concerns: HF backend, sdpa.
-CPU = ["--backend.kind=hf", "--policy.attn_implementation=sdpa"]
+# The paper preset on a CPU machine without vLLM/flash-attn packages concerns: HF backend (one
+# device: no tensor parallelism), sdpa.
+CPU = ["--backend.kind=hf", "--backend.tensor_parallel_size=1", "--policy.attn_implementation=sdpa"]
 
 
 def dry_run(*args: str) -> subprocess.CompletedProcess:

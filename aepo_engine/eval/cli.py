@@ -140,6 +140,13 @@ def resolve_model(spec: str) -> ModelSource:
     Raises:
         ConfigError: nothing loadable there (the message says what was expected).
     """
+    from aepo_engine.models.gguf import find_gguf, resolve_model_dir
+
+    try:
+        if find_gguf(spec) is not None:  # a GGUF file (or a folder with one): its converted HF folder
+            return ModelSource(Path(resolve_model_dir(spec)))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {spec!r}: {exc}") from None
     path = Path(spec)
     if (path / "meta.json").is_file() and not (path / HF_EXPORT).is_dir():
         raise ConfigError(f"checkpoint {path} has no {HF_EXPORT}/ export: a run exports its final checkpoint "
@@ -158,7 +165,7 @@ def resolve_model(spec: str) -> ModelSource:
             return ModelSource(path, run, _run_config(run))
         return ModelSource(path)
     raise ConfigError(f"--model {spec!r}: expected a Hugging Face model folder (config.json), a checkpoint "
-                      "folder (hf_model/) or a training run folder (config.toml + checkpoints/)")
+                      "folder (hf_model/), a training run folder (config.toml + checkpoints/) or a GGUF file")
 
 
 def _check_export(checkpoint: Path) -> None:
@@ -340,8 +347,8 @@ def _print_skipped(sets: list[EvalSet]) -> None:
 
 def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     """Generate, score, judge and report; returns the summary (also written to the output folder)."""
-    from aepo_engine.data import encode_chat_prompt
     from aepo_engine.metrics import ProgressBar
+    from aepo_engine.tools.formats import build_tool_format
     from aepo_engine.rollout.backends import build_backend
     from aepo_engine.tools import ToolRunner, build_tools
     from transformers import AutoTokenizer
@@ -356,6 +363,7 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
           f"{cfg.eval.n_samples} samples per question; {len(done)} questions already done; output {out}",
           flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
+    tool_format = build_tool_format(plan.tools.format, tokenizer, plan.tools.enabled)
     # The backend first: a vLLM engine must start before the search index loads numba.
     backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
     judge, judge_error = start_judge(cfg.eval.judge, out / "judge_cache.jsonl",
@@ -363,17 +371,18 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     judge_info = None if judge is None else {"model": judge.model, "prompt": cfg.eval.judge.prompt, "url": judge.base}
     print(f"[eval] {provenance({'scoring': cfg.eval.scoring, 'judge': judge_info})}", flush=True)
     bar = ProgressBar(total, start=len(done), unit="questions")
-    t0, generated = time.perf_counter(), 0
+    t0, generated, tokens = time.perf_counter(), 0, 0
     with ToolRunner(build_tools(plan.tools), max_workers=plan.tools.max_workers) as tools:
         for eval_set in plan.sets:
             for start in range(0, len(eval_set.examples), cfg.questions_per_batch):
                 batch = eval_set.examples[start:start + cfg.questions_per_batch]
                 if all((eval_set.name, e.index) in done for e in batch):
                     continue
-                prompts = [encode_chat_prompt(tokenizer, eval_messages(e, cfg.eval.system_prompt)) for e in batch]
+                prompts = [tool_format.encode_prompt(eval_messages(e, cfg.eval.system_prompt)) for e in batch]
                 new = sample_records(backend, tools, tokenizer, cfg.rollout, cfg.eval, prompts, batch, eval_set.check,
                                      reward_fn=plan.reward_fns.get(eval_set.name),
-                                     step=start // cfg.questions_per_batch)
+                                     step=start // cfg.questions_per_batch, tool_format=tool_format,
+                                     progress=f"{eval_set.name} batch {start // cfg.questions_per_batch + 1}")
                 new = [r for r in new if (r["dataset"], r["question_index"]) not in done]
                 if judge is not None:
                     judge_records(new, judge)
@@ -381,7 +390,9 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
                 records += new
                 done |= {(r["dataset"], r["question_index"]) for r in new}
                 generated += len({r["question_index"] for r in new})
-                bar.update(len(done) - 1, {"pass@1": sum(r["correct"] for r in records) / len(records)})
+                tokens += sum(r["total_tokens"] for r in new)
+                bar.update(len(done) - 1, {"pass@1": sum(r["correct"] for r in records) / len(records),
+                                           "tok/s": tokens / max(time.perf_counter() - t0, 1e-9)})
     bar.close()
     seconds = time.perf_counter() - t0
     summary = summarize(records, cfg.eval.pass_ks)
