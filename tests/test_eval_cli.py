@@ -17,7 +17,7 @@ import pytest
 from conftest import vllm_missing
 from runs import child_env, train
 from aepo_engine.config_loader import ConfigError
-from aepo_engine.eval.cli import expand_aliases, main, resolve_model
+from aepo_engine.eval import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_aliases():
 
 
 def test_options_from_a_config_file(tiny, tmp_path):
-    from aepo_engine.eval.cli import load_eval_command
+    from aepo_engine.eval import load_eval_command
 
     path = tmp_path / "eval.toml"
     path.write_text(f'model = "{tiny / "model"}"\n[eval]\nfiles = ["bamboogle", "hle"]\nk = [1, 4]\n'

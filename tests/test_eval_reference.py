@@ -234,7 +234,7 @@ def test_reward_rules_config():
 def test_config_fields_load_dump_and_reject():
     from aepo_engine.config import TrainConfig, load_train_config
     from aepo_engine.config_loader import ConfigError, dump_config, loads_config
-    from aepo_engine.eval.cli import expand_aliases
+    from aepo_engine.eval import expand_aliases
 
     default = load_train_config([])
     assert (default.reward.rules, default.eval.scoring, default.eval.judge.prompt) == ("engine",) * 3

@@ -474,3 +474,7 @@ def main(argv: list[str]) -> dict[str, Any] | None:
     if result["judge_error"]:
         raise SystemExit(3)
     return result
+
+
+if __name__ == "__main__":
+    main()
