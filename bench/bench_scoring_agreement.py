@@ -189,7 +189,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def eval_cases(questions: int, authors: Authors | None) -> list[dict[str, Any]]:
     from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
-    from aepo_engine.evaluation.reference import reference_task
+    from aepo_engine.evaluation.authors import authors_task
     from aepo_engine.evaluation.scoring import score_response
 
     cases = []
@@ -207,7 +207,7 @@ def eval_cases(questions: int, authors: Authors | None) -> list[dict[str, Any]]:
                                            gold=e.meta["gold"])
                 case = {"set": name, "variant": variant, "kind": kind, "engine": engine, "reference": reference}
                 if authors is not None:
-                    case["authors"] = authors.eval_scores(response, e.meta["gold"], reference_task(eval_set.check))
+                    case["authors"] = authors.eval_scores(response, e.meta["gold"], authors_task(eval_set.check))
                 cases.append(case)
     return cases
 

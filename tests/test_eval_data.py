@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from aepo_engine.evaluation.benchmarks import (BENCHMARKS, REFERENCE_SYSTEM_PROMPT, eval_messages, load_eval_source,
+from aepo_engine.evaluation.benchmarks import (AUTHORS_SYSTEM_PROMPT, BENCHMARKS, eval_messages, load_eval_source,
                                                resolve_source)
 
 # name -> (usable questions, answer check) in ../shared/data/arpo/eval
@@ -48,14 +48,14 @@ def test_reference_parquet_sets_keep_their_prompt(shared_data):
     first = valid.examples[0]
     assert eval_messages(first, "none") == first.prompt_messages  # a row's own prompt wins
     # Question-only sets get the very system prompt the parquet rows carry (typo included).
-    assert first.prompt_messages[0] == {"role": "system", "content": REFERENCE_SYSTEM_PROMPT}
+    assert first.prompt_messages[0] == {"role": "system", "content": AUTHORS_SYSTEM_PROMPT}
     gaia = load_eval_source(str(shared_data / "rl_datasets" / "gaia_test.parquet"), "")
     assert (gaia.name, len(gaia.examples), gaia.check) == ("DR_gaia", 103, "qa")
 
 
 def test_question_only_rows_get_the_configured_system_prompt(shared_data):
     e = load_eval_source("bamboogle", shared_data / "eval").examples[0]
-    assert eval_messages(e, "reference") == [{"role": "system", "content": REFERENCE_SYSTEM_PROMPT},
+    assert eval_messages(e, "reference") == [{"role": "system", "content": AUTHORS_SYSTEM_PROMPT},
                                              {"role": "user", "content": e.question}]
     assert eval_messages(e, "none") == [{"role": "user", "content": e.question}]
     assert eval_messages(e, "Be brief.")[0] == {"role": "system", "content": "Be brief."}

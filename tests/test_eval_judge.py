@@ -18,7 +18,7 @@ import pytest
 
 from conftest import vllm_missing
 from aepo_engine.evaluation.config import JudgeConfig
-from aepo_engine.evaluation.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
+from aepo_engine.evaluation.judge import (AUTHORS_JUDGE_PROMPT, JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
                                           parse_verdict, start_judge)
 
 
@@ -223,7 +223,7 @@ def test_reference_prompt_gold_shortcut_and_separate_cache(stub, tmp_path):
     # a list gold is shown as its Python text; the request carries no sampling settings (server defaults)
     verdict = reference.judge("Who?", ["Frank Lowy"], "frank lowy", gold=["Frank Lowy"])
     (sent,) = stub.requests
-    assert sent["messages"][0]["content"] == REFERENCE_JUDGE_PROMPT.format(
+    assert sent["messages"][0]["content"] == AUTHORS_JUDGE_PROMPT.format(
         question="Who?", labeled_answer="['Frank Lowy']", predicted_answer="frank lowy")
     assert "temperature" not in sent and "max_tokens" not in sent
     assert verdict.correct is False  # the stub compares "['Frank Lowy']" with "frank lowy"

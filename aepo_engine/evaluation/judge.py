@@ -6,9 +6,9 @@ chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``ju
   ``judge.max_tokens``. It is *not* the authors' prompt.
 - ``"reference"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
   RUC-NLPIR/ARPO, read at commit a95cd08): their prompt text verbatim
-  (:data:`REFERENCE_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
+  (:data:`AUTHORS_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
   their loader reads it (a list shows as its Python text, ``['Frank Lowy']``), the server's default
-  sampling, and their shortcut: when their string equivalence (``eval.reference.is_equiv``) of
+  sampling, and their shortcut: when their string equivalence (``evaluation.authors.is_equiv``) of
   prediction and gold holds, the answer is correct without asking.
 
 Both parse the reply the same strict way (:func:`parse_verdict`); a reply it cannot read is an
@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from aepo_engine.evaluation.config import JudgeConfig
-from aepo_engine.evaluation.reference import is_equiv
+from aepo_engine.evaluation.authors import is_equiv
 
-__all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict",
+__all__ = ["AUTHORS_JUDGE_PROMPT", "JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict",
            "start_judge"]
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ Are these answers equivalent? Please respond with "Correct" if they are equivale
 
 # The authors' judge prompt (llm_evaluator_sds.py), verbatim: the judge model's input decides its
 # verdicts, so a comparable number needs the same text.
-REFERENCE_JUDGE_PROMPT = """Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "Correct" if the prediction is correct and "Incorrect" otherwise.
+AUTHORS_JUDGE_PROMPT = """Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "Correct" if the prediction is correct and "Incorrect" otherwise.
 Golden Answer may have multiple options, and matching any one of them is considered correct.
 
 Question: {question}
@@ -139,7 +139,7 @@ def labeled_answer(references: Sequence[str]) -> str:
     return str(references[0]) if len(references) == 1 else "any of: " + " | ".join(map(str, references))
 
 
-def reference_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
+def authors_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
     """The reference prompt's golden answer: the gold as the authors' loader reads it (a list is
     shown as its Python text by ``str.format``), else the one reference, else the list."""
     if gold is not None:
@@ -232,8 +232,8 @@ class LLMJudge:
     def _request(self, question: str, references: Sequence[str], prediction: str, gold: Any) -> dict:
         """The chat request for one item under ``judge.prompt`` (module docstring)."""
         if self.cfg.prompt == "reference":
-            prompt = REFERENCE_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
-                                                   labeled_answer=reference_labeled_answer(references, gold))
+            prompt = AUTHORS_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
+                                                 labeled_answer=authors_labeled_answer(references, gold))
             return {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
         prompt = JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer(references),
                                      predicted_answer=prediction)
@@ -253,7 +253,7 @@ class LLMJudge:
         Returns:
             The :class:`Judgment`.
         """
-        if self.cfg.prompt == "reference" and is_equiv(prediction, reference_labeled_answer(references, gold)):
+        if self.cfg.prompt == "reference" and is_equiv(prediction, authors_labeled_answer(references, gold)):
             return Judgment(True, source="string-equivalence")
         body = self._request(question, references, prediction, gold)
         key = hashlib.sha256(json.dumps(body, ensure_ascii=False, sort_keys=True).encode()).hexdigest()

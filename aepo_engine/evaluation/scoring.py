@@ -18,7 +18,7 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
   ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
   answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
-``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.reference`):
+``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
 sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
 
@@ -32,7 +32,7 @@ import re
 from math import comb
 from typing import Any, Sequence
 
-from aepo_engine.evaluation.reference import reference_metrics, reference_prediction, reference_task
+from aepo_engine.evaluation.authors import authors_metrics, authors_prediction, authors_task
 from aepo_engine.rewards.base import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal
@@ -124,12 +124,12 @@ def _engine_scores(response: str, references: list[str], check: str,
     return scores
 
 
-def _reference_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
+def _authors_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
     if gold is None:  # no gold as their loader reads it: one reference is their string form
         gold = references[0] if len(references) == 1 else references
-    task = reference_task(check)
-    answer = reference_prediction(response)
-    scores: dict[str, Any] = {"answer": answer, **reference_metrics(answer, gold, task)}
+    task = authors_task(check)
+    answer = authors_prediction(response)
+    scores: dict[str, Any] = {"answer": answer, **authors_metrics(answer, gold, task)}
     scores["correct"] = bool(scores["math"] if task == "math" else scores["em"])
     return scores
 
@@ -160,7 +160,7 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
     refs = _references(references)
     form = check_format(response, tool_spans)
     if scoring == "reference":
-        scores = _reference_scores(response, refs, check, gold)
+        scores = _authors_scores(response, refs, check, gold)
     else:
         scores = _engine_scores(response, refs, check, tool_spans)
     return {**scores, "format_ok": form.error is None, "format_error": form.error}

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
-from aepo_engine.evaluation.reference import (gsm8k_gold, is_equiv, reference_metrics, reference_prediction,
-                                              strip_math_string)
+from aepo_engine.evaluation.authors import (authors_metrics, authors_prediction, gsm8k_gold, is_equiv,
+                                            strip_math_string)
 from aepo_engine.evaluation.scoring import score_response
 from aepo_engine.rewards import RewardConfig, build_reward_fn, get_reward
 
@@ -37,13 +37,13 @@ def ref(response: str, golds, check: str = "qa", gold=None) -> dict:
     ("<search>q</search><result><answer>\\boxed{Lyon}</answer></result>", "Lyon"),  # tool results count
 ])
 def test_prediction(response, expected):
-    assert reference_prediction(response) == expected
+    assert authors_prediction(response) == expected
 
 
 def test_empty_prediction_falls_back_to_the_last_five_lines():
     response = "l1\n\nl2\nl3\nl4\nl5\nl6\n<answer></answer>"
-    assert reference_prediction(response) == "l3\nl4\nl5\nl6\n<answer></answer>"
-    assert reference_prediction("   ") == ""
+    assert authors_prediction(response) == "l3\nl4\nl5\nl6\n<answer></answer>"
+    assert authors_prediction("   ") == ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,35 +82,35 @@ def test_clean_up_failures_compare_the_raw_strings():
 def test_qa_metrics_hand_worked():
     # Punctuation is kept: "frank lowy." vs "frank lowy": em 0; acc 1 (substring);
     # tokens [frank, lowy.] vs [frank, lowy]: common 1, P = R = 1/2, F1 = 0.5.
-    m = reference_metrics("Frank Lowy.", ["Frank Lowy"], "qa")
+    m = authors_metrics("Frank Lowy.", ["Frank Lowy"], "qa")
     assert (m["em"], m["acc"], m["f1"]) == (0.0, 1.0, 0.5)
     # articles dropped, case folded: exact
-    assert reference_metrics("The Frank Lowy", ["frank lowy"], "qa")["em"] == 1.0
+    assert authors_metrics("The Frank Lowy", ["frank lowy"], "qa")["em"] == 1.0
     # no yes/no rule in their eval F1: [not, yes] vs [yes] -> P = 1/2, R = 1, F1 = 2/3
-    assert reference_metrics("not yes", ["yes"], "qa")["f1"] == pytest.approx(2 / 3)
+    assert authors_metrics("not yes", ["yes"], "qa")["f1"] == pytest.approx(2 / 3)
     # whitespace tokens only: a Chinese answer is one token
-    assert reference_metrics("肖亮", ["肖亮老师"], "qa")["f1"] == 0.0
+    assert authors_metrics("肖亮", ["肖亮老师"], "qa")["f1"] == 0.0
     # an empty gold is in every prediction
-    assert reference_metrics("anything", [""], "qa")["acc"] == 1.0
-    assert reference_metrics("", ["x"], "qa") == {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
+    assert authors_metrics("anything", [""], "qa")["acc"] == 1.0
+    assert authors_metrics("", ["x"], "qa") == {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
 
 
 def test_bracketed_string_gold_is_split_on_commas():
     # HLE's gold "[11,19,22]" (a string) becomes three golds: "19" is an exact match.
-    assert reference_metrics("19", "[11,19,22]", "qa")["em"] == 1.0
-    assert reference_metrics("19", ["[11,19,22]"], "qa")["em"] == 0.0  # a list is not split
-    assert reference_metrics("'a'", "['a', 'b']", "qa")["em"] == 1.0  # quotes are kept
+    assert authors_metrics("19", "[11,19,22]", "qa")["em"] == 1.0
+    assert authors_metrics("19", ["[11,19,22]"], "qa")["em"] == 0.0  # a list is not split
+    assert authors_metrics("'a'", "['a', 'b']", "qa")["em"] == 1.0  # quotes are kept
 
 
 def test_math_metrics_and_correct():
-    m = reference_metrics("x = 5", 5, "math")  # an int gold is read as "5"
+    m = authors_metrics("x = 5", 5, "math")  # an int gold is read as "5"
     assert (m["em"], m["acc"], m["math"]) == (0.0, 1.0, 1.0)
     s = ref("<answer>\\boxed{x = 5}</answer>", ["5"], "math", gold=5)
     assert s["correct"] and s["em"] == 0.0  # "correct" on maths sets is math_equal
     s = ref("<answer>\\boxed{Paris, France}</answer>", ["Paris"], "qa")
     assert not s["correct"] and s["acc"] == 1.0  # ... and em on QA sets
     with pytest.raises(ValueError, match="unknown reference task"):
-        reference_metrics("x", "x", "mixed")
+        authors_metrics("x", "x", "mixed")
 
 
 def test_mixed_sets_are_qa_sets_for_them():
@@ -166,7 +166,7 @@ def rr(response: str, gt, **options):
     return deep_research(response, gt, rules="reference", **options)
 
 
-def test_reference_reward_agrees_on_plain_responses():
+def test_authors_reward_agrees_on_plain_responses():
     cases = ((dr("Eiffel Tower"), "the Eiffel Tower"), (dr("the eiffel tower", ("search",)), "Eiffel Tower in Paris"),
              (dr("London"), "Paris"), (dr("New York", ()), ["NYC", "New York City"]))
     for response, gt in cases:
@@ -187,12 +187,12 @@ def test_reference_reward_agrees_on_plain_responses():
     ("<think>t</think><answer>{a} \\boxed{Paris</answer>", "find box error"),  # unclosed box
     ("<think>t</think><answer>\\boxed{a} \\boxed</answer>", "find box error"),  # the last \boxed has no brace
 ])
-def test_reference_reward_format_errors(response, reason):
+def test_authors_reward_format_errors(response, reason):
     result = rr(response, "Paris")
     assert result.score == -1.0 and not result.correct and reason in result.details["format_error"]
 
 
-def test_reference_reward_rules_hand_worked():
+def test_authors_reward_rules_hand_worked():
     # the bonus counts closing tags anywhere, a page quoting "</python>" too: F1 1 + 0.1; the engine
     # counts completed calls (search only here): 1.0
     quoted = "<think>t</think><search>q</search> <result>page: </python></result><answer>\\boxed{Paris}</answer>"
