@@ -256,7 +256,7 @@ def check_logprob_entropy(shapes: Shapes, dtype: torch.dtype, softcap: float | N
     buffer, view, labels = masked_logits(shapes, dtype, seed=1)
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     g_lp, g_h = (torch.randn(labels.shape, device=DEVICE, generator=gen) for _ in range(2))
-    logp, entropy = logprob_entropy(view, labels, 0.9, backend="triton", softcap=softcap)
+    logp, entropy = logprob_entropy(view, labels, 0.9, backend="triton", softcap=softcap, shift_labels=False)
     (logp * g_lp + entropy * g_h).sum().backward()
     grad = buffer.grad[:, :-1].reshape(-1, shapes.vocab)
     flat, flat_labels = view.detach().reshape(-1, shapes.vocab), labels.reshape(-1)
@@ -309,7 +309,7 @@ def check_one_pass(shapes: Shapes, dtype: torch.dtype, softcap: float | None) ->
     std = (((entropy64 - mean) ** 2 * weights).sum() / count).sqrt()
     loss, stats = aepo_policy_loss(view, labels, old, advantages, mask, config=config, temperature=0.9, backend="triton",
                                    entropy_mean=mean.float(), entropy_std=std.float(), global_token_count=count.float(),
-                                   ref_logprobs=ref_logprobs, softcap=softcap, return_token_loss=True)
+                                   ref_logprobs=ref_logprobs, softcap=softcap, return_token_loss=True, shift_labels=False)
     loss.backward()
     grad = buffer.grad[:, :-1].reshape(-1, shapes.vocab)
     errors, scale, expected = {}, 0.0, 0.0
@@ -400,8 +400,8 @@ def logits_section(shapes: Shapes, copy_bw: float) -> list[dict]:
     reference = lambda z: aepo_loss_reference(z, inputs["labels"], inputs["old_logprobs"], inputs["advantages"],  # noqa: E731
                                               inputs["loss_mask"])
     impls = {
-        "one_pass_inplace": lambda z: aepo_policy_loss(z, **inputs, backend="triton", inplace_backward=True, **stats)[0],
-        "one_pass": lambda z: aepo_policy_loss(z, **inputs, backend="triton", **stats)[0],
+        "one_pass_inplace": lambda z: aepo_policy_loss(z, **inputs, backend="triton", inplace_backward=True, shift_labels=False, **stats)[0],
+        "one_pass": lambda z: aepo_policy_loss(z, **inputs, backend="triton", shift_labels=False, **stats)[0],
         "eager_torch": reference,
         "torch_compile": torch.compile(reference),
     }
@@ -477,7 +477,7 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
 
     def fused():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-        loss, _ = fused_linear_aepo_policy_loss(h, w, labels, **per_token, **stats)
+        loss, _ = fused_linear_aepo_policy_loss(h, w, labels, **per_token, shift_labels=False, **stats)
         loss.backward()
 
     gemm = timed(gemms, repeats)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-CODE = [p for top in ("aepo_engine", "kernels", "bench", "tests") for p in (ROOT / top).rglob("*")
+CODE = [p for top in ("aepo_engine", "kernels", "bench", "tests", "examples") for p in (ROOT / top).rglob("*")
         if p.suffix in (".py", ".toml", ".c", ".sh") and "__pycache__" not in p.parts]
 
 
@@ -67,9 +67,25 @@ def test_readme_trl_snippet_is_the_documented_one():
     assert block(ROOT / "README.md") == block(ROOT / "docs" / "integrations.md")
 
 
+def test_readme_loss_snippet_is_the_examples():
+    """The README's aepo_policy_loss snippet (HF alignment, temperature shown) is the block of
+    examples/hf_loop.py between its "README snippet" markers, which tests/test_example_hf_loop.py
+    runs; docs/library.md shows the same lines."""
+    def block(path: Path) -> str:
+        (found,) = [b for b in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+                    if b.startswith("from aepo_kernels import aepo_policy_loss, LossConfig\n# HF logits")]
+        return found
+
+    example = (ROOT / "examples" / "hf_loop.py").read_text()
+    marked = example.split("# README snippet", 1)[1].split("\n", 1)[1].split("# end of README snippet")[0]
+    lines = [line[4:] for line in marked.rstrip().splitlines()]
+    assert block(ROOT / "README.md") == "\n".join(lines) + "\n"
+    assert block(ROOT / "docs" / "library.md") == block(ROOT / "README.md")
+
+
 # --- repository paths named in code and docs ------------------------------------------------------
 
-TOPS = ("aepo_engine", "aepo_kernels", "kernels", "tests", "bench", "docs", ".ci")  # aepo_kernels = kernels/
+TOPS = ("aepo_engine", "aepo_kernels", "kernels", "tests", "bench", "docs", "examples", ".ci")  # aepo_kernels = kernels/
 PACKAGE_DIRS = {p.name for top in ("aepo_engine", "kernels") for p in (ROOT / top).iterdir()
                 if p.is_dir() and p.name != "__pycache__"}
 # A rooted path: starts at a top folder of the repository; placeholders (<gpu>, {md,jsonl}, *) glob.

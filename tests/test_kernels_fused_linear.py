@@ -29,7 +29,7 @@ def test_matches_materialised_logits(dtype, token_chunk, vocab_chunk):
         return logp.detach(), ent.detach(), [t.grad.float() for t in leaves]
 
     got = grads(lambda h, w, b: fused_linear_logprob_entropy(
-        h, w, labels, 0.8, bias=b, token_chunk=token_chunk, vocab_chunk=vocab_chunk))
+        h, w, labels, 0.8, bias=b, token_chunk=token_chunk, vocab_chunk=vocab_chunk, shift_labels=False))
     # The oracle: the logits a head in the inputs' dtype computes (nn.Linear: the fused matmuls run
     # in that dtype too), materialised, then the plain fp32 log_softmax reference.
     ref = grads(lambda h, w, b: logprob_entropy_reference(torch.nn.functional.linear(h, w, b).float(), labels, 0.8))
@@ -53,7 +53,7 @@ def test_float64_gradcheck_hidden_weight_bias():
     bias = torch.randn(13, dtype=torch.float64, generator=gen, requires_grad=True)
     labels = torch.randint(0, 13, (2, 5), generator=gen)
     labels[0, 0] = -100
-    fn = lambda h, w, b: fused_linear_logprob_entropy(h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5)
+    fn = lambda h, w, b: fused_linear_logprob_entropy(h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5, shift_labels=False)
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
@@ -66,19 +66,14 @@ def test_loss_matches_logits_level_loss():
     mask = (torch.rand(4, 8, generator=gen) > 0.2).float()
     cfg = LossConfig(aggregation="seq-mean-token-mean")
     h1, w1, h2, w2 = (t.clone().requires_grad_() for t in (hidden, weight, hidden, weight))
-    loss, stats = fused_linear_aepo_policy_loss(h1.reshape(4, 8, 16), w1, labels, old, adv, mask, config=cfg, token_chunk=5, vocab_chunk=100)
-    ref, ref_stats = aepo_policy_loss((h2 @ w2.T).reshape(4, 8, -1), labels, old, adv, mask, config=cfg, backend="reference")
+    loss, stats = fused_linear_aepo_policy_loss(h1.reshape(4, 8, 16), w1, labels, old, adv, mask, config=cfg, token_chunk=5, vocab_chunk=100, shift_labels=False)
+    ref, ref_stats = aepo_policy_loss((h2 @ w2.T).reshape(4, 8, -1), labels, old, adv, mask, config=cfg, backend="reference", shift_labels=False)
     loss.backward()
     ref.backward()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stats["entropy"], ref_stats["entropy"])
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
-
-
-def test_shape_errors():
-    with pytest.raises(ValueError, match="shapes"):
-        fused_linear_logprob_entropy(torch.zeros(3, 4), torch.zeros(10, 5), torch.zeros(3, dtype=torch.long))
 
 
 def test_the_logits_block_is_sized_from_free_memory_on_cuda(monkeypatch):
@@ -108,5 +103,6 @@ def test_the_logits_block_is_sized_from_free_memory_on_cuda(monkeypatch):
     resolved = []
     monkeypatch.setattr(api, "chunk_bytes_for", lambda device, budget: resolved.append((device, budget)) or (1 << 20))
     hidden, weight, _, labels = _inputs(9, 8, 50, torch.float32, seed=1)
-    fused_linear_aepo_policy_loss(hidden, weight, labels, torch.full((9,), -3.0), torch.ones(9), torch.ones(9))
+    fused_linear_aepo_policy_loss(hidden, weight, labels, torch.full((9,), -3.0), torch.ones(9), torch.ones(9),
+                                  shift_labels=False)
     assert resolved == [(torch.device("cpu"), None)]

@@ -258,9 +258,11 @@ class PolicyModel(nn.Module):
         hidden = _in_compute_dtype(hidden)
         if self.fused:
             logprobs, entropy = fused_linear_logprob_entropy(
-                hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes)
+                hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes,
+                shift_labels=False)  # labels[t]: the target of hidden row t
         else:
-            logprobs, entropy = logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
+            logits = head(hidden)  # [B, L, V]
+            logprobs, entropy = logprob_entropy(logits, labels, self.temperature, shift_labels=False)
         # The kernels return reshaped views; FSDP2 hooks a root's outputs for backward and an in-place
         # op on a view would bypass that hook, so hand out fresh [B, L] tensors (cheap: no V).
         return logprobs.clone(), entropy.clone()
@@ -276,9 +278,10 @@ class PolicyModel(nn.Module):
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
-                                                 chunk_bytes=self.chunk_bytes, **kwargs)
+                                                 chunk_bytes=self.chunk_bytes, shift_labels=False, **kwargs)
         # The head's output is used by nothing else: its buffer can take the gradient.
-        return aepo_policy_loss(head(hidden), *args, inplace_backward=True, **kwargs)  # logits: [B, L, V]
+        logits = head(hidden)  # [B, L, V]
+        return aepo_policy_loss(logits, *args, inplace_backward=True, shift_labels=False, **kwargs)
 
 
 def _in_compute_dtype(hidden: Tensor) -> Tensor:

@@ -297,7 +297,7 @@ class AEPOGRPOTrainer(GRPOTrainer):
         return fused_linear_aepo_policy_loss(
             hidden, head.weight, inputs["completion_ids"], inputs["old_per_token_logps"], inputs["advantages"], mask,
             temperature=self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes, token_weights=weights,
-            **kwargs)
+            shift_labels=False, **kwargs)
 
     def _trl_extra_terms(self, entropies, mask, aux_loss) -> torch.Tensor | float:
         """TRL's entropy bonus (static or adaptive) and MoE auxiliary loss, as GRPOTrainer adds them."""
