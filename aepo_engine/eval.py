@@ -43,6 +43,7 @@ from aepo_engine.evaluation.core import judge_records, sample_records
 from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge, start_judge
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
 from aepo_engine.files import write_text_atomic
+from aepo_engine.rewards.base import RULES_RENAMED
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -276,6 +277,9 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
 
 # Fingerprint keys added after output folders were first written, with the value those folders had.
 _FINGERPRINT_SINCE = {"scoring": "engine", "judge_prompt": "engine"}
+# Fingerprint keys whose values were renamed since (the authors' rules were "reference"): an old
+# folder's value is read under its new name, as the config loader reads an old config.
+_FINGERPRINT_RENAMED = {key: RULES_RENAMED for key in ("scoring", "judge_prompt", "system_prompt")}
 
 
 def _fingerprint(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
@@ -323,6 +327,7 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
         (out / SAMPLES_FILE).unlink(missing_ok=True)
     elif run_file.is_file() and (out / SAMPLES_FILE).is_file():
         before = {**_FINGERPRINT_SINCE, **json.loads(run_file.read_text())}
+        before.update({k: names.get(before.get(k), before.get(k)) for k, names in _FINGERPRINT_RENAMED.items()})
         changed = sorted(k for k in fingerprint.keys() | before.keys() if fingerprint.get(k) != before.get(k))
         if changed:
             raise ConfigError(f"{out} holds an evaluation with other settings ({', '.join(changed)} differ): "

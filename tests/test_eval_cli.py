@@ -74,7 +74,7 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     for r in records:
         assert {"prompt", "response", "tool_calls", "answer", "em", "f1", "math", "format_ok", "correct",
                 "response_tokens", "finish_reason", "references", "meta"} <= set(r)
-        assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the reference prompt
+        assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the authors' prompt
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["datasets"]) == {"bamboogle", "aime25"} and summary["questions_generated"] == 6
     assert summary["datasets"]["aime25"]["questions"] == 3 and "pass@2" in summary["datasets"]["aime25"]
@@ -90,14 +90,14 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     from aepo_engine.evaluation.scoring import score_response
 
     out = tmp_path / "ref"
-    main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "reference"))
+    main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "authors"))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["scoring"] == "reference" and "Scoring: reference rules" in (out / "summary.md").read_text()
+    assert summary["scoring"] == "authors" and "Scoring: authors rules" in (out / "summary.md").read_text()
     records = _samples(out)
     assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
     for r in records:  # the records hold the authors' scores of each response
         check = "mixed" if r["dataset"] == "hle" else "math"
-        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"],
+        expected = score_response(r["response"], r["references"], check, scoring="authors", gold=r["meta"]["gold"],
                                   tool_spans=[tuple(span) for span in r["tool_spans"]])
         assert {k: r[k] for k in expected} == expected
     capsys.readouterr()
@@ -105,6 +105,27 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2"))
     assert exc.value.code == 2 and "scoring" in capsys.readouterr().err
+
+
+def test_a_folder_written_when_the_authors_rules_were_named_reference_resumes(tmp_path):
+    """run.json of an older folder says "reference" for the authors' rules and system prompt: the
+    same settings, now named "authors", resume it; other settings are still refused."""
+    from aepo_engine.config_loader import load_config
+    from aepo_engine.eval import EvalCommandConfig, ModelSource, prepare_output
+
+    cfg = load_config(EvalCommandConfig, overrides=["--eval.scoring=authors", "--eval.judge.prompt=authors"])
+    source, out = ModelSource(tmp_path / "model"), tmp_path / "out"
+    prepare_output(cfg, source, out)
+    run = json.loads((out / "run.json").read_text())
+    assert (run["scoring"], run["judge_prompt"], run["system_prompt"]) == ("authors",) * 3
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "reference", "judge_prompt": "reference",
+                                              "system_prompt": "reference"}))
+    (out / "samples.jsonl").write_text("")
+    prepare_output(cfg, source, out)  # the old folder is the same evaluation
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "reference"}))
+    engine = load_config(EvalCommandConfig, overrides=["--eval.judge.prompt=authors"])
+    with pytest.raises(ConfigError, match=r"\(scoring differ\)"):
+        prepare_output(engine, source, out)
 
 
 def _cli(args: list[str]) -> list[str]:

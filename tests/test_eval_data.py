@@ -55,7 +55,7 @@ def test_reference_parquet_sets_keep_their_prompt(shared_data):
 
 def test_question_only_rows_get_the_configured_system_prompt(shared_data):
     e = load_eval_source("bamboogle", shared_data / "eval").examples[0]
-    assert eval_messages(e, "reference") == [{"role": "system", "content": AUTHORS_SYSTEM_PROMPT},
+    assert eval_messages(e, "authors") == [{"role": "system", "content": AUTHORS_SYSTEM_PROMPT},
                                              {"role": "user", "content": e.question}]
     assert eval_messages(e, "none") == [{"role": "user", "content": e.question}]
     assert eval_messages(e, "Be brief.")[0] == {"role": "system", "content": "Be brief."}
@@ -130,5 +130,5 @@ def test_engine_jsonl_with_golden_answers_and_chat_prompts(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = load_eval_source(str(path), tmp_path)
     assert s.name == "mine" and [e.ground_truth for e in s.examples] == [["Shakespeare", "William Shakespeare"], ["4"]]
-    assert s.examples[1].question == "2+2?" and eval_messages(s.examples[1], "reference")[0]["content"] == "S"
+    assert s.examples[1].question == "2+2?" and eval_messages(s.examples[1], "authors")[0]["content"] == "S"
     assert s.check == "mixed"  # one maths row among QA rows: either check counts

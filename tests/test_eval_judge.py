@@ -204,7 +204,7 @@ def test_parse_verdict(reply, verdict):
 def test_judge_config_checks():
     with pytest.raises(ValueError, match="judge.url must be an http"):
         JudgeConfig(url="127.0.0.1:8000")
-    with pytest.raises(ValueError, match="judge.prompt must be one of engine, reference"):
+    with pytest.raises(ValueError, match="judge.prompt must be one of engine, authors"):
         JudgeConfig(prompt="paper")
 
 
@@ -219,7 +219,7 @@ def test_unparseable_reply_is_an_error_with_the_reply_kept(stub, tmp_path, caplo
 
 def test_reference_prompt_gold_shortcut_and_separate_cache(stub, tmp_path):
     cache = tmp_path / "c.jsonl"
-    reference = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), cache)
+    reference = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="authors"), cache)
     # a list gold is shown as its Python text; the request carries no sampling settings (server defaults)
     verdict = reference.judge("Who?", ["Frank Lowy"], "frank lowy", gold=["Frank Lowy"])
     (sent,) = stub.requests
@@ -311,6 +311,6 @@ def test_judge_records_pass_the_gold_to_the_reference_prompt(stub, tmp_path):
 
     records = [{"question": "Who?", "references": ["Frank Lowy"], "answer": "Frank Lowy",
                 "meta": {"gold": ["Frank Lowy"]}}]
-    judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), tmp_path / "c"))
+    judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="authors"), tmp_path / "c"))
     assert "Golden Answer: ['Frank Lowy']" in stub.requests[0]["messages"][0]["content"]
     assert records[0]["judge"]["source"] == "judge" and records[0]["judge"]["correct"] is False

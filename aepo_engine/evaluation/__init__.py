@@ -6,7 +6,7 @@ folder.
 
 Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
 (per-sample scores, pass@k), ``reference`` (the AEPO/ARPO authors' evaluator reproduced, for
-``eval.scoring = "reference"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
+``eval.scoring = "authors"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
 judge), ``report`` (summaries and files). docs/scoring.md
 compares the engine's and the authors' rules.
 """

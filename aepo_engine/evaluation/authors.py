@@ -1,4 +1,4 @@
-"""The authors' evaluation metrics, reproduced: ``eval.scoring = "reference"``.
+"""The authors' evaluation metrics, reproduced: ``eval.scoring = "authors"``.
 
 Written from our reading of the AEPO/ARPO authors' public evaluation code (github.com/RUC-NLPIR/ARPO,
 read at commit a95cd08: ``evaluation/src/utils.py`` (answer extraction), ``data_loader.py``
@@ -247,7 +247,7 @@ def authors_metrics(prediction: str, gold: Any, task: str) -> dict[str, float]:
         ``{em, acc, f1, math}``; all 0 for an empty prediction.
     """
     if task not in ("math", "qa"):
-        raise ValueError(f"unknown reference task {task!r}: use math or qa")
+        raise ValueError(f"unknown authors' task {task!r}: use math or qa")
     zero = {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
     if not prediction:
         return zero

@@ -19,7 +19,7 @@ malformed rows are reported and skipped exactly as in training data):
 
 Each benchmark example keeps its gold as the authors' evaluation loader reads it in
 ``meta["gold"]`` (the raw answer field; for GSM8K the number after ``####`` without commas), which
-``eval.scoring = "reference"`` and the reference judge prompt use.
+``eval.scoring = "authors"`` and the authors' judge prompt use.
 
 Question-only rows get the system prompt of the reference parquet sets (``system_prompt``), so a
 model trained on those sees the format it learned. Chinese sets need nothing special here: token
@@ -212,7 +212,7 @@ def system_message(system_prompt: str) -> list[dict[str, str]]:
     """The system message ``eval.system_prompt`` names ([] for "none")."""
     if system_prompt == "none":
         return []
-    text = AUTHORS_SYSTEM_PROMPT if system_prompt == "reference" else system_prompt
+    text = AUTHORS_SYSTEM_PROMPT if system_prompt == "authors" else system_prompt
     return [{"role": "system", "content": text}]
 
 

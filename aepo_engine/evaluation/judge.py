@@ -4,7 +4,7 @@ chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``ju
 - ``"engine"``: the engine's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
   answer, predicted answer -> "Correct" / "Incorrect"), sent at temperature 0 with
   ``judge.max_tokens``. It is *not* the authors' prompt.
-- ``"reference"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
+- ``"authors"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
   RUC-NLPIR/ARPO, read at commit a95cd08): their prompt text verbatim
   (:data:`AUTHORS_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
   their loader reads it (a list shows as its Python text, ``['Frank Lowy']``), the server's default
@@ -94,7 +94,7 @@ class _Transport(Exception):
 class Judgment:
     """One verdict: ``correct`` is None when there is none (``error`` says why).
 
-    ``source`` is "judge" for the model's verdict, "string-equivalence" for the reference prompt's
+    ``source`` is "judge" for the model's verdict, "string-equivalence" for the authors' prompt's
     shortcut (no request).
     """
 
@@ -140,7 +140,7 @@ def labeled_answer(references: Sequence[str]) -> str:
 
 
 def authors_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
-    """The reference prompt's golden answer: the gold as the authors' loader reads it (a list is
+    """The authors' prompt's golden answer: the gold as the authors' loader reads it (a list is
     shown as its Python text by ``str.format``), else the one reference, else the list."""
     if gold is not None:
         return gold
@@ -231,7 +231,7 @@ class LLMJudge:
 
     def _request(self, question: str, references: Sequence[str], prediction: str, gold: Any) -> dict:
         """The chat request for one item under ``judge.prompt`` (module docstring)."""
-        if self.cfg.prompt == "reference":
+        if self.cfg.prompt == "authors":
             prompt = AUTHORS_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
                                                  labeled_answer=authors_labeled_answer(references, gold))
             return {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
@@ -247,13 +247,13 @@ class LLMJudge:
             question: the question text.
             references: the reference answers.
             prediction: the sample's answer.
-            gold: the gold as the authors' loader reads it (reference prompt only; None = from
+            gold: the gold as the authors' loader reads it (the authors' prompt only; None = from
                 ``references``).
 
         Returns:
             The :class:`Judgment`.
         """
-        if self.cfg.prompt == "reference" and is_equiv(prediction, authors_labeled_answer(references, gold)):
+        if self.cfg.prompt == "authors" and is_equiv(prediction, authors_labeled_answer(references, gold)):
             return Judgment(True, source="string-equivalence")
         body = self._request(question, references, prediction, gold)
         key = hashlib.sha256(json.dumps(body, ensure_ascii=False, sort_keys=True).encode()).hexdigest()

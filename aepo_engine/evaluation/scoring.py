@@ -18,7 +18,7 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
   ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
   answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
-``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
+``"authors"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
 sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
 
@@ -143,8 +143,8 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         references: the ground-truth answers (already cut to the answer part); a bare string or
             number is one reference; an empty list scores 0 everywhere.
         check: "qa", "math" or "mixed".
-        scoring: "engine" or "reference" (``eval.scoring``).
-        gold: for "reference", the gold as the authors' loader reads it (a string, an int, or a
+        scoring: "engine" or "authors" (``eval.scoring``).
+        gold: for "authors", the gold as the authors' loader reads it (a string, an int, or a
             list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
             reference as a string, or the list of several.
         tool_spans: where the engine put the tool results (``decode_response``); the engine's
@@ -159,7 +159,7 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         raise ValueError(f"unknown scoring {scoring!r}: use {', '.join(RULES)}")
     refs = _references(references)
     form = check_format(response, tool_spans)
-    if scoring == "reference":
+    if scoring == "authors":
         scores = _authors_scores(response, refs, check, gold)
     else:
         scores = _engine_scores(response, refs, check, tool_spans)

@@ -1,4 +1,4 @@
-"""The authors' training reward, reproduced: ``deep_research(..., rules="reference")``.
+"""The authors' training reward, reproduced: ``deep_research(..., rules="authors")``.
 
 Written from our reading of the AEPO/ARPO authors' public code (github.com/RUC-NLPIR/ARPO, read at
 commit a95cd08: ``ARPO/verl_arpo_entropy/verl/utils/reward_score/deep_research.py``), in our own
