@@ -1,6 +1,6 @@
 """``python -m aepo_engine.eval``: pass@k of a model on benchmarks, with the training rollout's tools.
 
-    python -m aepo_engine.eval --model DIR --data gaia hle aime24 --k 5 \\
+    python -m aepo_engine.eval --model DIR --data gaia hle aime24 --pass-k 5 \\
         --data-root /data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
 
 ``--model`` is a Hugging Face model folder, a checkpoint (``step_XXXXXX/`` with ``hf_model/``) or a
@@ -10,7 +10,7 @@ the latest embedded-default run (``runs/aepo-default``) on its held-out set.
 
 Options are the fields of :class:`EvalCommandConfig` (``-h`` lists them), from ``--config FILE``
 (TOML/YAML/JSON) and ``--section.key=value`` overrides, plus the short names in ``ALIASES``
-(``--data a b`` and ``--k 1 5`` take several values). ``--dry-run`` prints the resolved config and
+(``--data a b`` and ``--pass-k 1 5`` take several values). ``--dry-run`` prints the resolved config and
 checks everything (model folder, data rows, the tools' back-ends and sandbox, the backend's
 package, the judge endpoint) without generating; ``--list`` lists the benchmarks.
 
@@ -88,17 +88,18 @@ class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
 
 # Short command-line names -> config keys. "many" options take several space-separated values.
 ALIASES: dict[str, str] = {
-    "--data": "eval.files", "--data-root": "eval.data_root", "--k": "eval.k", "--samples": "eval.samples",
+    "--data": "eval.files", "--data-root": "eval.data_root", "--pass-k": "eval.pass_k", "--samples": "eval.samples",
     "--temperature": "eval.temperature", "--top-p": "eval.top_p", "--max-questions": "eval.num_questions",
     "--system-prompt": "eval.system_prompt", "--judge-url": "eval.judge.url", "--judge-model": "eval.judge.model",
     "--out": "output_dir", "--output-dir": "output_dir", "--backend": "backend.kind",
     "--scoring": "eval.scoring", "--judge-prompt": "eval.judge.prompt",
+    "--k": "eval.k",  # the old name of --pass-k: the loader says the new one (EvalConfig.RENAMED_KEYS)
 }
-_MANY = {"--data", "--k"}
+_MANY = {"--data", "--pass-k", "--k"}
 
 
 def expand_aliases(argv: Sequence[str]) -> list[str]:
-    """Rewrite ``--data a b`` / ``--k=5`` style short options into ``--eval.files=a,b`` overrides."""
+    """Rewrite ``--data a b`` / ``--pass-k=5`` style short options into ``--eval.files=a,b`` overrides."""
     out, i, argv = [], 0, list(argv)
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -463,8 +464,8 @@ def main(argv: list[str]) -> dict[str, Any] | None:
     flags = {a for a in argv if a in ("--dry-run", "--list", "-h", "--help")}
     argv = [a for a in argv if a not in flags]
     if flags & {"-h", "--help"}:
-        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
-        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
+        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items() if k != "--k")
+        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--pass-k K ...] "
                           "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list] [--debug]")
               + f"\n\nshort options: {aliases}")
         return None

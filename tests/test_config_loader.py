@@ -126,10 +126,10 @@ def test_several_files_merge_in_order(tmp_path):
 
 def test_merge_trees_merges_tables_and_replaces_the_rest():
     """The one deep merge (files, and the eval command's run settings under its own)."""
-    base = {"eval": {"k": [1, 5], "judge": {"url": "http://a/v1", "model": "m"}}, "seed": 1}
-    update = {"eval": {"k": [2], "judge": {"url": "http://b/v1"}}, "tools": {"enabled": ["search"]}}
+    base = {"eval": {"pass_k": [1, 5], "judge": {"url": "http://a/v1", "model": "m"}}, "seed": 1}
+    update = {"eval": {"pass_k": [2], "judge": {"url": "http://b/v1"}}, "tools": {"enabled": ["search"]}}
     merged = merge_trees(base, update)
-    assert merged == {"eval": {"k": [2], "judge": {"url": "http://b/v1", "model": "m"}}, "seed": 1,
+    assert merged == {"eval": {"pass_k": [2], "judge": {"url": "http://b/v1", "model": "m"}}, "seed": 1,
                       "tools": {"enabled": ["search"]}}
     assert base["eval"]["judge"]["url"] == "http://a/v1"  # the inputs are not changed
     merged["tools"]["enabled"] = []

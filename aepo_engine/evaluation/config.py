@@ -1,7 +1,7 @@
 """The ``eval`` config section: what to evaluate, how to sample, how to judge.
 
 One section serves both callers: the trainer's in-run evaluation (``eval.files``,
-``eval.every_n_steps``) and ``python -m aepo_engine.eval`` (whose ``--data``, ``--k``, ... are
+``eval.every_n_steps``) and ``python -m aepo_engine.eval`` (whose ``--data``, ``--pass-k``, ... are
 short names of these fields). Defaults live here and nowhere else.
 """
 from __future__ import annotations
@@ -73,8 +73,9 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
             reference data's layout: gaia/, hle/, aime24/, ...); empty: names cannot be used,
             only files (nothing outside the repository is assumed).
         num_questions: questions evaluated per benchmark (the first ones; 0 = all).
-        samples: independent samples per question (n of pass@k); none = the largest k (1 if no k).
-        k: pass@k values reported besides pass@1 (each <= samples); pass@n is always reported.
+        samples: independent samples per question (n of pass@k); none = the largest pass_k (1 if none).
+        pass_k: pass@k values reported besides pass@1 (each <= samples); pass@n is always reported.
+            (Once ``eval.k``; not ``rollout.k``, the trajectories per prompt in training.)
         temperature: sampling temperature of evaluation rollouts.
         top_p: nucleus top-p of evaluation rollouts.
         system_prompt: system message for question-only benchmarks: "authors" (the tool and
@@ -94,7 +95,7 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     data_root: str = ""
     num_questions: int = 0
     samples: int | None = None
-    k: list[int] = []
+    pass_k: list[int] = []
     temperature: float = 1.0
     top_p: float = 1.0
     system_prompt: str = "authors"
@@ -103,15 +104,17 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     scoring: str = "engine"
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"k": "pass_k"}
     RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"scoring": RULES_RENAMED, "system_prompt": RULES_RENAMED}
 
     def __post_init__(self) -> None:
         require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")
         require(self.num_questions >= 0, f"num_questions must be >= 0, got {self.num_questions}")
         require(self.samples is None or self.samples >= 1, f"samples must be >= 1, got {self.samples}")
-        require(all(k >= 1 for k in self.k), f"every k must be >= 1, got {self.k}")
-        require(all(k <= self.n_samples for k in self.k),
-                f"k={self.k} asks for pass@k with k > samples={self.n_samples}: pass@k needs at least k samples")
+        require(all(k >= 1 for k in self.pass_k), f"every pass_k must be >= 1, got {self.pass_k}")
+        require(all(k <= self.n_samples for k in self.pass_k),
+                f"pass_k={self.pass_k} asks for pass@k with k > samples={self.n_samples}: "
+                "pass@k needs at least k samples")
         require(self.temperature > 0, "temperature must be > 0 because evaluation samples (no greedy path)")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         require(self.every_n_steps >= 0, f"every_n_steps must be >= 0, got {self.every_n_steps}")
@@ -120,9 +123,9 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     @property
     def n_samples(self) -> int:
         """Samples per question: ``samples``, else the largest k, else 1."""
-        return self.samples if self.samples is not None else max(self.k, default=1)
+        return self.samples if self.samples is not None else max(self.pass_k, default=1)
 
     @property
     def pass_ks(self) -> list[int]:
         """The k of every pass@k reported: 1, the asked ones and n, sorted."""
-        return sorted({1, self.n_samples, *self.k})
+        return sorted({1, self.n_samples, *self.pass_k})

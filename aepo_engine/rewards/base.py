@@ -20,8 +20,8 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import msgspec
 
-__all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward", "get_reward",
-           "list_rewards", "as_references"]
+__all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward",
+           "get_reward", "list_rewards", "as_references"]
 
 
 @dataclass(frozen=True)
