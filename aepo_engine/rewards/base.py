@@ -20,6 +20,8 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import msgspec
 
+from aepo_engine.plugins import import_user_code
+
 __all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward",
            "get_reward", "list_rewards", "as_references"]
 
@@ -100,7 +102,12 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """Reward function.
 
     Attributes:
-        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math.
+        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math, or one
+            that ``path`` registers.
+        path: a reward of your own outside the package: a .py file (absolute or relative to the
+            working directory) or an importable module, imported before ``name`` is looked up; its
+            ``@register_reward("name")`` functions join the registry (verl's
+            custom_reward_function.path); empty = the built-in rewards only.
         options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
         rules: "engine" (the engine's reward rules) or "authors" (the AEPO/ARPO authors' reward
             reproduced: <think> required, tags counted anywhere, the bonus for closing tool tags
@@ -108,6 +115,7 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """
 
     name: str = "deep_research"
+    path: str = ""
     options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
     rules: str = "engine"
 
@@ -129,6 +137,8 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
             ``rules = "authors"`` for a reward that has no authors' version (checked here, not at
             the first scored response).
     """
+    if cfg.path:
+        import_user_code(cfg.path, "reward.path")
     try:
         reward = get_reward(cfg.name)
     except KeyError as err:
