@@ -1,4 +1,5 @@
-"""The README and docs/ hold together: the README stays short, every relative link resolves, every
+"""The README and docs/ hold together: the README stays short and a front door (no commit, date,
+measured table or suite count: those live in docs/), every relative link resolves, every
 code citation of docs/algorithm.md names a section that exists, nothing in the code points outside
 the repository (the spec's old path, ../shared defaults), the README's TRL snippet is the one
 docs/integrations.md documents (and the TRL tests execute), and every repository path or module
@@ -17,6 +18,22 @@ CODE = [p for top in ("aepo_engine", "kernels", "bench", "tests", "examples") fo
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 250, f"README.md has {lines} lines; move detail into docs/"
+
+
+def test_readme_is_a_front_door_not_a_log():
+    """Figures live in docs/ with their date, commit and machine; the README names none of those
+    (no commit hashes, no dates, no measured tables, no suite counts): what it is, install, the two
+    commands with one expectation each, the three uses, the map, the links."""
+    text = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks: commands, not figures
+    hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", prose) if re.search(r"[a-f]", h) and re.search(r"\d", h)]
+    assert not hashes, f"commit hashes in README.md (put the figure in docs/ with its commit): {hashes}"
+    assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", prose), "dates in README.md: the figure's row belongs in docs/"
+    tables = re.findall(r"^\|.*\|\n\|[-| :]+\|\n", prose, re.M)
+    assert len(tables) == 1 and "| file | what it holds |" in tables[0], "one table: the documentation map"
+    assert not re.search(r"\b\d[\d,]* (?:pass|passed|tests)\b", prose), "suite counts belong in docs/benchmarks.md"
+    for heading in ("## Install", "## The two commands", "## Three uses", "## Architecture", "## Documentation"):
+        assert heading in text, heading
 
 
 # docs/scoring.md is written on the scoring branch, merged beside this one: drop it from here at
