@@ -1,4 +1,4 @@
-"""How far the engine's scoring and the reference scoring (the authors' rules) agree, and how many
+"""How far the engine's scoring and the authors' rules (``scoring="authors"``) agree, and how many
 deliberately wrong answers each accepts.
 
 Cases are built at run time from the real gold answers of the shared eval sets
