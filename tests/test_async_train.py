@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 import runs
 from aepo_engine.asynchronous.client import RolloutProcess, RolloutProcessDied
-from aepo_engine.asynchronous.messages import decode_buckets, encode_buckets
+from aepo_engine.asynchronous.loop import _engine_metrics
+from aepo_engine.asynchronous.messages import EngineCounters, StepDone, decode_buckets, encode_buckets
 from aepo_engine.asynchronous.worker import WorkerSpec
 from aepo_engine.metrics import read_metrics
 from runs import TINY_RUN
@@ -158,3 +159,21 @@ def test_orders_wait_for_their_version_and_tokens_record_it(tiny_model):
 def test_a_failure_in_the_rollout_process_reaches_the_trainer(tmp_path):
     with pytest.raises(RolloutProcessDied, match=r"(?s)the rollout process failed:.*Traceback"):
         RolloutProcess(_spec(tmp_path / "no_such_model"), start_timeout_s=300)
+
+
+def test_engine_metrics_never_go_back_when_steps_end_out_of_order():
+    """Step 1 may end before step 0 (its prompts finish first): the per-step engine metrics are
+    differences of the newest counters received, never negative (they were: step 1's own counters
+    are older than step 0's)."""
+    import queue
+
+    process = object.__new__(RolloutProcess)  # the message handling alone, no process behind it
+    process.outbox, process._done, process.counters = queue.Queue(), {}, EngineCounters()
+    for step, generate_s in ((1, 5.0), (0, 9.0)):  # sent in this order: step 1's counters are the older
+        process.outbox.put(StepDone(step, [], None, EngineCounters(version=1, generate_s=generate_s), 1.0))
+    before, seen = EngineCounters(), []
+    for step in (0, 1):
+        assert process.take(step, timeout_s=5).step == step
+        seen.append(_engine_metrics(process.counters, before)["engine/generate_s"])
+        before = process.counters
+    assert seen == [9.0, 0.0]

@@ -13,8 +13,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from aepo_engine.asynchronous.messages import (Failed, Order, Ready, StepDone, Stop, WeightsBegin, WeightsEnd,
-                                               encode_buckets)
+from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Order, Ready, StepDone, Stop, WeightsBegin,
+                                               WeightsEnd, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec, worker_main
 
 __all__ = ["RolloutProcess", "RolloutProcessDied"]
@@ -41,6 +41,9 @@ class RolloutProcess:
                                        name="aepo-rollout", daemon=False)
         self.process.start()
         self._done: dict[int, StepDone] = {}
+        # the rollout process's counters in the newest message received: steps may end out of order
+        # (a later step's short prompts before an earlier one's), so a step's own are not the newest
+        self.counters = EngineCounters()
         self.push_s = 0.0  # seconds the trainer spent handing weights to the queue
         try:
             message = self._receive(start_timeout_s)
@@ -86,6 +89,7 @@ class RolloutProcess:
             message = self._receive(left)
             if isinstance(message, StepDone):
                 self._done[message.step] = message
+                self.counters = message.counters
         return self._done.pop(step)
 
     def _receive(self, timeout_s: float | None):

@@ -93,8 +93,8 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             tokens = float(sum(len(t.response_ids) for t in done.trajectories))
             metrics.update({"time/wait_for_rollouts_s": waited, "time/weight_push_s": push_s, "time/step_s": elapsed,
                             "time/rollout_s": done.seconds, "throughput/tokens_per_s": tokens / elapsed,
-                            **_engine_metrics(done.counters, before)})
-            before = done.counters
+                            **_engine_metrics(process.counters, before)})
+            before = process.counters
             yield metrics
     finally:
         process.close()
