@@ -1,0 +1,260 @@
+"""The AEPO loss over a rollout tree: each tree node's log-prob and entropy once, every trajectory
+that passes through it counted, in the same one pass as the row loss (:mod:`aepo_kernels.one_pass`).
+
+A group's trajectories share their prompt, and a branch shares its parent's tokens up to where it
+forked. Laid out as a tree (a trie of token ids), each node is one position of the model and one
+loss row: the token it holds, predicted from its parent's hidden state. A node shared by several
+trajectories has one log-prob ``logp`` and one entropy ``H`` (same context, same token), but each
+trajectory j through it -- an *occurrence* -- brings its own advantage ``A_j`` (its group
+advantage, times its importance weight) and its own aggregation weight ``w_j`` (token-mean:
+``mask_j / N``; the sequence-level modes divide by its own sequence's length). The row loss
+would add ``sum_j w_j L(logp, H; A_j)``.
+
+Folding (why two advantage columns are exact). With ``s = 1 + alpha_H zscore(H)`` (the
+entropy-aware factor, the same for every occurrence: it reads the node's entropy) the shaped
+advantage is ``a_j = s A_j``, and for a fixed ratio the policy-gradient term of every clip rule
+in :data:`aepo_kernels.config.CLIP_RULES` is positively homogeneous in ``a``:
+- ``ppo`` / ``aepo`` / ``gppo``: ``L = max(-a r, -a clip(r))``; scaling ``a`` by ``lambda > 0``
+  scales both arguments, so the same branch wins and ``L`` and ``dL/dlogp`` scale (the branch
+  taken depends only on the sign of ``a`` and on ``r``). The stop-gradient bounds change only the
+  derivative of the clipped branch (``-a (1 + eps_high)`` and ``-a (1 - eps_low)``): linear in ``a``.
+- the dual clip: ``min(L, -a c)`` for ``a < 0``: both sides scale by ``lambda``; which side wins
+  depends on ``r`` only.
+- ``cispo``: ``L = -a sg(clip(r)) logp``: linear in ``a`` outright.
+So within one sign of ``a`` (all occurrences with ``A_j > 0`` share the sign of ``s A_j``, as do
+all with ``A_j < 0``), ``sum_j w_j L(s A_j) = L(s sum_j w_j A_j)``. With ``W = sum_j w_j``,
+``P = sum_{A_j > 0} w_j A_j / W`` and ``Q = sum_{A_j < 0} w_j A_j / W`` the node's row is
+
+    W * ( L_pg(s P) + L_pg(s Q) + kl_coef KL - entropy_coef H )  ==  sum_j w_j L_j
+
+(KL and entropy bonus do not read the advantage: weight ``W``). That is the one-pass kernels'
+``advantages`` / ``advantages_neg`` columns with ``weight = W`` (:class:`RowInputs`): no rule
+needs its nodes expanded. Occurrences with ``A_j = 0`` or ``w_j = 0`` add nothing to ``P``/``Q``
+(``L_pg(0) = 0`` for every rule); a masked occurrence adds nothing to ``W``.
+
+What the node rows cannot hold, and so is computed per occurrence (``[M]`` elementwise, nothing
+next to the ``[N, V]`` pass): the statistics. They count occurrences, as the row loss does
+(clip fractions and the shaped advantage read ``A_j``, ``num_tokens`` counts masked-in
+occurrences, the KL mean too): the node's log-prob, entropy, ratio and KL are gathered to its
+occurrences and :func:`aepo_kernels.one_pass.token_head` is evaluated there.
+
+Requirements (the caller's tree builder checks them; they hold by construction for a trie keyed
+on the tokens and these values): every occurrence of a node has the same old log-prob and
+reference log-prob (they are per node here). Left out: ``shift_labels`` (a node row is already
+its token's prediction), ``backend="reference"`` (the tests' oracle is the row loss on the
+expanded rows), ``torch.compile`` tracing of the two-column op.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .api import _entropy_stats, _loss_options, _stats, _takes_loss_options
+from .config import LossConfig, hyper_params
+from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
+from .logits_ops import _resolve_backend, logit_map, logprob_entropy
+from .one_pass import OnePassLossFunction, token_head
+from .policy_loss import apply_token_weights
+from .row_inputs import RowInputs
+
+__all__ = ["Occurrences", "aepo_tree_policy_loss", "fold_occurrences", "fused_linear_aepo_tree_policy_loss",
+           "occurrence_weights"]
+
+
+class Occurrences(NamedTuple):
+    """The trajectory tokens of a rollout tree, each pointing at the node (loss row) it reads.
+
+    Attributes:
+        node: ``[M]`` long, the loss row of each occurrence (``0 <= node < N``).
+        advantages: ``[M]`` float, the occurrence's advantage (its trajectory's).
+        loss_mask: ``[M]`` float, 1 where the occurrence counts.
+        sequence: ``[M]`` long or None, the occurrence's trajectory (``0 <= sequence < num_sequences``):
+            needed by the sequence-level aggregations only.
+        num_sequences: the number of trajectories (default ``sequence.max() + 1``).
+    """
+
+    node: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    sequence: torch.Tensor | None = None
+    num_sequences: int | None = None
+
+
+def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=None, global_num_seqs=None) -> torch.Tensor:
+    """Aggregation weights ``w_j`` ``[M]`` with ``sum_j w_j L_j`` equal to the row loss's aggregate
+    (:func:`aepo_kernels.one_pass.aggregation_weights` on the expanded ``[B, T]`` rows)."""
+    mask = occ.loss_mask.float()
+    if config.aggregation == "token-mean":
+        denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        return mask / denom
+    if occ.sequence is None:
+        raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.sequence (the trajectory of each occurrence)")
+    num_seqs = occ.num_sequences if occ.num_sequences is not None else int(occ.sequence.max()) + 1 if mask.numel() else 1
+    if config.aggregation == "seq-mean-token-mean":
+        lengths = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, occ.sequence, mask)
+        per_seq = mask / lengths.clamp(min=1)[occ.sequence]
+    else:
+        if config.seq_norm_length is None:
+            raise ValueError("aggregation='seq-mean-token-sum-norm' on a tree needs config.seq_norm_length: the row "
+                             "loss's default (the padded width T) has no meaning for a tree")
+        per_seq = mask / config.seq_norm_length
+    return per_seq / (num_seqs if global_num_seqs is None else global_num_seqs)
+
+
+def fold_occurrences(node: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+                     num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two advantage columns and the weight of each node (module docstring).
+
+    Args:
+        node: ``[M]`` long; advantages, weights: ``[M]`` float (weights >= 0).
+        num_nodes: N.
+    Returns:
+        ``(advantages_pos, advantages_neg, weight)``, each ``[N]`` fp32: ``sum w A / W`` over the
+        occurrences with ``A > 0`` (resp. ``A < 0``), and ``W = sum w`` (0 and 0 where W = 0).
+    """
+    zeros = lambda: torch.zeros(num_nodes, dtype=torch.float32, device=node.device)  # noqa: E731
+    weights, advantages = weights.float(), advantages.float()
+    total = zeros().index_add_(0, node, weights)
+    weighted = weights * advantages
+    pos = zeros().index_add_(0, node, torch.where(advantages > 0, weighted, torch.zeros_like(weighted)))
+    neg = zeros().index_add_(0, node, torch.where(advantages < 0, weighted, torch.zeros_like(weighted)))
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return pos / safe, neg / safe, total
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared prologue and epilogue of both tree losses.
+
+class _TreeCall(NamedTuple):
+    inputs: RowInputs  # [1, N] fields, the two advantage columns folded
+    occ_mask: torch.Tensor  # [M], occurrences whose node has a target
+    occ_adv: torch.Tensor  # [M], advantages times token weights
+    config: LossConfig
+    backend: str
+    inv_t: float
+    tanh_scale: float | None
+
+
+def _check(labels, old_logprobs, occ: Occurrences, o) -> None:
+    n = labels.shape[0]
+    if labels.dim() != 1 or old_logprobs.shape != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and old_logprobs {tuple(old_logprobs.shape)} must both be [N]")
+    if o.ref_logprobs is not None and o.ref_logprobs.shape != labels.shape:
+        raise ValueError(f"ref_logprobs {tuple(o.ref_logprobs.shape)} must be [N] like labels")
+    m = occ.node.shape
+    if occ.node.dim() != 1 or occ.advantages.shape != m or occ.loss_mask.shape != m:
+        raise ValueError(f"Occurrences: node, advantages and loss_mask must all be [M], got {tuple(occ.node.shape)}, "
+                         f"{tuple(occ.advantages.shape)}, {tuple(occ.loss_mask.shape)}")
+    if occ.node.numel() and (int(occ.node.min()) < 0 or int(occ.node.max()) >= n):
+        raise ValueError(f"Occurrences.node must lie in [0, {n})")
+    if o.shift_labels:
+        raise ValueError("shift_labels has no meaning on a tree: node rows already predict their own token")
+    if o.backend == "reference":
+        raise ValueError("backend='reference' is not offered for the tree loss: compare with the row loss on the "
+                         "expanded rows")
+
+
+def _prologue(x, labels, old_logprobs, occ: Occurrences, o, entropy_pass) -> _TreeCall:
+    _check(labels, old_logprobs, occ, o)
+    config = o.config
+    if config.kl_coef != 0.0 and o.ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    inv_t, tanh_scale = logit_map(o.temperature, o.logit_scale, o.softcap)
+    backend = _resolve_backend(o.backend, x)
+    has_target = (labels != o.ignore_index)[occ.node]
+    occ_mask = torch.where(has_target, occ.loss_mask.float(), torch.zeros_like(occ.loss_mask, dtype=torch.float32))
+    occ_adv = apply_token_weights(occ.advantages.float(), o.token_weights, occ.node.shape)
+    mean, std = _entropy_stats(config, occ_mask, o.entropy_mean, o.entropy_std, lambda: entropy_pass()[occ.node])
+    weights = occurrence_weights(occ._replace(loss_mask=occ_mask), config, o.global_token_count, o.global_num_seqs)
+    pos, neg, weight = fold_occurrences(occ.node, occ_adv, weights, labels.shape[0])
+    row = lambda t: None if t is None else t.float().detach().reshape(1, -1)  # noqa: E731
+    device = weight.device
+    inputs = RowInputs(row(old_logprobs), row(pos), row(weight), mean.to(device), std.to(device), row(o.ref_logprobs),
+                       row(neg))
+    return _TreeCall(inputs, occ_mask, occ_adv, config, backend, inv_t, tanh_scale)
+
+
+def _occurrence_stats(call: _TreeCall, node_rows: torch.Tensor, occ: Occurrences, o) -> dict[str, torch.Tensor]:
+    """Statistics over the occurrences (the row loss's, token for token): the node's log-prob and
+    entropy gathered, the head evaluated per occurrence."""
+    inputs = call.inputs
+    logp, entropy = node_rows[0][occ.node], node_rows[1][occ.node]  # [M]
+    old = inputs.old_logprobs[0][occ.node]
+    ref = inputs.ref_or_old[0][occ.node]
+    has_ref = inputs.ref_logprobs is not None
+    hp = hyper_params(call.config, has_ref, logp.dtype, logp.device)
+    loss, _, _, ratio, shaped, kl = token_head(logp, entropy, old, call.occ_adv.to(logp.dtype), ref,
+                                               inputs.entropy_mean.to(logp.dtype), inputs.entropy_std.to(logp.dtype), hp)
+    rows = torch.stack([logp, entropy, loss, ratio, shaped, kl])
+    return _stats(rows, call.occ_mask, call.config, has_ref, o.return_token_loss, o.stats_masks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public tree losses.
+
+@_takes_loss_options
+def aepo_tree_policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    occurrences: Occurrences,
+    *,
+    inplace_backward: bool = False,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The AEPO loss of a rollout tree from its nodes' logits (module docstring).
+
+    Args:
+        logits: ``[N, V]``, row n predicts ``labels[n]`` (node n's token, from its parent's state).
+        labels: ``[N]``; ``ignore_index`` rows (roots) have no target.
+        old_logprobs: ``[N]``, one per node.
+        occurrences: where each trajectory token reads its row (:class:`Occurrences`).
+        inplace_backward: as :func:`aepo_kernels.aepo_policy_loss`.
+        **options: the keywords of :class:`aepo_kernels.LossOptions`; per node (``[N]``):
+            ``ref_logprobs``; per occurrence (``[M]``): ``token_weights``, ``stats_masks``.
+    Returns:
+        ``(loss, stats)``: the row loss of the expanded trajectories (one pass over N rows, not M)
+        and its statistics over the occurrences; ``token_loss``/``token_logprobs``/``token_entropy``
+        are ``[M]`` with ``return_token_loss``.
+    """
+    o = _loss_options("aepo_tree_policy_loss", options)
+    if logits.dim() != 2 or logits.shape[0] != labels.shape[0]:
+        raise ValueError(f"logits must be [N, V] with N = len(labels), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    entropy_pass = lambda: logprob_entropy(logits.detach(), labels, o.temperature, backend=o.backend,  # noqa: E731
+                                           ignore_index=o.ignore_index, logit_scale=o.logit_scale, softcap=o.softcap)[1]
+    call = _prologue(logits, labels, old_logprobs, occurrences, o, entropy_pass)
+    in_place = inplace_backward and logits.requires_grad and torch.is_grad_enabled()
+    loss, rows = OnePassLossFunction.apply(logits[None], labels[None], call.inputs, call.config, call.inv_t,
+                                           o.ignore_index, call.backend, in_place, call.tanh_scale)
+    return loss, _occurrence_stats(call, rows[:, 0], occurrences, o)
+
+
+@_takes_loss_options
+def fused_linear_aepo_tree_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    occurrences: Occurrences,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    token_chunk: int | None = None,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The AEPO loss of a rollout tree from its nodes' hidden states ``[N, D]`` (each node's
+    parent's final state) and the lm_head ``weight [V, D]``: :func:`aepo_tree_policy_loss` without
+    ``[N, V]`` logits (:func:`aepo_kernels.fused_linear_aepo_policy_loss`'s three matmuls)."""
+    o = _loss_options("fused_linear_aepo_tree_policy_loss", options)
+    if hidden.dim() != 2 or hidden.shape[0] != labels.shape[0] or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
+    entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
+        hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
+        ignore_index=o.ignore_index, chunk_bytes=chunk_bytes, logit_scale=o.logit_scale, softcap=o.softcap)[1]
+    call = _prologue(hidden, labels, old_logprobs, occurrences, o, entropy_pass)
+    token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
+    loss, rows = FusedLinearAEPOLossFunction.apply(hidden, weight, bias, labels.reshape(1, -1).long(), call.inputs,
+                                                   call.config, call.inv_t, o.ignore_index, call.backend, token_chunk,
+                                                   call.tanh_scale)
+    return loss, _occurrence_stats(call, rows, occurrences, o)
