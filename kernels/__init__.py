@@ -11,6 +11,9 @@ loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropie
 ``fused_linear_logprob_entropy`` (from hidden states, no ``[N, V]`` tensor) and ``policy_loss``
 (clip rules, advantages, aggregation on given log-probs).
 
+Rollout trees (``tree_loss``): ``aepo_tree_policy_loss`` / ``fused_linear_aepo_tree_policy_loss``
+take a tree's nodes once and each trajectory token as an ``Occurrences`` entry pointing at its node.
+
 Options for other trainers (keywords of both loss functions, declared once in ``LossOptions``):
 ``token_weights`` (IS weights), ``return_token_loss``, ``shift_labels`` (HF labels convention),
 ``ignore_index``, ``logit_scale`` / ``softcap`` (the model's logit map, e.g. Gemma-2's soft cap).
@@ -19,6 +22,7 @@ from .api import AEPOLoss, LossOptions, aepo_policy_loss, fused_linear_aepo_poli
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
 from .logits_ops import BACKENDS, logprob_entropy
+from .tree_loss import Occurrences, aepo_tree_policy_loss, fused_linear_aepo_tree_policy_loss
 from .policy_loss import (
     aggregate,
     apply_token_weights,
@@ -31,7 +35,7 @@ from .policy_loss import (
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "LossOptions",
-    "aepo_policy_loss",
+    "Occurrences", "aepo_policy_loss", "aepo_tree_policy_loss", "fused_linear_aepo_tree_policy_loss",
     "aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
     "logprob_entropy", "policy_loss_from_logprobs",
