@@ -68,16 +68,19 @@ class TreeMask:
         owner: ``[N]`` long, the row that made the node.
         path: ``[R, L]`` long, row r's node at depth t (-1 past its end).
         own_start: ``[R]`` long, the first depth of row r's own nodes.
+        chunk: the CPU path's query chunk (default :func:`chunk_for` the longest row).
     """
 
     depth: Tensor
     owner: Tensor
     path: Tensor
     own_start: Tensor
+    chunk: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device | str) -> "TreeMask":
-        return TreeMask(self.depth.to(device), self.owner.to(device), self.path.to(device), self.own_start.to(device))
+        return TreeMask(self.depth.to(device), self.owner.to(device), self.path.to(device), self.own_start.to(device),
+                        self.chunk)
 
     @property
     def num_nodes(self) -> int:
@@ -109,7 +112,7 @@ class TreeMask:
     def _plan_buckets(self) -> tuple[list[_Bucket], Tensor]:
         device = self.depth.device
         lengths = (self.path >= 0).sum(-1)  # [R]
-        chunk = chunk_for(int(lengths.max()) if lengths.numel() else 1)
+        chunk = self.chunk or chunk_for(int(lengths.max()) if lengths.numel() else 1)
         blocks = -(-int(lengths.max()) // chunk) if lengths.numel() else 0
         width = blocks * chunk
         path = torch.nn.functional.pad(self.path, (0, width - self.path.shape[1]), value=-1)
