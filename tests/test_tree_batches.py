@@ -280,3 +280,26 @@ def test_two_fsdp_ranks_on_trees_match_one_process_on_rows(tmp_path):
     gap = max((rows["state"][k] - tree["state"][k]).abs().max().item() for k in initial)
     step = max((rows["state"][k] - initial[k]).abs().max().item() for k in initial)
     assert step > 1e-3 and gap < 5e-5 * step, (gap, step)
+
+
+def test_memory_plan_counts_nodes():
+    """With tree batches the micro-batch is whole groups: without a node budget its positions are
+    the groups' prompts once plus k responses each (4 rows < k = 12: one group of 12 rows), and the
+    loss adds its gathered parent states; with a budget the activations are the budget's."""
+    from aepo_engine.config import load_train_config
+    from aepo_engine.memory_plan import ModelShape, micro_batch_tokens, plan_memory
+
+    from test_memory_plan import QWEN3_14B
+
+    shape = ModelShape.from_config(QWEN3_14B)
+    base = ["--preset", "qwen3_14b_deep_research", "--policy.micro_batch_max_tokens=null"]
+    rows, tree = (load_train_config(base + [f"--policy.tree_batches={m}"]) for m in ("off", "on"))
+    assert micro_batch_tokens(rows) == 4 * (2000 + 6192)
+    assert micro_batch_tokens(tree) == 2000 + 12 * 6192
+    plan_rows, plan_tree = plan_memory(rows, shape, 8), plan_memory(tree, shape, 8)
+    assert plan_rows.terms["tree"].bytes == 0
+    assert plan_tree.terms["tree"].bytes >= 2 * micro_batch_tokens(tree) * 5120 * 2
+    budget = load_train_config(["--preset", "qwen3_14b_deep_research", "--policy.tree_batches=on"])
+    assert plan_memory(budget, shape, 8).terms["act_forward"].bytes == plan_memory(
+        load_train_config(["--preset", "qwen3_14b_deep_research"]), shape, 8).terms["act_forward"].bytes
+    assert "tree nodes" in plan_tree.terms["act_forward"].name
