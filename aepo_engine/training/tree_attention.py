@@ -163,12 +163,15 @@ class TreeMask:
                 return self.allowed(q_idx, kv_idx)
 
             n = self.num_nodes
-            self._cache["block_mask"] = create_block_mask(mask_mod, None, None, n, n, device=self.depth.device)
+            # _compile: evaluated block by block, never as a whole [N, N] mask
+            self._cache["block_mask"] = create_block_mask(mask_mod, None, None, n, n, device=self.depth.device,
+                                                          _compile=True)
         return self._cache["block_mask"]
 
     def flex(self, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
-        return _compiled_flex()(query, key, value, block_mask=self.block_mask(), scale=scaling,
-                                enable_gqa=key.shape[1] != query.shape[1])
+        flex = _compiled_flex(dynamic=query.device.type == "cuda")
+        return flex(query, key, value, block_mask=self.block_mask(), scale=scaling,
+                    enable_gqa=key.shape[1] != query.shape[1])
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
         """The tree attention of ``[1, H, N, D]`` queries: FlexAttention on CUDA, chunked SDPA elsewhere."""
@@ -178,10 +181,13 @@ class TreeMask:
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(dynamic: bool):
+    """FlexAttention compiled; ``dynamic`` (CUDA) so that a new node count does not recompile. On
+    CPU (the tests' forward check) torch 2.13's inductor fails to build the dynamic-shape C++
+    kernel ("cur_qSplitSize7 was not declared"), so it is compiled per shape there."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 # --- the attention interface -----------------------------------------------------------------------
