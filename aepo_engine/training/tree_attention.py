@@ -56,7 +56,7 @@ class _Bucket:
     queries: Tensor  # [n, C] node index of each query slot (0 where unused)
     keys: Tensor  # [n, K] node index of each key slot, K = (j + 1) C (0 where unused)
     mask: Tensor  # [n, 1, C, K] bool, key depth <= query depth (an unused query sees key 0)
-    used: Tensor  # [n * C] bool, the query slots that are nodes
+    used_index: Tensor  # [used] long, the query slots (of the n * C) that are nodes
 
 
 @dataclass
@@ -130,7 +130,7 @@ class TreeMask:
             key_depth = torch.arange(hi, device=device)
             mask = key_depth[None, None, :] <= depth[None, :, None]  # [1, C, K]
             mask = (mask & (used[:, :, None] | (key_depth == 0)[None, None, :]))[:, None]  # [n, 1, C, K]
-            buckets.append(_Bucket(queries, keys, mask, used.reshape(-1)))
+            buckets.append(_Bucket(queries, keys, mask, torch.nonzero(used.reshape(-1)).flatten()))
             sources.append(queries[used])
         order = torch.empty(self.num_nodes, dtype=torch.long, device=device)
         placed = torch.cat(sources) if sources else torch.zeros(0, dtype=torch.long, device=device)
@@ -142,15 +142,17 @@ class TreeMask:
         buckets, order = self.buckets()
         q, k, v = query[0], key[0], value[0]  # [H, N, D], [KV, N, D]
         outs = []
+        # index_select rather than advanced indexing: its backward is index_add (no sort, no
+        # accumulate-mode index_put), the cheaper of the two on CPU
         for b in buckets:
             n, c = b.queries.shape
-            qb = q[:, b.queries.reshape(-1)].unflatten(1, (n, c)).transpose(0, 1)  # [n, H, C, D]
-            kb = k[:, b.keys.reshape(-1)].unflatten(1, b.keys.shape).transpose(0, 1)  # [n, KV, K, D]
-            vb = v[:, b.keys.reshape(-1)].unflatten(1, b.keys.shape).transpose(0, 1)
+            qb = q.index_select(1, b.queries.reshape(-1)).unflatten(1, (n, c)).transpose(0, 1)  # [n, H, C, D]
+            kb = k.index_select(1, b.keys.reshape(-1)).unflatten(1, b.keys.shape).transpose(0, 1)  # [n, KV, K, D]
+            vb = v.index_select(1, b.keys.reshape(-1)).unflatten(1, b.keys.shape).transpose(0, 1)
             ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scaling,
                                                                   enable_gqa=kb.shape[1] != qb.shape[1])
-            outs.append(ob.transpose(0, 1).flatten(1, 2)[:, b.used])  # [H, used, D]
-        return torch.cat(outs, dim=1)[:, order][None]
+            outs.append(ob.transpose(0, 1).flatten(1, 2).index_select(1, b.used_index))  # [H, used, D]
+        return torch.cat(outs, dim=1).index_select(1, order)[None]
 
     # --- CUDA: FlexAttention -------------------------------------------------------------------
 
