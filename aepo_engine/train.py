@@ -48,6 +48,7 @@ from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, dive
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.rollout.trajectory import decode_response
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.tools.sandbox import describe_limits
@@ -237,7 +238,8 @@ class Trainer:
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
+            text, tool_spans = decode_response(traj, self.tokenizer)
+            result = self.reward_fn(text, examples[traj.prompt_index].ground_truth, tool_spans)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
         gathered = distributed.all_gather_objects((scored, local.stats if local else None))
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))

@@ -20,7 +20,7 @@ from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.scoring import pass_at_k, score_response
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
-from aepo_engine.rollout.trajectory import Trajectory
+from aepo_engine.rollout.trajectory import Trajectory, decode_response
 from aepo_engine.seeding import section_seed
 
 __all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "sample_records",
@@ -36,11 +36,14 @@ def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> Rollo
 
 
 def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str, Any]:
-    """The generation side of a sample record: prompt, response, tool calls, token counts."""
+    """The generation side of a sample record: prompt, response, where the engine put the tool
+    results in it (``tool_spans``, what the scores read), tool calls, token counts."""
+    response, tool_spans = decode_response(traj, tokenizer)
     return {
         "sample": sample,
         "prompt": tokenizer.decode(traj.prompt_ids),
-        "response": tokenizer.decode(traj.response_ids),
+        "response": response,
+        "tool_spans": [list(span) for span in tool_spans],
         "tool_calls": [{"tool": r.tool, "payload": r.payload, "result": r.result, "ok": r.ok,
                         "latency_s": round(r.elapsed_s, 6)} for r in traj.tool_log],
         "response_tokens": sum(traj.loss_mask),
@@ -52,14 +55,15 @@ def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str
 
 def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
                    cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
-                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0) -> list[dict[str, Any]]:
+                   reward_fn: Callable[..., Any] | None = None, step: int = 0) -> list[dict[str, Any]]:
     """Sample ``cfg.n_samples`` trajectories per prompt and score each.
 
     Args:
         prompts: tokenized chat prompts, one per example.
         examples: the ``aepo_engine.data.Example`` of each prompt (question, ground truth, labels).
         check: answer check of :func:`~aepo_engine.evaluation.scoring.score_response` ("qa", "math", "mixed").
-        reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
+        reward_fn: ``(response, ground_truth, tool_spans=...) -> RewardResult``
+            (``rewards.build_reward_fn``); when given, ``correct`` is the reward's (the training task's own notion of a
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).
 
@@ -79,10 +83,11 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
                   "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id)}
+        spans = [tuple(span) for span in record["tool_spans"]]
         record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
-                                     gold=example.meta.get("gold")))
+                                     gold=example.meta.get("gold"), tool_spans=spans))
         if reward_fn is not None:
-            result = reward_fn(record["response"], example.ground_truth)
+            result = reward_fn(record["response"], example.ground_truth, tool_spans=spans)
             record["reward"], record["correct"] = float(result.score), bool(result.correct)
         records.append(record)
     return records
@@ -119,7 +124,8 @@ def evaluate(
 
     Args:
         prompts: tokenized chat prompts; ground_truths: references per prompt.
-        reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
+        reward_fn: ``(response_text, ground_truth, tool_spans=...) -> RewardResult`` (``score``,
+            ``correct``; ``rewards.build_reward_fn``).
         rollout_config: the training rollout's config; branching settings are overridden.
         categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
     """

@@ -18,8 +18,8 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
 from aepo_engine.seeding import section_seed
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
-from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, find_tool_call,
-                               format_tool_result)
+from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, encode_tool_result,
+                               find_tool_call)
 
 # ---------------------------------------------------------------------------------------------
 # Seeds
@@ -419,7 +419,8 @@ class EntropyBalancedRollout:
         for call, traj, result in zip(calls, callers, results):
             traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
             remaining = self.config.max_response_tokens - len(traj.response_ids)
-            ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
+            # plain text: tags and control tokens the tool printed cannot act as the engine's
+            ids = encode_tool_result(self.tokenizer, result.text, self.tool_names)
             traj.append_tool_result(list(ids)[:remaining])
             traj.tool_calls += 1
             stats.tool_calls_executed += 1
