@@ -303,3 +303,17 @@ def test_memory_plan_counts_nodes():
     assert plan_memory(budget, shape, 8).terms["act_forward"].bytes == plan_memory(
         load_train_config(["--preset", "qwen3_14b_deep_research"]), shape, 8).terms["act_forward"].bytes
     assert "tree nodes" in plan_tree.terms["act_forward"].name
+
+
+@pytest.mark.slow
+def test_trainer_runs_on_trees(tmp_path):
+    """``python -m aepo_engine.train`` with tree batches: rollouts, log-probs, update, metrics."""
+    import json
+
+    import runs
+
+    proc = runs.train(tmp_path / "run", "--train.steps=2", "--policy.tree_batches=on", "--checkpoint.every_n_steps=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(0 < r["loss/position_ratio"] < 1 for r in rows)
+    assert all(r["loss/positions"] > 0 and r["loss/optimizer_steps"] >= 1 for r in rows)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from aepo_engine.training.batch import IGNORE_INDEX, ORIGIN_INHERITED, TokenBatch
 
-__all__ = ["Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys", "pack_groups",
+__all__ = ["NODE_FIELDS", "Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys", "pack_groups",
            "position_ratio", "shard_groups", "tree_micro_batches", "trie_rows", "update_keys"]
 
 
@@ -120,15 +120,19 @@ def logprob_keys(batch: TokenBatch) -> list[Tensor]:
     return [batch.input_ids]
 
 
+# The label-aligned TokenBatch fields the loss reads per node: every occurrence of a node must hold
+# the same value. A per-token field of the same kind (the async mode's per-token policy versions:
+# tokens sampled by different policy versions are different nodes) belongs here.
+NODE_FIELDS = ("old_logprobs", "ref_logprobs")
+
+
 def update_keys(batch: TokenBatch) -> list[Tensor]:
-    """The keys of the update: token ids, and the per-token values the loss takes per node (old and
-    reference log-probs), so that every occurrence of a node agrees on them. After a tree log-prob
-    pass they agree wherever the tokens do; values computed otherwise (the row pass) may differ in
-    the last bit between rows, and the trie then shares less, never wrongly."""
-    keys = [batch.input_ids, _token_aligned(batch.old_logprobs)]
-    if batch.ref_logprobs is not None:
-        keys.append(_token_aligned(batch.ref_logprobs))
-    return keys
+    """The keys of the update: token ids, and the :data:`NODE_FIELDS` the batch has, so that every
+    occurrence of a node agrees on them. After a tree log-prob pass they agree wherever the
+    tokens do; values computed otherwise (the row pass) may differ in the last bit between rows,
+    and the trie then shares less, never wrongly."""
+    values = (getattr(batch, name, None) for name in NODE_FIELDS)
+    return [batch.input_ids, *(_token_aligned(v) for v in values if v is not None)]
 
 
 # --- the forest ----------------------------------------------------------------------------------
