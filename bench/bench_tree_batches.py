@@ -142,9 +142,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def compare(path: str, repeats: int, overrides: dict, limit: int | None) -> list[dict]:
+def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_scale: float | None = None,
+            seed: int = 0) -> list[dict]:
     data, batches = load_batches(path)
     batches = batches[:limit] if limit else batches
+    name = Path(path).stem
+    if paper_scale:  # paper-shaped groups, lengths scaled down to what the job's tiny model runs here
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(data["model_dir"]).vocab_size
+        scale = lambda lo, hi: (max(1, int(lo * paper_scale)), max(2, int(hi * paper_scale)))  # noqa: E731
+        batches = [paper_batch(branch_fractions(data), 2, 12, 6, scale(200, 2000), scale(500, 6192), seed + i, vocab)
+                   for i in range(limit or 1)]
+        name = f"paper-shaped x{paper_scale} (2 prompts, k=12)"
     rows_worker, tree_worker = make_worker(data, False, overrides), make_worker(data, True, overrides)
     state = copy.deepcopy(rows_worker.model.state_dict())
     out = []
@@ -160,7 +170,7 @@ def compare(path: str, repeats: int, overrides: dict, limit: int | None) -> list
             for mode in order:
                 worker = rows_worker if mode == "rows" else tree_worker
                 samples[mode].append(timed_update(worker, state, batch))
-        row = {"case": f"{Path(path).stem}[{index}]", "rows": batch.num_rows, "groups": len(group_slices(batch)),
+        row = {"case": f"{name}[{index}]", "rows": batch.num_rows, "groups": len(group_slices(batch)),
                "row_positions": int(batch.lengths.sum()), "repeats": repeats, "load_before": load_before,
                "load_after": os.getloadavg()[0], "overrides": overrides, **equality}
         for mode in ("rows", "tree"):
@@ -200,37 +210,34 @@ def branch_fractions(data: dict) -> list[float]:
 
 
 def paper_batch(fractions: list[float], prompts: int, k: int, globals_: int, prompt_len: tuple[int, int],
-                response_len: tuple[int, int], seed: int) -> TokenBatch:
+                response_len: tuple[int, int], seed: int, vocab: int = 150_000) -> TokenBatch:
     """A batch shaped like the paper's run (docs/algorithm.md §1, §3): per prompt ``globals_``
     global samples from the bare prompt, the rest branches of a random earlier trajectory forked at
     ``fraction * parent length`` with ``fraction`` drawn from the measured ``fractions``; lengths
-    uniform in the given ranges. Token ids are random (all that matters is which are shared)."""
+    uniform in the given ranges (an assumption: the paper gives the limits, not the spread).
+    Token ids are random in ``[10, vocab)``: all that matters is which are shared."""
+    from aepo_engine.rollout.trajectory import Trajectory
+
     rng = random.Random(seed)
-    token = lambda: rng.randrange(10, 150_000)  # noqa: E731
-    rows, groups = [], []
+    tokens = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    trajectories = []
     for g in range(prompts):
-        prompt = [token() for _ in range(rng.randint(*prompt_len))]
-        responses: list[list[int]] = []
+        prompt, group = tokens(rng.randint(*prompt_len)), []
         for i in range(k):
-            if i < globals_:
-                response = [token() for _ in range(rng.randint(*response_len))]
+            traj = Trajectory(prompt_ids=prompt, prompt_index=g, traj_id=i, step=0, kind="global")
+            if i >= globals_:
+                parent = group[rng.randrange(len(group))]
+                cut = int(rng.choice(fractions) * len(parent.response_ids))
+                traj.kind, traj.parent_id, traj.branch_position = "branch", parent.traj_id, cut
+                traj.append_model_segment(parent.response_ids[:cut], [-1.0] * cut, [1.0] * cut, 1)
+                new = max(1, rng.randint(*response_len) - cut)
             else:
-                parent = responses[rng.randrange(len(responses))]
-                cut = int(rng.choice(fractions) * len(parent))
-                tail = max(1, rng.randint(*response_len) - cut)
-                response = parent[:cut] + [token() for _ in range(tail)]
-            responses.append(response)
-            rows.append(prompt + response)
-            groups.append(g)
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        attn[i, : len(r)] = 1
-    zeros = torch.zeros(ids.shape)
-    return TokenBatch(ids, attn, ids.new_full(ids.shape, -100), zeros, torch.zeros(len(rows)), zeros,
-                      torch.tensor(groups))
+                new = rng.randint(*response_len)
+            traj.append_model_segment(tokens(new), [-1.0] * new, [1.0] * new, 1)
+            group.append(traj)
+        trajectories += group
+    advantages = torch.randn(len(trajectories), generator=torch.Generator().manual_seed(seed))
+    return TokenBatch.from_trajectories(trajectories, advantages)
 
 
 def flops(lengths: list[list[int]], params: float, layers: int, heads_dim: int) -> float:
@@ -290,6 +297,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--micro-batch-max-tokens", type=int, default=None)
+    p.add_argument("--paper-scale", type=float, default=None,
+                   help="time paper-shaped batches with lengths times this (the dump's model and branch points)")
     p = sub.add_parser("positions")
     p.add_argument("batches")
     p = sub.add_parser("paper")
@@ -305,7 +314,7 @@ def main() -> None:
     info = {**machine(), "load_1min": os.getloadavg()[0]}
     if args.command == "compare":
         overrides = {} if args.micro_batch_max_tokens is None else {"micro_batch_max_tokens": args.micro_batch_max_tokens}
-        rows = compare(args.batches, args.repeats, overrides, args.limit)
+        rows = compare(args.batches, args.repeats, overrides, args.limit, args.paper_scale)
     elif args.command == "positions":
         rows = positions(args.batches)
     else:

@@ -41,8 +41,9 @@ occurrences and :func:`aepo_kernels.one_pass.token_head` is evaluated there.
 Requirements (the caller's tree builder checks them; they hold by construction for a trie keyed
 on the tokens and these values): every occurrence of a node has the same old log-prob and
 reference log-prob (they are per node here). Left out: ``shift_labels`` (a node row is already
-its token's prediction), ``backend="reference"`` (the tests' oracle is the row loss on the
-expanded rows), ``torch.compile`` tracing of the two-column op.
+its token's prediction), ``backend="reference"`` (the oracle is
+:func:`aepo_kernels.reference.tree_loss_reference`: the literal row loss on the expanded rows),
+``torch.compile`` tracing of the two-column op.
 """
 from __future__ import annotations
 

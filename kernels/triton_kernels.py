@@ -190,14 +190,21 @@ def _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule):
 
 
 @triton.jit
-def _token_head(logp, entropy, old, adv, ref, mean, std,
-                eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref):
-    """Scalar version of ``one_pass.token_head``: ``(L_t, dL/dlogp, ratio, A_t, kl)``."""
+def _shape_and_ratio(logp, entropy, old, adv, mean, std, clamp_c, alpha):
+    """The entropy-aware advantage, the clamped ratio and whether the clamp passes the gradient."""
     std = tl.where(std > 0, std, 1.0)
     shaped = adv * (1 + alpha * (entropy - mean) / std)
     diff = logp - old
     in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)
     ratio = tl.exp(tl.minimum(tl.maximum(diff, -clamp_c), clamp_c))
+    return shaped, ratio, in_clamp
+
+
+@triton.jit
+def _token_head(logp, entropy, old, adv, ref, mean, std,
+                eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref):
+    """Scalar version of ``one_pass.token_head``: ``(L_t, dL/dlogp, ratio, A_t, kl)``."""
+    shaped, ratio, in_clamp = _shape_and_ratio(logp, entropy, old, adv, mean, std, clamp_c, alpha)
     loss, d_logp = _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule)
     delta = ref - logp
     e_delta = tl.exp(delta)
@@ -212,11 +219,7 @@ def _token_head(logp, entropy, old, adv, ref, mean, std,
 def _neg_column(logp, entropy, old, adv_neg, mean, std, eps_low, eps_high, dual_clip, clamp_c, alpha, rule):
     """The second advantage column's policy-gradient term (a folded tree node, ``one_pass.token_head``'s
     ``adv_neg``): ``(L_pg, dL_pg/dlogp, A_t)``; the ratio as :func:`_token_head` forms it."""
-    std = tl.where(std > 0, std, 1.0)
-    shaped = adv_neg * (1 + alpha * (entropy - mean) / std)
-    diff = logp - old
-    in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)
-    ratio = tl.exp(tl.minimum(tl.maximum(diff, -clamp_c), clamp_c))
+    shaped, ratio, in_clamp = _shape_and_ratio(logp, entropy, old, adv_neg, mean, std, clamp_c, alpha)
     loss, d_logp = _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule)
     return loss, d_logp, shaped
 

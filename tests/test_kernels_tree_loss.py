@@ -17,22 +17,13 @@ import pytest
 import torch
 
 from aepo_kernels import AGGREGATIONS, CLIP_RULES, LossConfig, aepo_policy_loss
-from aepo_kernels.reference import aepo_loss_reference
+from aepo_kernels.reference import aepo_loss_reference, tree_loss_reference
 from aepo_kernels.tree_loss import (Occurrences, aepo_tree_policy_loss, fold_occurrences,
                                     fused_linear_aepo_tree_policy_loss)
 
-from conftest import triton_available
+from test_kernels_one_pass import BACKENDS, backend  # noqa: F401  (backend: the fixture, torch-compiled = C kernel off)
 
 IGNORE = -100
-BACKENDS = ["torch", "torch-compiled"] + (["triton"] if triton_available() else [])
-
-
-@pytest.fixture
-def backend(request, monkeypatch):
-    if request.param == "torch-compiled":
-        monkeypatch.setenv("AEPO_CPU_NATIVE", "0")
-        return "torch"
-    return request.param
 
 
 @dataclasses.dataclass
@@ -116,12 +107,9 @@ def _occurrences(rows, valid, advantages, mask):
 
 def _row_reference(tree, rows, valid, logits, old, ref, advantages, mask, weights, cfg):
     """(loss, d logits [N, V]) of the literal reference on the expanded rows."""
-    safe = rows.clamp(min=0)
     leaf = logits.clone().requires_grad_()
-    row_logits = leaf[safe]  # [B, T, V]
-    labels = torch.where(valid, tree.tokens[safe], torch.full_like(safe, IGNORE))
     row_adv = advantages[:, None] * weights  # importance weights fold into the advantage
-    loss = aepo_loss_reference(row_logits, labels, old[safe], row_adv, mask, cfg, ref_logprobs=ref[safe])
+    loss = tree_loss_reference(leaf, tree.tokens, old, rows, row_adv, mask, cfg, node_ref_logprobs=ref)
     loss.backward()
     return loss.detach(), leaf.grad
 

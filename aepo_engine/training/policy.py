@@ -147,7 +147,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the loss folds each node's occurrences (``aepo_kernels.tree_loss``); the same gradients
             as the rows. Ranks get whole groups; micro-batches are whole groups, up to
             micro_batch_max_tokens tree nodes (or micro_batch_size rows). "off": one row per
-            trajectory. Measured: docs/benchmarks.md, "Training on the rollout tree".
+            trajectory. Measured, and what is left out: docs/trees.md.
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -285,6 +285,12 @@ class PolicyModel(nn.Module):
         return (logprobs.new_zeros(real.shape).masked_scatter(real, logprobs[0]),
                 entropy.new_zeros(real.shape).masked_scatter(real, entropy[0]))
 
+    def _loss_kwargs(self, inputs: LossInputs | TreeLossInputs) -> dict:
+        """The loss functions' keyword options (both layouts carry these fields)."""
+        return dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
+                    global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
+                    entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks, return_token_loss=inputs.token_rows)
+
     def _tree_forward(self, tree: TreeInputs, inputs: TreeLossInputs | None):
         """The forest's nodes as one sequence (depths as position ids, the tree mask); node n's
         loss row is its token predicted from its parent's hidden state."""
@@ -296,9 +302,7 @@ class PolicyModel(nn.Module):
             return logprobs[0], entropy[0]
         head = self.hf.get_output_embeddings()
         hidden = _in_compute_dtype(hidden)
-        kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
-                      global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
-                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks, return_token_loss=inputs.token_rows)
+        kwargs = self._loss_kwargs(inputs)
         args = (tree.labels, inputs.old_logprobs, inputs.occurrences)
         if self.fused:
             return fused_linear_aepo_tree_policy_loss(hidden, head.weight, *args, bias=head.bias,
@@ -321,10 +325,7 @@ class PolicyModel(nn.Module):
         """The one-pass AEPO loss of ``hidden [B, L, D]`` (gradient computed during this call)."""
         head = self.hf.get_output_embeddings()
         hidden = _in_compute_dtype(hidden)
-        kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
-                      global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
-                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks,
-                      return_token_loss=inputs.token_rows)
+        kwargs = self._loss_kwargs(inputs)
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
