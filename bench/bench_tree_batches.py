@@ -241,12 +241,13 @@ def paper_batch(fractions: list[float], prompts: int, k: int, globals_: int, pro
 
 
 def flops(lengths: list[list[int]], params: float, layers: int, heads_dim: int) -> float:
-    """FLOPs of a forward + backward (x3) over sequences of positions with the given attention
-    contexts: ``2 params`` per position for the matmuls and ``4 d`` per (query, key) pair per layer
-    for QK^T and PV (``d = heads x head_dim``), each context = the position's depth + 1."""
+    """FLOPs of an update's passes -- the log-prob pass (one forward) and the PPO update (forward +
+    backward, 3 forwards) -- over sequences of positions with the given attention contexts:
+    ``2 params`` per position for the matmuls and ``4 d`` per (query, key) pair per layer for QK^T
+    and PV (``d = heads x head_dim``), each context = the position's depth + 1."""
     positions = sum(len(c) for c in lengths)
     pairs = sum(sum(c) for c in lengths)
-    return 3 * (2 * params * positions + 4 * heads_dim * layers * pairs)
+    return 4 * (2 * params * positions + 4 * heads_dim * layers * pairs)
 
 
 def paper(path: str, prompts: int, k: int, globals_: int, seed: int) -> list[dict]:
@@ -257,8 +258,9 @@ def paper(path: str, prompts: int, k: int, globals_: int, seed: int) -> list[dic
     depth = forest.depth.tolist()
     row_contexts = [[t + 1 for t in range(int(n))] for n in batch.lengths]
     tree_contexts = [[d + 1 for d in depth]]
-    # Qwen3-14B: 14.8e9 parameters (13.2e9 outside the embeddings), 40 layers, 40 x 128 query width.
-    rows_flops, tree_flops = (flops(c, 13.2e9, 40, 40 * 128) for c in (row_contexts, tree_contexts))
+    # Qwen3-14B: 14.8e9 parameters, 14.0e9 of them in matmuls (all but the input embedding: the
+    # untied lm_head computes a row per position in both layouts), 40 layers, 40 x 128 query width.
+    rows_flops, tree_flops = (flops(c, 14.0e9, 40, 40 * 128) for c in (row_contexts, tree_contexts))
     row = {"case": f"paper-shaped prompts={prompts} k={k} globals={globals_}", "rows": batch.num_rows,
            "row_positions": int(batch.lengths.sum()), "tree_positions": forest.num_nodes,
            "position_ratio": position_ratio(batch, forest), "branch_fractions": len(fractions),

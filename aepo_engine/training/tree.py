@@ -92,20 +92,18 @@ def trie_rows(keys: Sequence[Tensor], lengths: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         ``(base, own)``, ``[k]`` long each: the earlier row each row shares its first ``own``
         positions with (-1 for none; ``own`` 0 then).
+    All pairs at once (``[k, k, L]`` comparisons: a few tensor ops per group, not per row).
     """
     rows, width = keys[0].shape
-    base = torch.full((rows,), -1, dtype=torch.long)
-    own = torch.zeros(rows, dtype=torch.long)
-    columns = torch.arange(width)
-    for i in range(1, rows):
-        same = (columns < lengths[:i, None]) & (columns < lengths[i])  # [i, L]
-        for key in keys:
-            same &= key[:i] == key[i]
-        prefix = same.int().cumprod(-1).sum(-1)  # [i] common prefix with each earlier row
-        best = int(prefix.argmax())
-        if prefix[best] > 0:
-            base[i], own[i] = best, prefix[best]
-    return base, own
+    valid = torch.arange(width) < lengths[:, None]  # [k, L]
+    same = valid[:, None, :] & valid[None, :, :]  # [k, k, L]: rows i, j at position t
+    for key in keys:
+        same &= key[:, None, :] == key[None, :, :]
+    prefix = same.int().cumprod(-1).sum(-1)  # [k, k] common prefix of every pair
+    earlier = torch.ones(rows, rows, dtype=torch.bool).tril(-1)  # j < i
+    own, base = torch.where(earlier, prefix, -1).max(-1)
+    own = own.clamp(min=0)
+    return torch.where(own > 0, base, -1), own
 
 
 # --- keys ----------------------------------------------------------------------------------------
@@ -158,30 +156,25 @@ def build_forest(batch: TokenBatch, keys: Sequence[Tensor]) -> Forest:
     """
     lengths = batch.lengths
     rows, width = batch.input_ids.shape
-    path = torch.full((rows, width), -1, dtype=torch.long)
-    own_start = torch.zeros(rows, dtype=torch.long)
-    owners, depths, parents, count = [], [], [], 0
+    base = torch.full((rows,), -1, dtype=torch.long)
+    own = torch.zeros(rows, dtype=torch.long)
     for part in group_slices(batch):
-        base, own = trie_rows([k[part] for k in keys], lengths[part])
-        for local, (b, n_own) in enumerate(zip(base.tolist(), own.tolist())):
-            row, n = part.start + local, int(lengths[part.start + local])
-            if n_own:
-                path[row, :n_own] = path[part.start + b, :n_own]
-            new = n - n_own
-            path[row, n_own:n] = torch.arange(count, count + new)
-            own_start[row] = n_own
-            depth = torch.arange(n_own, n)
-            parent = torch.cat([path[row, n_own - 1 : n_own] if n_own else torch.tensor([-1]),
-                                path[row, n_own : n - 1]]) if new else depth
-            owners.append(torch.full((new,), row, dtype=torch.long))
-            depths.append(depth)
-            parents.append(parent[:new])
-            count += new
-    depth, owner, parent = torch.cat(depths), torch.cat(owners), torch.cat(parents)
-    tokens = torch.zeros(count, dtype=torch.long)
-    real = path >= 0
-    tokens[path[real]] = batch.input_ids[real]
-    return Forest(tokens, depth, parent, owner, path, own_start, _inherited_unshared(batch, own_start))
+        group_base, own[part] = trie_rows([k[part] for k in keys], lengths[part])
+        base[part] = torch.where(group_base >= 0, group_base + part.start, -1)
+    columns = torch.arange(width)
+    owned = (columns >= own[:, None]) & (columns < lengths[:, None])  # [B, L] each row's new nodes
+    path = torch.full((rows, width), -1, dtype=torch.long)
+    path[owned] = torch.arange(int(owned.sum()))  # row-major: each row's nodes contiguous, parents first
+    inherited = columns < own[:, None]
+    while True:  # a row's shared prefix is its base row's nodes; bases come earlier, one level per sweep
+        missing = inherited & (path < 0)
+        if not bool(missing.any()):
+            break
+        path = torch.where(missing, path[base.clamp(min=0)], path)
+    before = torch.nn.functional.pad(path[:, :-1], (1, 0), value=-1)  # the node at t - 1
+    grid = lambda values: values.expand(rows, width)[owned]  # noqa: E731
+    return Forest(batch.input_ids[owned], grid(columns[None]), before[owned], grid(torch.arange(rows)[:, None]), path,
+                  own, _inherited_unshared(batch, own))
 
 
 def _inherited_unshared(batch: TokenBatch, own_start: Tensor) -> int:

@@ -44,9 +44,10 @@ TREE_ATTENTION = "aepo_tree"  # the name in transformers' AttentionInterface
 
 
 def chunk_for(longest: int) -> int:
-    """The CPU path's query chunk: 64 depths, more for long rows (a quarter of the longest row,
-    rounded to 64) so the gathered keys stay ~2x the rows' (module docstring)."""
-    return max(64, -(-longest // 4 // 64) * 64)
+    """The CPU path's query chunk: 32 depths, more for long rows (an eighth of the longest row,
+    rounded up to 32) so the gathered keys stay within ~4x the rows' (module docstring); the sizes
+    were chosen by measurement (docs/trees.md)."""
+    return max(32, -(-longest // 8 // 32) * 32)
 
 
 @dataclass
