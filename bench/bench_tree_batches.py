@@ -143,7 +143,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_scale: float | None = None,
-            seed: int = 0) -> list[dict]:
+            seed: int = 0, info: dict | None = None) -> list[dict]:
+    """Rows of each batch, each written to the results as soon as it is measured."""
     data, batches = load_batches(path)
     batches = batches[:limit] if limit else batches
     name = Path(path).stem
@@ -182,7 +183,9 @@ def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_s
         row["position_ratio"] = samples["tree"][0]["position_ratio"]
         row["speedup"] = row["rows_wall_s"] / row["tree_wall_s"]
         row["threads"] = torch.get_num_threads()
+        row["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
         out.append(row)
+        write_rows("tree_batches", [row], info)
         print_table([row], ["case", "rows", "position_ratio", "rows_wall_s", "tree_wall_s", "speedup", "rows_cpu_s",
                             "tree_cpu_s", "grad_rel_max", "load_before", "load_after"])
     return out
@@ -316,7 +319,8 @@ def main() -> None:
     info = {**machine(), "load_1min": os.getloadavg()[0]}
     if args.command == "compare":
         overrides = {} if args.micro_batch_max_tokens is None else {"micro_batch_max_tokens": args.micro_batch_max_tokens}
-        rows = compare(args.batches, args.repeats, overrides, args.limit, args.paper_scale)
+        compare(args.batches, args.repeats, overrides, args.limit, args.paper_scale, info=info)
+        return
     elif args.command == "positions":
         rows = positions(args.batches)
     else:
