@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, print_table, write_rows  # noqa: E402
 
 from aepo_engine.training.batch import TokenBatch  # noqa: E402
-from aepo_engine.training.tree import TreeMicroBatch, group_slices, logprob_keys, position_ratio, build_forest  # noqa: E402
+from aepo_engine.training.tree import (TreeMicroBatch, build_forest, group_slices, logprob_keys,  # noqa: E402
+                                      position_ratio)
 
 
 # --- dump ----------------------------------------------------------------------------------------
@@ -80,7 +81,8 @@ def dump(run_dir: str, out: str, steps: int, extra: list[str]) -> None:
                       "reward": metrics["reward/mean"], "branches": metrics["rollout/branches"]})
         print(f"step {step}: {batch.num_rows} rows, reward {metrics['reward/mean']:.3f}, "
               f"branches {metrics['rollout/branches']:.0f}", flush=True)
-    torch.save({"model_dir": str(trainer.model_dir), "policy": msgspec_dict(cfg.policy), "optim": msgspec_dict(cfg.optim),
+    torch.save({"model_dir": str(trainer.model_dir), "policy": msgspec_dict(cfg.policy),
+                "optim": msgspec_dict(cfg.optim),
                 "temperature": cfg.rollout.temperature, "steps": saved}, out)
     print(f"saved {len(saved)} batches to {out}")
 
@@ -318,7 +320,8 @@ def main() -> None:
         return
     info = {**machine(), "load_1min": os.getloadavg()[0]}
     if args.command == "compare":
-        overrides = {} if args.micro_batch_max_tokens is None else {"micro_batch_max_tokens": args.micro_batch_max_tokens}
+        budget = args.micro_batch_max_tokens
+        overrides = {} if budget is None else {"micro_batch_max_tokens": budget}
         compare(args.batches, args.repeats, overrides, args.limit, args.paper_scale, info=info)
         return
     elif args.command == "positions":

@@ -53,7 +53,8 @@ import torch
 
 from .api import _entropy_stats, _loss_options, _stats, _takes_loss_options
 from .config import LossConfig, hyper_params
-from .fused_linear import DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy, token_chunk_for_budget
+from .fused_linear import (DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy,
+                           token_chunk_for_budget)
 from .logits_ops import _resolve_backend, logit_map, logprob_entropy
 from .one_pass import OnePassLossFunction, token_head
 from .policy_loss import apply_token_weights
@@ -82,7 +83,8 @@ class Occurrences(NamedTuple):
     num_sequences: int | None = None
 
 
-def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=None, global_num_seqs=None) -> torch.Tensor:
+def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=None,
+                       global_num_seqs=None) -> torch.Tensor:
     """Aggregation weights ``w_j`` ``[M]`` with ``sum_j w_j L_j`` equal to the row loss's aggregate
     (:func:`aepo_kernels.one_pass.aggregation_weights` on the expanded ``[B, T]`` rows)."""
     mask = occ.loss_mask.float()
@@ -90,8 +92,10 @@ def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=
         denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
         return mask / denom
     if occ.sequence is None:
-        raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.sequence (the trajectory of each occurrence)")
-    num_seqs = occ.num_sequences if occ.num_sequences is not None else int(occ.sequence.max()) + 1 if mask.numel() else 1
+        raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.sequence (each occurrence's trajectory)")
+    num_seqs = occ.num_sequences
+    if num_seqs is None:
+        num_seqs = int(occ.sequence.max()) + 1 if mask.numel() else 1
     if config.aggregation == "seq-mean-token-mean":
         lengths = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, occ.sequence, mask)
         per_seq = mask / lengths.clamp(min=1)[occ.sequence]
@@ -185,8 +189,8 @@ def _occurrence_stats(call: _TreeCall, node_rows: torch.Tensor, occ: Occurrences
     ref = inputs.ref_or_old[0][occ.node]
     has_ref = inputs.ref_logprobs is not None
     hp = hyper_params(call.config, has_ref, logp.dtype, logp.device)
-    loss, _, _, ratio, shaped, kl = token_head(logp, entropy, old, call.occ_adv.to(logp.dtype), ref,
-                                               inputs.entropy_mean.to(logp.dtype), inputs.entropy_std.to(logp.dtype), hp)
+    mean, std = inputs.entropy_mean.to(logp.dtype), inputs.entropy_std.to(logp.dtype)
+    loss, _, _, ratio, shaped, kl = token_head(logp, entropy, old, call.occ_adv.to(logp.dtype), ref, mean, std, hp)
     rows = torch.stack([logp, entropy, loss, ratio, shaped, kl])
     return _stats(rows, call.occ_mask, call.config, has_ref, o.return_token_loss, o.stats_masks)
 
@@ -221,7 +225,8 @@ def aepo_tree_policy_loss(
     """
     o = _loss_options("aepo_tree_policy_loss", options)
     if logits.dim() != 2 or logits.shape[0] != labels.shape[0]:
-        raise ValueError(f"logits must be [N, V] with N = len(labels), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(f"logits must be [N, V] with N = len(labels), got {tuple(logits.shape)} and "
+                         f"{tuple(labels.shape)}")
     entropy_pass = lambda: logprob_entropy(logits.detach(), labels, o.temperature, backend=o.backend,  # noqa: E731
                                            ignore_index=o.ignore_index, logit_scale=o.logit_scale, softcap=o.softcap)[1]
     call = _prologue(logits, labels, old_logprobs, occurrences, o, entropy_pass)
@@ -248,8 +253,10 @@ def fused_linear_aepo_tree_policy_loss(
     parent's final state) and the lm_head ``weight [V, D]``: :func:`aepo_tree_policy_loss` without
     ``[N, V]`` logits (:func:`aepo_kernels.fused_linear_aepo_policy_loss`'s three matmuls)."""
     o = _loss_options("fused_linear_aepo_tree_policy_loss", options)
-    if hidden.dim() != 2 or hidden.shape[0] != labels.shape[0] or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
+    if (hidden.dim() != 2 or hidden.shape[0] != labels.shape[0] or weight.dim() != 2
+            or hidden.shape[1] != weight.shape[1]):
+        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+                         f"labels {tuple(labels.shape)}")
     entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
         hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
         ignore_index=o.ignore_index, chunk_bytes=chunk_bytes, logit_scale=o.logit_scale, softcap=o.softcap)[1]

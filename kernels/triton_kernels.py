@@ -403,7 +403,8 @@ def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: 
     returns rows ``[6, B, T]`` fp32 and writes dlogits into ``out`` (may be ``logits``)."""
     _check(logits, labels, out, per_token=dict(
         old_logprobs=inputs.old_logprobs, advantages=inputs.advantages, weight=inputs.weight,
-        ref_logprobs=inputs.ref_logprobs, advantages_neg=inputs.advantages_neg), scalars=dict(entropy_mean=inputs.entropy_mean, entropy_std=inputs.entropy_std))
+        ref_logprobs=inputs.ref_logprobs, advantages_neg=inputs.advantages_neg),
+        scalars=dict(entropy_mean=inputs.entropy_mean, entropy_std=inputs.entropy_std))
     launch, rows = _one_pass_launch(logits, labels, inputs, config, inv_t, ignore_index, out, tanh_scale)
     launch.run()
     return rows

@@ -206,9 +206,10 @@ def test_one_column_would_not_do():
     from aepo_kernels.one_pass import token_head
 
     hp = hyper_params(LossConfig(clip="ppo", entropy_adv_alpha=0.0), False, torch.float64, "cpu")
-    head = lambda a, a_neg=None: token_head(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64),  # noqa: E731
-                                            torch.tensor(-0.405465, dtype=torch.float64), a, torch.tensor(0.0, dtype=torch.float64),
-                                            torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64), hp, a_neg)[0]
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    # logp 0, entropy 1, old log-prob log(1/1.5): ratio 1.5; no reference; mean 0, std 1
+    head = lambda a, a_neg=None: token_head(f64(0.0), f64(1.0), f64(-0.405465), a, f64(0.0), f64(0.0), f64(1.0),  # noqa: E731
+                                            hp, a_neg)[0]
     a, b = torch.tensor(1.0, dtype=torch.float64), torch.tensor(-1.0, dtype=torch.float64)
     expanded = head(a) + head(b)  # -1 * 1.2 + 1 * 1.5 = 0.3
     assert abs(float(expanded) - 0.3) < 1e-5

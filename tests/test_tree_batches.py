@@ -109,7 +109,8 @@ def test_trie_by_hand():
     # a key that differs (e.g. an old log-prob) splits the shared prefix where it differs
     old = zeros.clone()
     old[1, 0] = 0.5  # row 1's label position 0 = its token 1
-    keyed = build_forest(dataclasses.replace(batch, old_logprobs=old), update_keys(dataclasses.replace(batch, old_logprobs=old)))
+    tampered = dataclasses.replace(batch, old_logprobs=old)
+    keyed = build_forest(tampered, update_keys(tampered))
     assert keyed.own_start.tolist() == [0, 1, 0, 2] and keyed.num_nodes == 8  # row 1: 6', 9
     assert pack_groups([5, 3, 9, 2, 2], [1, 1, 1, 1, 1], 8, None) == [slice(0, 2), slice(2, 3), slice(3, 5)]
 

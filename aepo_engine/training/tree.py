@@ -25,20 +25,24 @@ Node order: groups in batch order, within a group the rows' new nodes in row ord
 own nodes are contiguous and every parent precedes its children.
 
 Positions: a micro-batch of rows computes ``sum_b len_b`` positions, its forest ``N`` nodes;
-:func:`position_ratio` is what the tree saves (reported per step as ``tree/position_ratio``).
+:func:`position_ratio` is what the tree saves (the update reports ``positions`` and
+``position_ratio``: ``loss/position_ratio`` in a run's metrics).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
 from aepo_engine.training.batch import IGNORE_INDEX, ORIGIN_INHERITED, TokenBatch
 
-__all__ = ["NODE_FIELDS", "Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys", "pack_groups",
-           "position_ratio", "shard_groups", "tree_micro_batches", "trie_rows", "update_keys"]
+if TYPE_CHECKING:
+    from aepo_engine.training.tree_attention import TreeMask
+
+__all__ = ["NODE_FIELDS", "Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys",
+           "pack_groups", "position_ratio", "shard_groups", "tree_micro_batches", "trie_rows", "update_keys"]
 
 
 @dataclass
