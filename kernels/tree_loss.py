@@ -40,8 +40,9 @@ occurrences and :func:`aepo_kernels.one_pass.token_head` is evaluated there.
 
 Requirements (the caller's tree builder checks them; they hold by construction for a trie keyed
 on the tokens and these values): every occurrence of a node has the same old log-prob and
-reference log-prob (they are per node here). Left out: ``shift_labels`` (a node row is already
-its token's prediction), ``backend="reference"`` (the oracle is
+reference log-prob (they are per node here). Inputs: the contract of :mod:`aepo_kernels.contract`
+(per node like ``labels``, per occurrence like ``occurrences.node``); ``shift_labels`` must be
+given, and False (a node row is already its token's prediction). Left out: ``backend="reference"`` (the oracle is
 :func:`aepo_kernels.reference.tree_loss_reference`: the literal row loss on the expanded rows),
 ``torch.compile`` tracing of the two-column op.
 """
@@ -51,11 +52,11 @@ from typing import NamedTuple
 
 import torch
 
-from .api import _entropy_stats, _loss_options, _stats, _takes_loss_options
+from . import contract
 from .config import LossConfig, hyper_params
-from .fused_linear import (DEFAULT_CHUNK_BYTES, FusedLinearAEPOLossFunction, fused_linear_logprob_entropy,
-                           token_chunk_for_budget)
-from .logits_ops import _resolve_backend, logit_map, logprob_entropy
+from .fused_linear import FusedLinearAEPOLossFunction, chunk_bytes_for, fused_linear_logprob_entropy, token_chunk_for_budget
+from .logits_ops import logit_map, logprob_entropy, resolve_backend
+from .loss_call import _entropy_stats, _stats, loss_options, takes_loss_options
 from .one_pass import OnePassLossFunction, token_head
 from .policy_loss import apply_token_weights
 from .row_inputs import RowInputs
@@ -141,33 +142,60 @@ class _TreeCall(NamedTuple):
     tanh_scale: float | None
 
 
-def _check(labels, old_logprobs, occ: Occurrences, o) -> None:
-    n = labels.shape[0]
-    if labels.dim() != 1 or old_logprobs.shape != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} and old_logprobs {tuple(old_logprobs.shape)} must both be [N]")
-    if o.ref_logprobs is not None and o.ref_logprobs.shape != labels.shape:
-        raise ValueError(f"ref_logprobs {tuple(o.ref_logprobs.shape)} must be [N] like labels")
-    m = occ.node.shape
-    if occ.node.dim() != 1 or occ.advantages.shape != m or occ.loss_mask.shape != m:
-        raise ValueError(f"Occurrences: node, advantages and loss_mask must all be [M], got {tuple(occ.node.shape)}, "
-                         f"{tuple(occ.advantages.shape)}, {tuple(occ.loss_mask.shape)}")
-    if occ.node.numel() and (int(occ.node.min()) < 0 or int(occ.node.max()) >= n):
-        raise ValueError(f"Occurrences.node must lie in [0, {n})")
-    if o.shift_labels:
-        raise ValueError("shift_labels has no meaning on a tree: node rows already predict their own token")
+def _check(function: str, labels: torch.Tensor, vocab: int, old_logprobs, occ: Occurrences, o) -> None:
+    """The input contract (:mod:`aepo_kernels.contract`) on a tree: per node (``[N]``, like
+    ``labels``) ``old_logprobs`` and ``ref_logprobs``; per occurrence (``[M]``, like
+    ``occurrences.node``) its advantages, mask, trajectory, ``token_weights`` and ``stats_masks``;
+    labels in ``[0, V)`` or ``ignore_index``, nodes in ``[0, N)``, trajectories in
+    ``[0, num_sequences)``, masks and weights finite and >= 0 (at once on the CPU, a device-side
+    assert on CUDA). ``shift_labels`` must be given (the contract has no default) and be False."""
+    if contract.alignment(function, o.shift_labels):
+        raise ValueError(f"{function}(): shift_labels=True has no meaning on a tree: node row n already predicts "
+                         "labels[n] (its own token, from its parent's state); pass shift_labels=False")
     if o.backend == "reference":
-        raise ValueError("backend='reference' is not offered for the tree loss: compare with the row loss on the "
-                         "expanded rows")
+        raise ValueError(f"{function}(): backend='reference' is not offered for the tree loss: compare with the row "
+                         "loss on the expanded rows (aepo_kernels.reference.tree_loss_reference)")
+    if labels.dim() != 1:
+        raise ValueError(f"{function}(): a tree's labels are [N] (one per node), got {list(labels.shape)}")
+    contract.check_per_token(function, labels, [contract.PerToken("old_logprobs", old_logprobs),
+                                                contract.PerToken("ref_logprobs", o.ref_logprobs)])
+    node = contract._tensor(function, "occurrences.node", occ.node)
+    if node.dtype not in (torch.int64, torch.int32) or node.dim() != 1:
+        raise TypeError(f"{function}(): occurrences.node must be a 1-D int64/int32 tensor of node indices [M], got "
+                        f"{node.dtype} {list(node.shape)}")
+    sequence = occ.sequence
+    if sequence is not None and (sequence.dtype not in (torch.int64, torch.int32) or sequence.shape != node.shape):
+        raise TypeError(f"{function}(): occurrences.sequence must be int64/int32 shaped like occurrences.node "
+                        f"{list(node.shape)}, got {sequence.dtype} {list(sequence.shape)}")
+    masks = {f"stats_masks[{name!r}]": mask for name, mask in (o.stats_masks or {}).items()}
+    contract.check_per_token(
+        function, node, [contract.PerToken("occurrences.advantages", occ.advantages),
+                         contract.PerToken("occurrences.loss_mask", occ.loss_mask, "mask"),
+                         contract.PerToken("token_weights", o.token_weights)]
+        + [contract.PerToken(name, mask, "mask") for name, mask in masks.items()], anchor="occurrences.node")
+    contract._same_device(function, "labels", labels, "occurrences.node", node.device)
+    n = labels.shape[0]
+    rules = [contract.label_rule(labels, vocab, o.ignore_index),
+             contract.ValueRule("occurrences.node", node, (node < 0) | (node >= n), f"node indices in [0, {n})")]
+    if sequence is not None and occ.num_sequences is not None:
+        rules.append(contract.ValueRule("occurrences.sequence", sequence,
+                                        (sequence < 0) | (sequence >= occ.num_sequences),
+                                        f"trajectory indices in [0, num_sequences={occ.num_sequences})"))
+    elif sequence is not None:
+        rules.append(contract.ValueRule("occurrences.sequence", sequence, sequence < 0, "trajectory indices >= 0"))
+    rules += contract.weight_rules({"occurrences.loss_mask": occ.loss_mask, "token_weights": o.token_weights,
+                                    **masks})
+    contract.enforce(function, rules)
 
 
-def _prologue(x, labels, old_logprobs, occ: Occurrences, o, entropy_pass) -> _TreeCall:
-    _check(labels, old_logprobs, occ, o)
+def _prologue(function: str, x, vocab: int, labels, old_logprobs, occ: Occurrences, o, entropy_pass) -> _TreeCall:
+    _check(function, labels, vocab, old_logprobs, occ, o)
     config = o.config
     if config.kl_coef != 0.0 and o.ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
     inv_t, tanh_scale = logit_map(o.temperature, o.logit_scale, o.softcap)
-    backend = _resolve_backend(o.backend, x)
-    has_target = (labels != o.ignore_index)[occ.node]
+    backend = resolve_backend(o.backend, x)
+    has_target = contract.target_mask(labels, vocab, o.ignore_index)[occ.node]
     occ_mask = torch.where(has_target, occ.loss_mask.float(), torch.zeros_like(occ.loss_mask, dtype=torch.float32))
     occ_adv = apply_token_weights(occ.advantages.float(), o.token_weights, occ.node.shape)
     mean, std = _entropy_stats(config, occ_mask, o.entropy_mean, o.entropy_std, lambda: entropy_pass()[occ.node])
@@ -198,7 +226,7 @@ def _occurrence_stats(call: _TreeCall, node_rows: torch.Tensor, occ: Occurrences
 # ---------------------------------------------------------------------------------------------
 # The public tree losses.
 
-@_takes_loss_options
+@takes_loss_options
 def aepo_tree_policy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -223,20 +251,20 @@ def aepo_tree_policy_loss(
         and its statistics over the occurrences; ``token_loss``/``token_logprobs``/``token_entropy``
         are ``[M]`` with ``return_token_loss``.
     """
-    o = _loss_options("aepo_tree_policy_loss", options)
-    if logits.dim() != 2 or logits.shape[0] != labels.shape[0]:
-        raise ValueError(f"logits must be [N, V] with N = len(labels), got {tuple(logits.shape)} and "
-                         f"{tuple(labels.shape)}")
-    entropy_pass = lambda: logprob_entropy(logits.detach(), labels, o.temperature, backend=o.backend,  # noqa: E731
-                                           ignore_index=o.ignore_index, logit_scale=o.logit_scale, softcap=o.softcap)[1]
-    call = _prologue(logits, labels, old_logprobs, occurrences, o, entropy_pass)
+    function = "aepo_tree_policy_loss"
+    o = loss_options(function, options)
+    contract.check_logits(function, logits, labels)
+    entropy_pass = lambda: logprob_entropy(  # noqa: E731
+        logits.detach(), labels, o.temperature, shift_labels=False, backend=o.backend, ignore_index=o.ignore_index,
+        logit_scale=o.logit_scale, softcap=o.softcap)[1]
+    call = _prologue(function, logits, logits.shape[-1], labels, old_logprobs, occurrences, o, entropy_pass)
     in_place = inplace_backward and logits.requires_grad and torch.is_grad_enabled()
     loss, rows = OnePassLossFunction.apply(logits[None], labels[None], call.inputs, call.config, call.inv_t,
                                            o.ignore_index, call.backend, in_place, call.tanh_scale)
     return loss, _occurrence_stats(call, rows[:, 0], occurrences, o)
 
 
-@_takes_loss_options
+@takes_loss_options
 def fused_linear_aepo_tree_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -245,22 +273,22 @@ def fused_linear_aepo_tree_policy_loss(
     occurrences: Occurrences,
     *,
     bias: torch.Tensor | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     token_chunk: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AEPO loss of a rollout tree from its nodes' hidden states ``[N, D]`` (each node's
     parent's final state) and the lm_head ``weight [V, D]``: :func:`aepo_tree_policy_loss` without
     ``[N, V]`` logits (:func:`aepo_kernels.fused_linear_aepo_policy_loss`'s three matmuls)."""
-    o = _loss_options("fused_linear_aepo_tree_policy_loss", options)
-    if (hidden.dim() != 2 or hidden.shape[0] != labels.shape[0] or weight.dim() != 2
-            or hidden.shape[1] != weight.shape[1]):
-        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
-                         f"labels {tuple(labels.shape)}")
+    function = "fused_linear_aepo_tree_policy_loss"
+    o = loss_options(function, options)
+    contract.check_hidden(function, hidden, weight, labels, bias)
+    chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
     entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
-        hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
-        ignore_index=o.ignore_index, chunk_bytes=chunk_bytes, logit_scale=o.logit_scale, softcap=o.softcap)[1]
-    call = _prologue(hidden, labels, old_logprobs, occurrences, o, entropy_pass)
+        hidden.detach(), weight.detach(), labels, o.temperature, shift_labels=False,
+        bias=None if bias is None else bias.detach(), ignore_index=o.ignore_index, chunk_bytes=chunk_bytes,
+        logit_scale=o.logit_scale, softcap=o.softcap)[1]
+    call = _prologue(function, hidden, weight.shape[0], labels, old_logprobs, occurrences, o, entropy_pass)
     token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
     loss, rows = FusedLinearAEPOLossFunction.apply(hidden, weight, bias, labels.reshape(1, -1).long(), call.inputs,
                                                    call.config, call.inv_t, o.ignore_index, call.backend, token_chunk,

@@ -132,8 +132,8 @@ def test_tree_loss_equals_the_row_loss(backend, aggregation, rule, config_name):
     want_loss, want_grad = _row_reference(tree, rows, valid, logits, old, ref, advantages, mask, weights, cfg)
     leaf = logits.clone().requires_grad_()
     occ = _occurrences(rows, valid, advantages, mask)
-    loss, stats = aepo_tree_policy_loss(leaf, tree.labels, old, occ, config=cfg, backend=backend,
-                                        ref_logprobs=ref, token_weights=weights[valid])
+    loss, stats = aepo_tree_policy_loss(leaf, tree.labels, old, occ, shift_labels=False, config=cfg,
+                                        backend=backend, ref_logprobs=ref, token_weights=weights[valid])
     loss.backward()
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(leaf.grad, want_grad, rtol=1e-5, atol=1e-7)
@@ -159,8 +159,8 @@ def test_fused_linear_tree_loss_equals_the_row_loss(backend, rule):
     want = torch.autograd.grad(row_loss, (h, w, b))
     occ = _occurrences(rows, valid, advantages, mask)
     h2, w2, b2 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    loss, _ = fused_linear_aepo_tree_policy_loss(h2, w2, tree.labels, old, occ, bias=b2, config=cfg, backend=backend,
-                                                 ref_logprobs=ref, token_weights=weights[valid], token_chunk=7)
+    loss, _ = fused_linear_aepo_tree_policy_loss(h2, w2, tree.labels, old, occ, shift_labels=False, bias=b2, config=cfg,
+                                                 backend=backend, ref_logprobs=ref, token_weights=weights[valid], token_chunk=7)
     got = torch.autograd.grad(loss, (h2, w2, b2))
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
     for name, g, e in zip(("hidden", "weight", "bias"), got, want):
@@ -176,9 +176,9 @@ def test_statistics_and_token_rows_count_occurrences():
     safe = rows.clamp(min=0)
     labels = torch.where(valid, tree.tokens[safe], torch.full_like(safe, IGNORE))
     _, want = aepo_policy_loss(logits[safe], labels, old[safe], advantages[:, None] * weights, mask, config=cfg,
-                               ref_logprobs=ref[safe], stats_masks=split, return_token_loss=True)
+                               shift_labels=False, ref_logprobs=ref[safe], stats_masks=split, return_token_loss=True)
     occ = _occurrences(rows, valid, advantages, mask)
-    _, got = aepo_tree_policy_loss(logits, tree.labels, old, occ, config=cfg, ref_logprobs=ref,
+    _, got = aepo_tree_policy_loss(logits, tree.labels, old, occ, shift_labels=False, config=cfg, ref_logprobs=ref,
                                    token_weights=weights[valid], stats_masks={"odd": split["odd"][valid]},
                                    return_token_loss=True)
     assert set(got) == set(want)
@@ -218,13 +218,44 @@ def test_one_column_would_not_do():
 
 
 def test_bad_inputs_say_what_is_wrong():
+    """The input contract (aepo_kernels.contract) on both tree entry points: shift_labels has no
+    default, and the per-node and per-occurrence arguments are checked (metadata, then values)."""
     tree, rows, valid, logits, old, ref, advantages, mask, weights = _case(seed=2)
     occ = _occurrences(rows, valid, advantages, mask)
-    with pytest.raises(ValueError, match="Occurrences.node must lie"):
-        aepo_tree_policy_loss(logits, tree.labels, old, occ._replace(node=occ.node + 1000))
-    with pytest.raises(ValueError, match="shift_labels"):
-        aepo_tree_policy_loss(logits, tree.labels, old, occ, shift_labels=True)
+    labels = tree.labels
+    loss = lambda *args, **kw: aepo_tree_policy_loss(*args, **{"shift_labels": False, **kw})  # noqa: E731
+    with pytest.raises(TypeError, match="needs shift_labels=True or shift_labels=False"):
+        aepo_tree_policy_loss(logits, labels, old, occ)
+    hidden, weight = torch.randn(labels.shape[0], 8), torch.randn(logits.shape[1], 8)
+    with pytest.raises(TypeError, match="needs shift_labels"):
+        fused_linear_aepo_tree_policy_loss(hidden, weight, labels, old, occ)
+    with pytest.raises(ValueError, match="no meaning on a tree"):
+        loss(logits, labels, old, occ, shift_labels=True)
+    with pytest.raises(ValueError, match=r"occurrences.node must hold node indices in \[0, "):
+        loss(logits, labels, old, occ._replace(node=occ.node + 1000))
+    with pytest.raises(TypeError, match="occurrences.node must be a 1-D int64"):
+        loss(logits, labels, old, occ._replace(node=occ.node.float()))
+    bad = labels.clone()
+    bad[3] = logits.shape[1]  # a token id past the vocabulary
+    with pytest.raises(ValueError, match=r"labels must hold token ids in \[0, 61\)"):
+        loss(logits, bad, old, occ)
+    with pytest.raises(ValueError, match="occurrences.loss_mask must hold finite weights >= 0"):
+        loss(logits, labels, old, occ._replace(loss_mask=occ.loss_mask - 2))
+    nan = weights[valid].clone()
+    nan[0] = float("nan")
+    with pytest.raises(ValueError, match="token_weights must hold finite weights"):
+        loss(logits, labels, old, occ, token_weights=nan)
+    with pytest.raises(ValueError, match=r"token_weights \[3\] must be shaped like occurrences.node"):
+        loss(logits, labels, old, occ, token_weights=torch.ones(3))
+    with pytest.raises(ValueError, match=r"occurrences.sequence must hold trajectory indices"):
+        loss(logits, labels, old, occ._replace(sequence=occ.sequence + occ.num_sequences))
+    with pytest.raises(TypeError, match="old_logprobs must be a floating-point"):
+        loss(logits, labels, old.long(), occ)
+    with pytest.raises(ValueError, match=r"old_logprobs \[.*\] must be shaped like labels"):
+        loss(logits, labels, old[:-1], occ)
+    with pytest.raises(ValueError, match=r"labels .* must be shaped like the leading dims of logits"):
+        loss(logits[:-1], labels, old, occ)
+    with pytest.raises(ValueError, match="hidden .* and the lm_head weight"):
+        fused_linear_aepo_tree_policy_loss(hidden, weight[:, :5], labels, old, occ, shift_labels=False)
     with pytest.raises(ValueError, match="seq_norm_length"):
-        aepo_tree_policy_loss(logits, tree.labels, old, occ, config=LossConfig(aggregation="seq-mean-token-sum-norm"))
-    with pytest.raises(ValueError, match=r"\[N\]"):
-        aepo_tree_policy_loss(logits, tree.labels, old[:-1], occ)
+        loss(logits, labels, old, occ, config=LossConfig(aggregation="seq-mean-token-sum-norm"))

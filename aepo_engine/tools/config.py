@@ -155,6 +155,10 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             appended to the trajectory.
         search: the ``<search>`` tool.
         python: the ``<python>`` tool.
+        format: how the model calls tools and reads results: "tags" (the paper's
+            ``<search> q</search>`` then `` <result>...</result>`` in the same turn) or
+            "chat_template" (the template's tool list, its call syntax - ``<tool_call>{json}</tool_call>``
+            or Llama-3 JSON - and its tool turn; ``aepo_engine.tools.formats``).
     """
 
     enabled: list[str] = msgspec.field(default_factory=lambda: ["search", "python"])
@@ -162,6 +166,7 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result_max_chars: int = 3000
     search: SearchConfig = msgspec.field(default_factory=SearchConfig)
     python: PythonConfig = msgspec.field(default_factory=PythonConfig)
+    format: Literal["tags", "chat_template"] = "tags"
 
     def __post_init__(self) -> None:
         if len(set(self.enabled)) != len(self.enabled):
