@@ -9,7 +9,8 @@ Three commands:
         One process, two PolicyWorkers on the job's warm-started model (rows / tree), the same
         weights before every measurement; per batch the update (log-prob pass + PPO update) of
         each layout, alternating which goes first; median wall and CPU time, positions computed
-        / row positions, and the equality of log-probs, entropies and every parameter's gradient.
+        / row positions, the peak resident set above the one before each update (median), and the
+        equality of log-probs, entropies and every parameter's gradient.
     python bench/bench_tree_batches.py paper BATCHES.pt [--prompts 64 --k 12 ...]
         Paper-shaped batches from a synthetic generator that follows the branch positions measured
         in BATCHES.pt (module :func:`paper_batch`): positions and the FLOP count of a Qwen3-14B
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import os
 import random
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, print_table, write_rows  # noqa: E402
+from harness import PeakMemory, machine, print_table, write_rows  # noqa: E402
 
 from aepo_engine.training.batch import TokenBatch  # noqa: E402
 from aepo_engine.training.tree import (TreeMicroBatch, build_forest, group_slices, logprob_keys,  # noqa: E402
@@ -110,14 +112,27 @@ def make_worker(data: dict, trees: bool, overrides: dict):
     return PolicyWorker(data["model_dir"], policy, optim, total_steps=1000, temperature=data["temperature"])
 
 
+def _malloc_trim() -> None:
+    """Hand glibc's freed heap back to the OS, so the next update's resident-set growth is its own
+    (without it an update reuses pages the previous one left resident and its peak reads low)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the peak may read low after the first update
+        pass
+
+
 def timed_update(worker, state: dict, batch: TokenBatch) -> dict:
-    """The update of a step (log-prob pass + PPO update) from ``state``: wall and CPU seconds."""
+    """The update of a step (log-prob pass + PPO update) from ``state``: wall and CPU seconds, and
+    the peak resident set above the one before it (``harness.PeakMemory``: VmHWM, reset first)."""
     worker.model.load_state_dict(state)
     worker.optimizer.state.clear()
+    _malloc_trim()
+    memory = PeakMemory("cpu")
+    memory.start()
     wall, cpu = time.perf_counter(), time.process_time()
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
-    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, "peak_bytes": memory.peak(),
             "positions": metrics["positions"], "position_ratio": metrics["position_ratio"], "loss": metrics["loss"]}
 
 
@@ -177,7 +192,7 @@ def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_s
                "row_positions": int(batch.lengths.sum()), "repeats": repeats, "load_before": load_before,
                "load_after": os.getloadavg()[0], "overrides": overrides, **equality}
         for mode in ("rows", "tree"):
-            for key in ("wall_s", "cpu_s"):
+            for key in ("wall_s", "cpu_s", "peak_bytes"):
                 values = [s[key] for s in samples[mode]]
                 row[f"{mode}_{key}"] = statistics.median(values)
                 row[f"{mode}_{key}_spread"] = [min(values), max(values)]
@@ -189,7 +204,8 @@ def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_s
         out.append(row)
         write_rows("tree_batches", [row], info)
         print_table([row], ["case", "rows", "position_ratio", "rows_wall_s", "tree_wall_s", "speedup", "rows_cpu_s",
-                            "tree_cpu_s", "grad_rel_max", "load_before", "load_after"])
+                            "tree_cpu_s", "rows_peak_bytes", "tree_peak_bytes", "grad_rel_max", "load_before",
+                            "load_after"])
     return out
 
 
