@@ -13,7 +13,9 @@ How the trie is found (per group, rows in batch order): row i shares with the ea
 whose prefix agrees with its own the longest, the longest common prefix over the *keys* of each
 position -- the token id, and whatever else the loss reads per node and must be equal across a
 node's occurrences to be folded (:func:`update_keys`: the old and reference log-probs of the
-token; the async mode's per-token policy versions belong here too). Its first ``own`` positions
+token). The async mode's per-token versions and behaviour->proximal weights are not keys: the
+weights scale each occurrence's advantage (``apply_token_weights``), per row, as the advantages
+themselves do. Its first ``own`` positions
 are row j's nodes, the rest are new nodes (``own`` may be the whole row: an identical or prefix
 trajectory adds nothing). A trie keyed on what the rows actually hold needs no trust in the
 rollout's lineage: a branch whose inherited prefix differed from its parent's (it never should)
@@ -123,8 +125,8 @@ def logprob_keys(batch: TokenBatch) -> list[Tensor]:
 
 
 # The label-aligned TokenBatch fields the loss reads per node: every occurrence of a node must hold
-# the same value. A per-token field of the same kind (the async mode's per-token policy versions:
-# tokens sampled by different policy versions are different nodes) belongs here.
+# the same value. A per-token field the loss reads per node belongs here; per-occurrence values
+# (advantages, the async mode's importance weights on them) do not.
 NODE_FIELDS = ("old_logprobs", "ref_logprobs")
 
 
