@@ -371,6 +371,12 @@ _FSDP_WORKER = textwrap.dedent("""
         print("HF_RESULT", all(torch.equal(full[k], v) for k, v in exported.items()), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # The end, without the interpreter's exit: after fully_shard, torch keeps the gloo group alive
+    # past destroy_process_group (its threads still run), so a normal exit tears it down while the
+    # interpreter finalizes and the other rank exits; under the full suite rank 1 once aborted
+    # there ("terminate called without an active exception"). Everything is written and printed.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
