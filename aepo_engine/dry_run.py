@@ -23,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
+
 from aepo_engine.config import TrainConfig, config_problems
 from aepo_engine.config_loader import dump_config
 
@@ -61,6 +63,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     """
     report = DryRunReport()
     report.problems += config_problems(cfg)
+    cfg = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
     if cfg.model.path:
         _check_model_dir(Path(cfg.model.path), report)
@@ -81,8 +84,11 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     _check_packages(cfg, report)
     _check_reward(cfg, report)
     _check_resume(cfg, report)
+    _check_checkpoint_disk(cfg, report)
     if gpu is not None or world_size is not None:
         _plan_memory(cfg, gpu, world_size, report)
+    elif _cpu_run(cfg):
+        _plan_cpu_memory(cfg, report)
     return report
 
 
@@ -116,6 +122,25 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
 
 
 # --- checks ---------------------------------------------------------------------------------------
+
+def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> TrainConfig:
+    """``cfg`` with a GGUF ``model.path`` replaced by its converted HF folder (converted now, once:
+    :mod:`aepo_engine.models.gguf`), so every check reads the folder the run will load."""
+    if not cfg.model.path:
+        return cfg
+    from aepo_engine.models.gguf import find_gguf, resolve_model_dir
+
+    try:
+        source = find_gguf(cfg.model.path)
+        if source is None:
+            return cfg
+        folder = resolve_model_dir(cfg.model.path, log=lambda _: None)
+    except (OSError, ValueError, ImportError) as exc:
+        report.problems.append(f"model.path {cfg.model.path!r}: {exc}")
+        return cfg
+    report.notes.append(f"model: GGUF file {source} -> converted HF folder {folder}")
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder))
+
 
 def _check_model_dir(path: Path, report: DryRunReport) -> None:
     if not path.is_dir():
@@ -293,7 +318,7 @@ def _check_packages(cfg: TrainConfig, report: DryRunReport) -> None:
                                "backend.kind='hf')")
     if cfg.policy.attn_implementation == "flash_attention_2" and missing("flash_attn"):
         report.problems.append("policy.attn_implementation='flash_attention_2' but flash-attn is not installed "
-                               "(pip install -e '.[gpu]', or 'sdpa')")
+                               "(pip install flash-attn, or 'varlen': torch's own varlen kernel)")
     if cfg.logging.tensorboard == "on" and missing("tensorboard"):
         report.problems.append("logging.tensorboard='on' but tensorboard is not installed")
     if cfg.logging.wandb and missing("wandb"):
@@ -310,9 +335,62 @@ def _check_reward(cfg: TrainConfig, report: DryRunReport) -> None:
 
 
 def _check_resume(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The checkpoint a resume would use, its files' sizes checked against its meta.json (the
+    checksums, which read every byte, are checked when the run starts)."""
+    from aepo_engine.checkpoint import STEP_DIR, resume_candidates, verify_checkpoint
+
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).is_dir():
+    if resume == "never":
+        return
+    if resume != "auto" and not Path(resume).is_dir():
         report.problems.append(f"checkpoint.resume {resume!r} is not a checkpoint directory")
+        return
+    root = Path(cfg.run_dir) / cfg.checkpoint.dir if resume == "auto" else Path(resume)
+    if STEP_DIR.match(root.name):
+        damage = verify_checkpoint(root, checksums=False)
+        if damage:
+            report.problems.append(f"checkpoint.resume {resume!r} is damaged: {damage[0]}")
+        return
+    candidates = resume_candidates(root)
+    for path in candidates:
+        damage = verify_checkpoint(path, checksums=False)
+        if not damage:
+            report.notes.append(f"resume: from {path} (file sizes checked; checksums are checked at start)")
+            return
+        report.warnings.append(f"checkpoint {path} is damaged ({damage[0]}): a resume skips it")
+    if candidates or resume != "auto":
+        report.problems.append(f"checkpoint.resume {resume!r}: no intact checkpoint in {root}")
+
+
+def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The disk each checkpoint takes (training state, HF export) and whether keep_last of them
+    fit in the checkpoint directory's filesystem."""
+    import torch
+
+    from aepo_engine.checkpoint import checkpoint_footprint, model_dtype, space_problem
+    from aepo_engine.memory_plan import ModelShape
+
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is None and cfg.task.source == "files":
+        return  # config_problems reports the missing model.path
+    try:
+        if path is None:  # the synthetic task's tiny Qwen3: its vocabulary is at most tiny.vocab_size
+            tiny = cfg.model.tiny
+            shape = ModelShape.from_config({
+                "vocab_size": tiny.vocab_size, "hidden_size": tiny.hidden_size,
+                "intermediate_size": tiny.intermediate_size, "num_hidden_layers": tiny.num_layers,
+                "num_attention_heads": tiny.num_heads, "num_key_value_heads": tiny.num_kv_heads,
+                "head_dim": tiny.head_dim, "tie_word_embeddings": tiny.tie_word_embeddings, "model_type": "qwen3"})
+        else:
+            shape = ModelShape.from_dir(path)
+    except (ValueError, OSError):
+        return  # _check_model_dir reports a model directory without a readable config.json
+    dtype = (model_dtype(path) if path is not None else None) or torch.float32
+    footprint = checkpoint_footprint(shape.params(), dtype.itemsize, cfg.checkpoint)
+    report.notes.append("checkpoint disk: " + footprint.describe(cfg.checkpoint, str(dtype).removeprefix("torch.")))
+    problem = space_problem(Path(cfg.run_dir) / cfg.checkpoint.dir, footprint)
+    if problem:
+        report.problems.append(problem)
 
 
 def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, report: DryRunReport) -> None:
@@ -336,7 +414,7 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
     except (ValueError, OSError) as exc:
         report.problems.append(f"memory plan: {cfg.model.path}/config.json: {exc}")
         return
-    plan = plan_memory(cfg, shape, world, capacity)
+    plan = plan_memory(cfg, shape, world, capacity, gpu_name=gpu or "")
     report.plan += [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
                     f"vocabulary {shape.vocab})", *plan.lines()]
     if not plan.fits:
@@ -344,3 +422,45 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
         report.problems.append(
             f"memory plan: {plan.peak / gib:.1f} GiB per GPU at its peak ({plan.peak_phase}), more than the "
             f"{capacity / gib:.1f} GiB of a {gpu}; turn: " + "; ".join(plan.knobs))
+    if plan.preempts:
+        kv = plan.kv
+        report.problems.append(
+            f"memory plan: vLLM's KV cache holds {kv.tokens:,} tokens per engine, {kv.trajectories} trajectories of "
+            f"max_model_len {kv.max_model_len}, but up to {kv.concurrent} run at once: the engine would preempt "
+            "(recompute) sequences whenever they grow long; turn: " + "; ".join(plan.kv_knobs))
+
+
+def _cpu_run(cfg: TrainConfig) -> bool:
+    """A run in one process on a machine without CUDA, with the HF backend: what the CPU plan covers."""
+    import torch
+
+    return cfg.backend.kind == "hf" and not torch.cuda.is_available() and bool(cfg.model.path)
+
+
+def _plan_cpu_memory(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The host-memory plan of a CPU run (:mod:`aepo_engine.cpu_memory_plan`), against this
+    machine's memory: a plan above it is a warning (the check may run on another machine)."""
+    from aepo_engine.cpu_memory_plan import plan_cpu_memory
+    from aepo_engine.memory_plan import GIB, ModelShape
+
+    try:
+        shape = ModelShape.from_dir(cfg.model.path)
+    except (ValueError, OSError):
+        return  # the model check above reports an unreadable config.json
+    plan = plan_cpu_memory(cfg, shape)
+    report.plan += [f"model: {shape.params() / 1e9:.3f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+                    f"vocabulary {shape.vocab})", *plan.lines()]
+    total = _machine_memory()
+    if total and plan.peak > total:
+        report.warnings.append(f"CPU memory plan: a peak of {plan.peak / GIB:.1f} GiB, more than this machine's "
+                               f"{total / GIB:.1f} GiB")
+
+
+def _machine_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -13,13 +13,29 @@ from the run's config. Per GPU (one FSDP2 rank), bytes:
   autograd saves per token in one HF Llama/Qwen decoder layer with a fused attention kernel);
   with activation checkpointing only each layer's input (``T x D x c`` per layer) plus one layer
   recomputed in backward; without, every layer's saved tensors.
-- **fused-linear head**: the ``[token_chunk, V]`` logits block (``policy.fused_chunk_bytes``), the
+- **fused-linear head**: the ``[token_chunk, V]`` logits block (``policy.fused_chunk_bytes``; unset:
+  192 MiB on CPU, at most 2 GiB on CUDA, ``aepo_kernels.fused_linear.chunk_bytes_for``), the
   fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient.
 - **vLLM**: awake, ``backend.gpu_memory_utilization`` of the GPU (weights, KV cache, its
   activations; with ``backend.kv_cache_gib`` the weights/T + that cache); asleep (sleep mode), a
   residual the plan takes as :data:`VLLM_ASLEEP_RESIDUAL` (an assumption: not measured here);
   level 1 keeps the weights in host memory.
-- **weight sync**: one bucket gathered in fp32 plus its copy in the engine's dtype.
+- **weight sync**: one bucket gathered in the engine's dtype (each shard cast before its
+  all-gather): up to ``backend.weight_sync_bucket_mb`` plus the largest single tensor (a bucket
+  closes after the parameter that fills it; Qwen3-14B's embedding is 1.45 GiB in bf16).
+- **vLLM's KV cache** per engine (:func:`engine_kv_cache`): its share of the GPU less the weights,
+  the profiling peak and the non-torch memory, in tokens (``2 x layers x kv heads x head dim``
+  bytes each) and in trajectories of ``backend.max_model_len`` tokens, against the sequences it
+  runs at once (``backend.max_num_seqs`` or vLLM's default, at most the engine's trajectories per
+  step). Fewer trajectories than that means preemption (recomputation) whenever they grow long:
+  a problem, with the knobs that fix it.
+- **carried over between phases**: the live tensors (parameters, AdamW states; gradients are
+  freed when the step ends) and, unless PyTorch's cache is emptied, the blocks the update left
+  cached: vLLM's sleep-mode pool allocates outside PyTorch's caching allocator and cannot reuse
+  them. The trainer empties the cache after the engine sleeps and before each wake-up
+  (``train.free_cached_memory``), so the plan carries nothing else; ``cache_emptied=False`` plans
+  the run without it (the update's peak, less its live tensors, stays held through the sync and
+  the rollout).
 - **overhead**: CUDA context, NCCL buffers and allocator slack, :data:`CUDA_OVERHEAD` (an
   assumption).
 The phases of a step (rollout, log-probs, update, weight sync) add up the terms present in each;
@@ -29,8 +45,9 @@ stay in host memory).
 
 Validated on CPU against measured peaks (``tests/test_memory_plan.py``, ``bench/bench_memory_plan.py``):
 the state terms, the activations with and without checkpointing, the head and the load, on a
-small and a ~0.5B Qwen3, 1 and 2 ranks. Not validated: anything CUDA-specific (the vLLM and
-overhead terms above are read from vLLM's settings and assumed, not measured).
+small and a ~0.5B Qwen3, 1 and 2 ranks. Not validated: anything CUDA-specific (the vLLM,
+KV-cache and overhead terms above are read from vLLM's settings and source and assumed, not
+measured; ``bench/gpu_check.py`` compares the training terms with ``torch.cuda.max_memory_allocated``).
 """
 from __future__ import annotations
 
@@ -40,11 +57,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aepo_kernels.fused_linear import CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunks_for_budget
+
 GIB = 1 << 30
 # nvidia-smi's memory.total of each card, MiB.
 GPUS = {"h100-80gb": 81559, "h200": 143771, "a100-80gb": 81920, "a100-40gb": 40960}
 CUDA_OVERHEAD = int(2.0 * GIB)  # context, NCCL buffers, allocator slack: an assumption
 VLLM_ASLEEP_RESIDUAL = int(1.0 * GIB)  # what a sleeping engine keeps (CUDA graphs, allocator): assumed
+VLLM_NON_TORCH = int(1.0 * GIB)  # an awake engine's memory outside torch (NCCL, cuBLAS, CUDA graphs): assumed
+# vLLM's defaults for the offline LLM class (vllm/engine/arg_utils.py, get_batch_defaults, 0.32.0):
+# (max_num_seqs, max_num_batched_tokens) on GPUs of >= 70 GiB other than A100s, and on the rest.
+VLLM_BATCH_DEFAULTS = {"large": (1024, 16384), "other": (256, 8192)}
 HOST_BASELINE = int(3.0 * GIB)  # imports (torch, transformers, vLLM) per rank: an assumption on GPU hosts
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -165,6 +188,14 @@ class MemoryPlan:
     sync_bytes: dict[str, int] = field(default_factory=dict)
     knobs: list[str] = field(default_factory=list)
     load_read_bytes: int = 0  # what a rank holds above its shards while loading (the read buffer)
+    kv: "EngineKV | None" = None  # vLLM's KV cache per engine (None: no engine planned)
+    carried: list[str] = field(default_factory=list)  # what one phase leaves to the next
+    kv_knobs: list[str] = field(default_factory=list)  # what to turn when the engine would preempt
+
+    @property
+    def preempts(self) -> bool:
+        """Whether the engine's KV cache holds fewer max-length trajectories than it runs at once."""
+        return self.kv is not None and self.kv.trajectories < self.kv.concurrent
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.terms[name].bytes for name in self.phases[phase])
@@ -193,11 +224,93 @@ class MemoryPlan:
         if self.gpu:
             out.append(f"  {gib(self.gpu)}  GPU memory: {'fits' if self.fits else 'DOES NOT FIT'} "
                        f"(peak {self.peak / self.gpu:.0%} of it)")
+        if self.carried:
+            out.append("  carried over between phases: " + "; ".join(self.carried))
+        if self.kv is not None:
+            out += self.kv.lines()
         out.append("  host memory per rank at load:")
         out += [f"  {gib(v)}  {k}" for k, v in self.host.items()]
         out.append("  weight sync per step:")
         out += [f"  {gib(v)}  {k}" for k, v in self.sync_bytes.items()]
         return out
+
+
+@dataclass(frozen=True)
+class EngineKV:
+    """vLLM's KV cache of one engine (``tp`` GPUs) and the sequences it must hold at once."""
+
+    tp: int
+    cache_bytes: int  # per GPU
+    token_bytes: int  # per token, the whole engine (2 x layers x kv heads x head dim x dtype)
+    max_model_len: int
+    concurrent: int  # sequences at once: max_num_seqs, at most the engine's trajectories per step
+    max_num_seqs: int
+    per_engine: int  # trajectories one engine samples per step
+    profile_bytes: int  # per GPU: vLLM's profiling peak (activations, sampler), assumed formula
+
+    @property
+    def tokens(self) -> int:
+        return self.cache_bytes * self.tp // self.token_bytes
+
+    @property
+    def trajectories(self) -> int:
+        """Trajectories of ``max_model_len`` tokens the cache holds."""
+        return self.tokens // self.max_model_len
+
+    def lines(self) -> list[str]:
+        verdict = ("no preemption" if self.trajectories >= self.concurrent else
+                   "PREEMPTS (recomputes) when they grow long")
+        return [f"  vLLM KV cache per engine ({self.tp} GPU{'s' if self.tp > 1 else ''}): "
+                f"{self.cache_bytes / GIB:.2f} GiB per GPU after weights, profiling peak "
+                f"({self.profile_bytes / GIB:.2f}) and non-torch memory",
+                f"    {self.tokens:,} tokens at {self.token_bytes / 1024:.0f} KiB/token = {self.trajectories} "
+                f"trajectories of max_model_len {self.max_model_len}; up to {self.concurrent} at once "
+                f"(max_num_seqs {self.max_num_seqs}, {self.per_engine} trajectories per engine per step): {verdict}"]
+
+
+def engine_kv_cache(cfg: Any, shape: ModelShape, world: int, gpu: int, gpu_name: str = "",
+                    checkpoint_bytes: int = 2) -> EngineKV:
+    """The KV cache of one vLLM engine of ``cfg`` on ``gpu`` bytes per GPU (module docstring).
+
+    vLLM (``gpu_worker.determine_available_memory``, 0.32.0) gives the KV cache its share of the
+    GPU less what its profiling run measured: the weights, the peak of a forward of
+    ``max_num_batched_tokens`` tokens and of a sampler pass over ``max_num_seqs`` rows, and the
+    memory outside torch. The profiling peak is estimated here: the SwiGLU MLP's gate/up output and
+    activation and the attention projections per batched token (split over the tensor-parallel
+    GPUs), and three fp32 ``[max_num_seqs, V]`` sampler tensors (logits, log-probs for top-k, a
+    temporary). ``backend.kv_cache_gib`` replaces all of it.
+    """
+    backend = cfg.backend
+    tp, e = backend.tensor_parallel_size, engine_dtype_bytes(cfg, checkpoint_bytes)
+    large = gpu >= 70 * GIB and "a100" not in gpu_name.lower()
+    default_seqs, batched = VLLM_BATCH_DEFAULTS["large" if large else "other"]
+    max_seqs = backend.max_num_seqs or default_seqs
+    profile = (batched * (3 * shape.intermediate + shape.q_width + 2 * shape.kv_width) * e // tp
+               + batched * shape.hidden * e + 3 * min(max_seqs, batched) * shape.vocab * 4)
+    if backend.kv_cache_gib is not None:
+        cache = int(backend.kv_cache_gib * GIB)
+    else:
+        cache = max(0, int(backend.gpu_memory_utilization * gpu) - e * shape.params() // tp - profile - VLLM_NON_TORCH)
+    engines = max(1, world // tp)
+    per_engine = -(-cfg.train.prompts_per_step // engines) * cfg.rollout.k
+    return EngineKV(tp=tp, cache_bytes=cache, token_bytes=2 * shape.layers * shape.kv_width * e,
+                    max_model_len=backend.max_model_len, concurrent=min(max_seqs, per_engine), max_num_seqs=max_seqs,
+                    per_engine=per_engine, profile_bytes=profile)
+
+
+def engine_dtype_bytes(cfg: Any, checkpoint_bytes: int = 2) -> int:
+    """Bytes per element of the rollout engine's weights (``backend.dtype``; "auto": the checkpoint's)."""
+    return checkpoint_bytes if cfg.backend.dtype == "auto" else DTYPE_BYTES[cfg.backend.dtype]
+
+
+def logprob_block_bytes(vocab: int, tokens: int, budget: int, c: int) -> int:
+    """What the fused log-prob pass (``fused_linear_logprob_entropy``) holds for its logits: the
+    ``[rows, vocab_chunk]`` block in the compute dtype and one temporary of its size, with the rows
+    ``fused_linear.chunks_for_budget`` cuts from ``budget`` (at most ``tokens``). Measured on CPU
+    (``tests/test_memory_plan.py``); the former "half the budget" held 1 GiB for 2 GiB CUDA blocks
+    where the pass makes ~0.5 GiB."""
+    rows, vocab_chunk = chunks_for_budget(vocab, budget)
+    return 2 * min(rows, tokens) * vocab_chunk * c
 
 
 def micro_batch_tokens(cfg: Any) -> int:
@@ -209,7 +322,7 @@ def micro_batch_tokens(cfg: Any) -> int:
 
 
 def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: bool = True,
-                checkpoint_bytes: int = 2) -> MemoryPlan:
+                checkpoint_bytes: int = 2, gpu_name: str = "", cache_emptied: bool = True) -> MemoryPlan:
     """The memory plan of ``cfg`` (a resolved ``TrainConfig``) for ``shape`` on ``world`` ranks.
 
     Args:
@@ -217,6 +330,9 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         checkpoint_bytes: bytes per element of the checkpoint's tensors (2: bf16, as published).
         cuda: plan a CUDA run (vLLM sleep resolved for CUDA, the overhead counted); False plans the
             CPU run the terms are validated on (no overhead, no engine memory).
+        gpu_name: the ``--gpu`` name (vLLM's batch defaults differ on A100s).
+        cache_emptied: PyTorch's cache is emptied before the engine wakes (what the trainer
+            does); False plans the update's cached blocks carried into the sync and the rollout.
     """
     policy, backend = cfg.policy, cfg.backend
     p, w = shape.params(), world
@@ -259,8 +375,9 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     add("act_backward", f"activations during backward ({how}: " + ("the inputs + one layer recomputed)" if ckpt
         else "all saved)"), inputs + tokens * per_layer if ckpt else full)
     final_grad = v * d * (c if c != 4 else 0)  # d_W handed to autograd in the weight's dtype (a copy unless fp32)
+    budget = policy.fused_chunk_bytes or (CUDA_CHUNK_BYTES_MAX if cuda else DEFAULT_CHUNK_BYTES)
     if policy.use_fused_linear:
-        rows = max(1, policy.fused_chunk_bytes // (v * c))
+        rows = max(1, budget // (v * c))
         head = min(rows, tokens) * v * c + 4 * v * d + final_grad + tokens * d * c
         add("head", "fused-linear head (logits block, fp32 d_W accumulator, d_W in the weight dtype, d_hidden)", head)
         add("head_saved", "the head's gradients kept for backward (d_W, d_hidden)", (final_grad or 4 * v * d)
@@ -268,12 +385,12 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     else:
         add("head", "materialised logits and their gradient (use_fused_linear=false)", 2 * tokens * v * c)
         add("head_saved", "the head's gradient kept for backward (dlogits)", tokens * v * c)
-    add("logprob_pass", "log-prob pass (no grad: hidden states, half the fused pass's chunk budget)",
-        2 * tokens * d * c + policy.fused_chunk_bytes / 2)
+    add("logprob_pass", "log-prob pass (no grad: hidden states, a logits block and one temporary of its size)",
+        2 * tokens * d * c + logprob_block_bytes(v, tokens, budget, c))
     engine = cuda and backend.kind == "vllm"
     sleeps = engine and backend.sleeps(cuda)
-    tp = backend.tensor_parallel_size
-    engine_weights = 2 * p / tp
+    tp, e = backend.tensor_parallel_size, engine_dtype_bytes(cfg, checkpoint_bytes)
+    engine_weights = e * p / tp
     if engine:
         if backend.kv_cache_gib is not None:
             awake = engine_weights + backend.kv_cache_gib * GIB + CUDA_OVERHEAD / 2
@@ -288,19 +405,33 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     else:
         for key in ("vllm_awake", "vllm_idle", "vllm_weights"):
             add(key, "no engine memory (" + ("HF backend: the policy samples" if cuda else "CPU plan") + ")", 0)
-    bucket = backend.weight_sync_bucket_mb * (1 << 20)
-    add("bucket", "weight-sync bucket (fp32 gathered + engine-dtype copy)", bucket * 1.5)
+    bucket = backend.weight_sync_bucket_mb * (1 << 20) + shape.largest_tensor() * e * (1 + 1 / shards)
+    add("bucket", "weight-sync bucket gathered in the engine's dtype (+ the largest tensor that closes it, "
+        "and its cast shard)", bucket)
     add("overhead", "CUDA context, NCCL, allocator slack (assumed)", CUDA_OVERHEAD if cuda else 0)
     state = ["params", "adam", "overhead"]
+    add("cache_carried", "PyTorch's cached blocks carried into the sync and the rollout", 0,
+        "emptied before each engine wake-up")
     plan.phases = {
-        "rollout (engine awake)": [*state, "vllm_awake"],
+        "rollout (engine awake)": [*state, "cache_carried", "vllm_awake"],
         "log-probs (no grad)": [*state, "layers", "root", "logprob_pass", "vllm_idle"],
         "update: end of forward (the head)": [*state, "grads", "root", "act_forward", "head", "vllm_idle"],
         "update: backward through the layers": [*state, "grads", "root", "layers", "layer_grad", "act_backward",
                                                 "head_saved", "vllm_idle"],
         "update: end of backward (root gradients)": [*state, "grads", "root", "root_grad", "head_saved", "vllm_idle"],
-        "weight sync": [*state, "bucket", "vllm_weights"],
+        "weight sync": [*state, "cache_carried", "bucket", "vllm_weights"],
     }
+    plan.carried = ["params and AdamW states (live)", "gradients freed at the end of each step"]
+    if sleeps and not cache_emptied:  # PyTorch keeps the update's peak reserved, less what is live
+        update = max(plan.phase_bytes(phase) for phase in plan.phases if phase.startswith("update"))
+        held = update - sum(t[k].bytes for k in (*state, "vllm_idle"))
+        add("cache_carried", "PyTorch's cached blocks carried into the sync and the rollout", held,
+            "NOT emptied: the update's peak, less its live tensors")
+        plan.carried.append(f"PyTorch's cache: {held / GIB:.2f} GiB (not emptied)")
+    elif sleeps:
+        plan.carried.append("PyTorch's cache: emptied after the engine sleeps and before each wake-up")
+    if engine and cuda and gpu:  # the cache is the GPU's share less the rest: no GPU, no cache to plan
+        plan.kv = engine_kv_cache(cfg, shape, w, gpu, gpu_name, checkpoint_bytes)
     if sharded and policy.sharded_load:
         plan.load_read_bytes = math.ceil(shape.largest_tensor() / w) * checkpoint_bytes
         load = HOST_BASELINE + plan.load_read_bytes + (0 if cuda else 4 * p / w)
@@ -310,11 +441,12 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         plan.host["whole load: baseline + the fp32 model (from_pretrained on every rank)"] = HOST_BASELINE + 4 * p
     if sleeps and backend.sleep_level == 1:
         plan.host["vLLM weights offloaded while asleep (level 1)"] = engine_weights
-    plan.sync_bytes["all-gathered per rank (fp32 shards)"] = int(4 * p * (w - 1) / w)
+    plan.sync_bytes[f"all-gathered per rank (shards cast to the engine's {e}-byte dtype)"] = int(e * p * (w - 1) / w)
     plan.sync_bytes["into the engine (its dtype)"] = int(engine_weights * tp)
     if engine and not backend.in_process:
         plan.sync_bytes["host copies (engine in its own processes: bytes through host memory)"] = int(2 * p)
     plan.knobs = _knobs(plan, cfg, sleeps, engine)
+    plan.kv_knobs = _kv_knobs(plan, cfg)
     return plan
 
 
@@ -336,3 +468,25 @@ def _knobs(plan: MemoryPlan, cfg: Any, sleeps: bool, engine: bool) -> list[str]:
     if t["params"].bytes + t["grads"].bytes + t["adam"].bytes > 0.4 * plan.gpu:
         out.append("more GPUs (FSDP2 shards the parameters, gradients and AdamW states over all ranks)")
     return out or ["more GPUs, or GPUs with more memory"]
+
+
+def _kv_knobs(plan: MemoryPlan, cfg: Any) -> list[str]:
+    """What to turn when the engine's KV cache holds fewer max-length trajectories than it runs at
+    once (:attr:`MemoryPlan.preempts`)."""
+    if not plan.preempts:
+        return []
+    backend, kv = cfg.backend, plan.kv
+    out = []
+    if kv.tp == 1 and plan.world > 1:
+        out.append("backend.tensor_parallel_size = 2 (the weights split over 2 GPUs: more KV cache per engine)")
+    if backend.kv_cache_gib is None and plan.gpu:
+        room = (plan.gpu - plan.peak) / plan.gpu
+        if room > 0.02:
+            out.append(f"a larger backend.gpu_memory_utilization (now {backend.gpu_memory_utilization}; "
+                       f"the GPU has {room:.0%} to spare at the plan's peak)")
+    if kv.trajectories >= 1:
+        out.append(f"backend.max_num_seqs = {kv.trajectories} (what the KV cache holds at max_model_len: the "
+                   "other sequences wait for a slot instead of being preempted)")
+    else:
+        out.append(f"a smaller backend.max_model_len (now {backend.max_model_len})")
+    return out

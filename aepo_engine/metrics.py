@@ -20,6 +20,7 @@ from typing import Any, Iterable, Literal
 import msgspec
 
 from aepo_engine.errors import require
+from aepo_engine.files import write_text_atomic
 
 
 class LoggingConfig(msgspec.Struct, kw_only=True):
@@ -122,7 +123,7 @@ class ProgressBar:
         filled = int(width * (step + 1) / max(self.total, 1))
         parts = [f"[{'#' * filled}{'.' * (width - filled)}] {self.unit} {step + 1}/{self.total}"]
         parts += [f"{k} {v:.3g}" for k, v in fields.items() if isinstance(v, (int, float)) and math.isfinite(v)]
-        parts.append(f"eta {eta:.0f}s")
+        parts.append(f"eta {eta:.0f}s" if done > 0 else "eta ?")  # nothing finished: no rate yet
         line = " | ".join(parts)
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()
@@ -147,6 +148,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "samples").mkdir(exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        _cut_torn_line(self.metrics_path)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -174,13 +176,24 @@ class RunLogger:
         """Write a step's sample trajectories (text, reward, lineage) for inspection."""
         if self.enabled:
             path = self.run_dir / "samples" / f"step_{step:06d}.jsonl"
-            path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+            write_text_atomic(path, "".join(json.dumps(s) + "\n" for s in samples))
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _cut_torn_line(path: Path) -> None:
+    """Cut a last line left unfinished (a kill or a full disk in the middle of an append), so
+    the rows a resumed run appends stay readable."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as handle:
+        data = handle.read()
+        if data and not data.endswith(b"\n"):
+            handle.truncate(data.rfind(b"\n") + 1)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

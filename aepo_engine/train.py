@@ -19,8 +19,11 @@ which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and p
 """
 from __future__ import annotations
 
+import datetime
+import gc
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,15 +35,17 @@ from aepo_kernels.compile import give_toolchain_notice
 
 from aepo_engine import distributed
 from aepo_engine.algorithms.advantages import group_advantages
-from aepo_engine.checkpoint import CheckpointManager
+from aepo_engine.checkpoint import (CheckpointManager, CheckpointSaveError, checkpoint_footprint, model_dtype,
+                                    space_problem)
 from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
-from aepo_engine.data import Example, PromptSampler, encode_chat_prompt, fit_prompts
+from aepo_engine.data import Example, PromptSampler, fit_prompts
 from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
 from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
+from aepo_engine.files import write_text_atomic
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
@@ -50,6 +55,7 @@ from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
+from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_view
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
@@ -69,6 +75,12 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
+def _warn(message: str) -> None:
+    """One ``warning:`` line on stderr (rank 0)."""
+    if distributed.is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class Trainer:
     """Builds the parts from a :class:`TrainConfig` and runs the RL loop."""
 
@@ -81,13 +93,15 @@ class Trainer:
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
-        self.rank, self.world, _ = distributed.init_distributed()
+        self.rank, self.world, _ = distributed.init_distributed(
+            datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes")
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
         task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,
                             setup_in_child=cfg.backend.kind == "vllm", log=_log)
         self.model_dir, self.tools_config = task.model_dir, task.tools_config
         self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tool_format = build_tool_format(cfg.tools.format, self.tokenizer, self.tools_config.enabled)
         self.train_examples = fit_prompts(task.train_examples, self.prompt_length, cfg.data, "train")
         self.eval_examples = fit_prompts(task.eval_examples, self.prompt_length, cfg.data, "eval")
         self.eval_sets = [load_eval_source(spec, cfg.eval.data_root, cfg.eval.num_questions) for spec in cfg.eval.files]
@@ -108,11 +122,15 @@ class Trainer:
                                       local_rank=distributed.local_rank(), group=group)
                         if self.layout.host or in_process else None)
         self.sleeps = self.backend is not None and cfg.backend.sleeps(torch.cuda.is_available())
+        # The dtype the weight sync gathers in: the engine's (rank 0 always holds one; every rank
+        # must gather alike, including those that hold none).
+        self.sync_dtype = distributed.broadcast_object(getattr(self.backend, "weight_dtype", None))
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
-        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer)
+        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer,
+                                              tool_format=self.tool_format)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,
                                      shuffle=cfg.data.shuffle)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
@@ -130,7 +148,7 @@ class Trainer:
         return max(1, self.total_steps * policy.steps_per_update(units))
 
     def prompt_ids(self, example: Example) -> list[int]:
-        return encode_chat_prompt(self.tokenizer, example.messages())
+        return self.tool_format.encode_prompt(example.messages())
 
     def prompt_length(self, example: Example) -> int:
         return len(self.prompt_ids(example))
@@ -143,6 +161,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config_text)
+        self._check_checkpoint_space()
         start, extra = self._resume()
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
         bar = ProgressBar(self.total_steps, start)
@@ -165,9 +184,9 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
-        trajectories, rewards, correct, answers, stats = self._rollout_and_score(examples, step)
+        trajectories, rewards, correct, answers, stats, waited = self._rollout_and_score(examples, step)
         if self.sleeps:  # the update gets the engine's memory back until the weight sync
-            self.backend.sleep()
+            self._sleep_engine()
         t_rollout = time.perf_counter() - t0
         group_ids = torch.tensor([t.prompt_index for t in trajectories])
         advantages = group_advantages(torch.tensor(rewards), group_ids)
@@ -192,7 +211,9 @@ class Trainer:
             **_rollout_metrics(stats, trajectories), "rollout/logprob_gap": logprob_gap, **correction,
             **diversity_metrics(trajectories, answers), **entropy_tail, **depth_metrics(trajectories),
             **branching_metrics(trajectories, self.cfg.rollout),
+            **drift_metrics(trajectories, [e.messages() for e in examples], self.tool_format),
             "time/rollout_s": t_rollout, "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+            "time/wait_for_ranks": waited,
         }
         log_cfg = self.cfg.logging
         self.logger.dump_samples(step, sample_rows(trajectories, rewards, correct, answers, self.tokenizer,
@@ -200,19 +221,31 @@ class Trainer:
         return metrics
 
     def _sync_weights(self) -> None:
-        """Stream the updated weights into this rank's engine, a bucket at a time (collective:
-        every rank gathers every bucket, a rank without an engine then drops it). A sleeping
-        engine gets its weights' memory back first and its KV cache after the push."""
-        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20))
+        """Stream the updated weights into this rank's engine, a bucket at a time, gathered in the
+        engine's dtype (collective: every rank gathers every bucket, a rank without an engine then
+        drops it). A sleeping engine gets its weights' memory back first and its KV cache after
+        the push: update -> empty cache -> wake weights -> push -> empty cache -> wake KV cache."""
+        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20),
+                                                  dtype=self.sync_dtype)
         if self.backend is None:
             for _ in buckets:
                 pass
             return
         if self.sleeps:
-            self.backend.wake_up(["weights"])
+            self._wake_engine(["weights"])
         self.backend.load_weight_buckets(buckets)
         if self.sleeps:
-            self.backend.wake_up(["kv_cache"])
+            self._wake_engine(["kv_cache"])
+
+    def _sleep_engine(self) -> None:
+        """The engine drops its KV cache (and weights, level 2) and its blocks go back to the driver."""
+        self.backend.sleep()
+        free_cached_memory()
+
+    def _wake_engine(self, tags: list[str]) -> None:
+        """Reallocate ``tags`` of the engine, after returning PyTorch's cached blocks to the driver."""
+        free_cached_memory()
+        self.backend.wake_up(tags)
 
     def _sample(self, fn):
         """``fn()``: sampling with this rank's engine, on this rank's share of the prompts. A
@@ -230,19 +263,23 @@ class Trainer:
 
     def _rollout_and_score(self, examples: list[Example], step: int):
         """This engine's share of prompts -> trajectories, rewards, correctness, the answers the
-        reward read (None where it reports none) and the rollout stats, all-gathered in prompt order."""
+        reward read (None where it reports none) and the rollout stats, all-gathered in prompt
+        order; and the seconds this rank waited in that gather for the slowest rank."""
         mine = self.layout.prompts(len(examples))
         local = self._sample(lambda: self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
                              if mine else None)
         scored = []
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-            result = self.reward_fn(self.tokenizer.decode(traj.response_ids), examples[traj.prompt_index].ground_truth)
+            text, tool_spans = reward_view(traj, self.tool_format)
+            result = self.reward_fn(text, examples[traj.prompt_index].ground_truth, tool_spans)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))
-        gathered = distributed.all_gather_objects((scored, local.stats if local else None))
+        t0 = time.perf_counter()
+        gathered = distributed.all_gather_objects((scored, local.stats if local else None), "the step's rollouts")
+        waited = time.perf_counter() - t0  # this rank's wait for the slowest one
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
         stats = [st for _, st in gathered if st is not None]
-        return (*([s[i] for s in everything] for i in range(4)), stats)
+        return (*([s[i] for s in everything] for i in range(4)), stats, waited)
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
@@ -257,8 +294,9 @@ class Trainer:
             local = self._sample(lambda: evaluate(
                 self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
                 [e.ground_truth for e in questions], self.reward_fn,
-                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions]))
-            result = merge_eval_results(distributed.all_gather_objects(local))
+                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions],
+                tool_format=self.tool_format, progress=label if distributed.is_main() else None))
+            result = merge_eval_results(distributed.all_gather_objects(local, "the held-out evaluation"))
         for eval_set in self.eval_sets:
             result.update(self._evaluate_set(eval_set, label))
         _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
@@ -269,17 +307,20 @@ class Trainer:
         """One benchmark of eval.files through the eval command's code: samples, scores, judge,
         summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
         mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
-        prompts = [encode_chat_prompt(self.tokenizer, eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
+        prompts = [self.tool_format.encode_prompt(eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
         local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                                                    self.cfg.eval, prompts, mine, eval_set.check))
-        records = [r for part in distributed.all_gather_objects(local) for r in part]
+                                                    self.cfg.eval, prompts, mine, eval_set.check,
+                                                    tool_format=self.tool_format,
+                                                    progress=f"{label} {eval_set.name}" if distributed.is_main() else None))
+        records = [r for part in distributed.all_gather_objects(local, f"the evaluation of {eval_set.name}") for r in part]
         if self.rank != 0:
             return {}
         if self.judge is not None:
             judge_records(records, self.judge)
         folder = self.run_dir / self.cfg.logging.dir / "eval_samples" / label.replace(" ", "_")
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{eval_set.name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_text_atomic(folder / f"{eval_set.name}.jsonl",
+                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
         return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
 
@@ -304,15 +345,41 @@ class Trainer:
         return (every > 0 and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_at_end)
 
     def save(self, step: int, eval_before: dict[str, float]) -> None:
+        """Checkpoint after ``step``; the HF export (in the model's own dtype) only with the final
+        checkpoint unless checkpoint.hf_export_every asks. A save the disk refuses ends the run
+        (checkpoint.on_save_error = "stop") or is reported and retried at the next checkpoint ("warn")."""
         extra = {"step": step, "sampler": self.sampler.state_dict(), "eval_before": eval_before}
-        self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
-                              self.policy.scheduler, extra, self.config_text, export_hf=self.cfg.checkpoint.export_hf)
+        ckpt = self.cfg.checkpoint
+        try:
+            self.checkpoints.save(step + 1, self.policy.model, self.tokenizer, self.policy.optimizer,
+                                  self.policy.scheduler, extra, self.config_text,
+                                  export_hf=ckpt.exports_hf(step + 1, final=step + 1 == self.total_steps),
+                                  hf_dtype=model_dtype(self.model_dir))
+        except CheckpointSaveError as err:
+            if ckpt.on_save_error == "stop":
+                raise
+            _warn(f"{err}; training goes on (checkpoint.on_save_error = 'warn')")
+
+    def _check_checkpoint_space(self) -> None:
+        """Warn before the first step when keep_last checkpoints (and the HF export) would not fit."""
+        if self.rank != 0:
+            return
+        ckpt = self.cfg.checkpoint
+        dtype = model_dtype(self.model_dir) or torch.float32
+        params = sum(p.numel() for p in self.policy.model.parameters())
+        footprint = checkpoint_footprint(params, dtype.itemsize, ckpt)
+        _log(f"[checkpoint] disk: {footprint.describe(ckpt, str(dtype).removeprefix('torch.'))}")
+        problem = space_problem(self.checkpoints.root, footprint)
+        if problem:
+            _warn(problem)
 
     def _resume(self) -> tuple[int, dict[str, Any]]:
         loaded = self.checkpoints.resume(self.cfg.checkpoint.resume, self.policy.model,
                                          self.policy.optimizer, self.policy.scheduler)
         if loaded is None:
             return 0, {}
+        for path, problem in loaded.skipped:
+            _warn(f"checkpoint {path} is damaged ({problem}): skipped; resuming from {loaded.path} instead")
         self.sampler.load_state_dict(loaded.extra_state["sampler"])
         self._sync_weights()
         _log(f"[resume] from {loaded.path} (after step {loaded.step})")
@@ -324,7 +391,7 @@ class Trainer:
                    "scoring": {"reward": self.cfg.reward.rules, "eval": self.cfg.eval.scoring,
                                "judge_prompt": self.cfg.eval.judge.prompt if self.judge is not None else None}}
         if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             if self.cfg.logging.plots_at_end and self.logger.enabled and self.logger.metrics_path.exists():
                 try:
                     plot_metrics(self.logger.metrics_path, self.run_dir / "plots")
@@ -339,6 +406,16 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def free_cached_memory() -> None:
+    """Return PyTorch's cached, unused GPU blocks to the driver (garbage first: a block is freed
+    only when no tensor holds it). vLLM's sleep mode allocates its weights and KV cache through a
+    pool of its own, outside PyTorch's caching allocator, so it cannot reuse the blocks the update
+    left cached: without this a wake-up sees the update's reserved peak still held (TRL and verl
+    empty the cache around sleep and wake for the same reason). A no-op without CUDA."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _load_tokenizer(model_dir: str):

@@ -34,6 +34,9 @@ Subjects (``--level``):
   ``one_pass_fused_linear:128MiB``: the memory budget's effect on time and peak, in the same run.
 - ``*_softcap`` (both levels): the same one-pass call with Gemma-2's soft cap (``softcap=30``,
   ``logit_scale=0.5``): the cost of the option, against its uncapped twin in the same run.
+- ``*_two_phase`` (``one_pass_inplace_two_phase``, ``one_pass_fused_linear_two_phase``): the same
+  call without ``entropy_mean``/``entropy_std``, so it first runs its own no-grad log-prob/entropy
+  pass (from hidden states: one more logits matmul): what not supplying the statistics costs.
 Rows keep every timed sample (``samples``) and the minimum beside the median. ``--interleave``
 runs the listed cases in one subprocess, one call of each in turn (no ``@`` suffixes): the fair
 way to compare cases that allocate a new [N, V] buffer on this VM, where a fresh buffer's cost
@@ -72,9 +75,9 @@ SHAPES = {
 }
 IMPLS = {
     "linear": ["one_pass_fused_linear", "one_pass_fused_linear@compiled", "two_stage_fused_linear", "one_pass_materialised", "two_stage_materialised",
-               "liger_grpo", "one_pass_fused_linear_softcap", "gemm3", "gemm3_chunked"],
+               "liger_grpo", "one_pass_fused_linear_softcap", "one_pass_fused_linear_two_phase", "gemm3", "gemm3_chunked"],
     "logits": ["one_pass_inplace", "one_pass", "one_pass_inplace@compiled", "one_pass@compiled", "two_stage_inplace",
-               "two_stage_inplace@16MiB", "read", "copy", "copy_into", "one_pass_inplace_softcap"],
+               "two_stage_inplace@16MiB", "read", "copy", "copy_into", "one_pass_inplace_softcap", "one_pass_inplace_two_phase"],
 }
 NO_GRAD = ("read", "copy", "copy_into", "gemm3", "gemm3_chunked")  # floors: no loss, no backward
 WARM_UP_TOKENS = {"linear": 256, "logits": 64}  # tokens of the untimed compile run (at the timed D, V)
@@ -86,6 +89,7 @@ ENV_SUFFIXES = {"@16MiB": {"AEPO_CPU_CHUNK_ELEMS": str(1 << 22), "AEPO_CPU_NATIV
 BUDGET_SEP = ":"  # one_pass_fused_linear:128MiB -> chunk_bytes = 128 MiB (linear level)
 BUDGETED = ("one_pass_fused_linear", "one_pass_fused_linear_softcap", "gemm3_chunked")
 SEQ_LEN = 1024  # rows are cut into sequences of this length (Liger takes [B, T, D])
+TWO_PHASE = "_two_phase"  # one_pass_inplace_two_phase: the call without entropy statistics
 
 
 def loss_inputs(n: int, vocab: int, seed: int = 0) -> dict:
@@ -132,6 +136,8 @@ def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
     budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     labels, old, adv, mask = inputs["labels"], inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"]
     stats = dict(entropy_mean=torch.tensor(9.0), entropy_std=torch.tensor(0.5), global_token_count=mask.sum())
+    if impl.endswith(TWO_PHASE):  # no entropy statistics: the call runs its own no-grad pass first
+        impl, stats = impl.removesuffix(TWO_PHASE), dict(global_token_count=mask.sum())
     shape = labels.shape
 
     def two_stage(logp, entropy):
@@ -140,14 +146,14 @@ def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
     if impl in ("one_pass_fused_linear", "one_pass_fused_linear_softcap"):
         head = dict(softcap=30.0, logit_scale=0.5) if impl.endswith("_softcap") else {}
         return lambda h, w: fused_linear_aepo_policy_loss(h.reshape(*shape, -1), w, labels, old, adv, mask, config=cfg,
-                                                          chunk_bytes=budget, **stats, **head)[0]
+                                                          chunk_bytes=budget, shift_labels=False, **stats, **head)[0]
     if impl == "two_stage_fused_linear":  # the previous defaults: 1024 x 8192 blocks, recomputing backward
-        return lambda h, w: two_stage(*fused_linear_logprob_entropy(h, w, labels.reshape(-1), token_chunk=1024, vocab_chunk=8192))
+        return lambda h, w: two_stage(*fused_linear_logprob_entropy(h, w, labels.reshape(-1), token_chunk=1024, vocab_chunk=8192, shift_labels=False))
     if impl == "one_pass_materialised":
         return lambda h, w: aepo_policy_loss((h @ w.T).reshape(*shape, -1), labels, old, adv, mask, config=cfg,
-                                             backend="torch", inplace_backward=True, **stats)[0]
+                                             backend="torch", inplace_backward=True, shift_labels=False, **stats)[0]
     if impl == "two_stage_materialised":
-        return lambda h, w: two_stage(*logprob_entropy(h @ w.T, labels.reshape(-1), backend="torch", inplace_backward=True))
+        return lambda h, w: two_stage(*logprob_entropy(h @ w.T, labels.reshape(-1), backend="torch", inplace_backward=True, shift_labels=False))
     if impl == "liger_grpo":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -156,11 +162,11 @@ def make_loss_fn(impl: str, inputs: dict, chunk_bytes: int | None = None):
     if impl in ("one_pass_inplace", "one_pass_inplace_softcap"):
         head = dict(softcap=30.0, logit_scale=0.5) if impl.endswith("_softcap") else {}
         return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch",
-                                          inplace_backward=True, **stats, **head)[0]
+                                          inplace_backward=True, shift_labels=False, **stats, **head)[0]
     if impl == "one_pass":
-        return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch", **stats)[0]
+        return lambda z: aepo_policy_loss(z.reshape(*shape, -1), labels, old, adv, mask, config=cfg, backend="torch", shift_labels=False, **stats)[0]
     if impl == "two_stage_inplace":
-        return lambda z: two_stage(*logprob_entropy(z, labels.reshape(-1), backend="torch", inplace_backward=True))
+        return lambda z: two_stage(*logprob_entropy(z, labels.reshape(-1), backend="torch", inplace_backward=True, shift_labels=False))
     if impl == "read":
         return lambda z: z.sum()
     if impl == "copy":

@@ -35,9 +35,9 @@ def _impl_fn(impl: str, token_chunk: int, vocab_chunk: int):
     from aepo_kernels import fused_linear_logprob_entropy, logprob_entropy
 
     if impl == "fused_linear":
-        return lambda h, w, y: fused_linear_logprob_entropy(h, w, y, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+        return lambda h, w, y: fused_linear_logprob_entropy(h, w, y, token_chunk=token_chunk, vocab_chunk=vocab_chunk, shift_labels=False)
     if impl == "materialised_fused":
-        return lambda h, w, y: logprob_entropy(h @ w.T, y, backend="torch", inplace_backward=True)
+        return lambda h, w, y: logprob_entropy(h @ w.T, y, backend="torch", inplace_backward=True, shift_labels=False)
     return lambda h, w, y: naive_logprob_entropy(h @ w.T, y, 1.0)
 
 

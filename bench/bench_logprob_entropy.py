@@ -46,7 +46,7 @@ def _impl_fn(impl: str):
     from aepo_kernels import logprob_entropy
 
     inplace = impl == "fused_inplace"
-    return lambda z, y, t: logprob_entropy(z, y, t, backend="torch", inplace_backward=inplace)
+    return lambda z, y, t: logprob_entropy(z, y, t, backend="torch", inplace_backward=inplace, shift_labels=False)
 
 
 def run_case(impl: str, n: int, vocab: int, dtype: str, warmup: int, repeats: int) -> dict:

@@ -18,7 +18,7 @@ its init - are not in it). The machine is shared: every row records the 1-minute
 before and after the case; read times beside it.
 
     python bench/bench_sandbox.py --label after                    # all cases, default config
-    python bench/bench_sandbox.py --cases print --repeats 50 --config '{"run_as_uid": "engine"}'
+    python bench/bench_sandbox.py --cases print --repeats 50 --config '{"scratch_mb": 32}'
     python bench/bench_sandbox.py --compare-commit a6f080e --rounds 3  # before/after, interleaved
 
 ``--compare-commit SHA`` exports that commit's ``aepo_engine`` (``git archive``) to a temporary

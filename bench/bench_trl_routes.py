@@ -82,7 +82,7 @@ def step_fn(route: str, model, config, temperature: float):
         return fused_linear_aepo_policy_loss(hidden, model.lm_head.weight, b["completion_ids"], b["old_logprobs"],
                                              b["advantages"], b["mask"], config=config, temperature=temperature,
                                              backend="torch", entropy_mean=mean, entropy_std=std,
-                                             global_token_count=count)[0]
+                                             global_token_count=count, shift_labels=False)[0]
     return step
 
 
@@ -94,7 +94,7 @@ def reference_loss(model, b, config, temperature, mean, std, count) -> torch.Ten
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, -completion - 1:-1]
         return aepo_policy_loss(logits.float(), b["completion_ids"], b["old_logprobs"], b["advantages"], b["mask"],
                                 config=config, temperature=temperature, backend="reference", entropy_mean=mean,
-                                entropy_std=std, global_token_count=count)[0]
+                                entropy_std=std, global_token_count=count, shift_labels=False)[0]
 
 
 def run_case(route: str, vocab: int, hidden: int, layers: int, batch: int, prompt: int, completion: int,

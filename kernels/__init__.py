@@ -1,20 +1,26 @@
 """aepo_kernels: fused AEPO loss kernels (import name ``aepo_kernels``; folder ``kernels/``).
 
-Depends on torch (and triton for the GPU path) only. Three lines in any trainer::
+Depends on torch (and triton for the GPU path) only. In any trainer (docs/library.md)::
 
     from aepo_kernels import aepo_policy_loss, LossConfig
-    loss, stats = aepo_policy_loss(logits, labels, old_logprobs, advantages, loss_mask,
+    # HF logits [B, T, V] and input_ids [B, T]: logits row t predicts input_ids[t + 1]
+    loss, stats = aepo_policy_loss(logits, input_ids, old_logprobs, advantages, loss_mask,
+                                   shift_labels=True, temperature=0.7,
                                    config=LossConfig(clip="aepo", entropy_adv_alpha=0.2))
 
 The losses run in one pass per row (``one_pass``: log-prob, entropy, shaped advantage, clip,
 loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropies from logits),
-``fused_linear_logprob_entropy`` (from hidden states, no ``[N, V]`` tensor) and ``policy_loss``
-(clip rules, advantages, aggregation on given log-probs).
+``fused_linear_logprob_entropy`` (from hidden states, no ``[N, V]`` tensor), ``policy_loss``
+(clip rules, advantages, aggregation on given log-probs) and ``step_inputs`` (group advantages,
+entropy statistics and normalisers of one optimizer step, in one call).
 
-Options for other trainers (keywords of both loss functions, declared once in ``LossOptions``):
-``token_weights`` (IS weights), ``return_token_loss``, ``shift_labels`` (HF labels convention),
-``ignore_index``, ``logit_scale`` / ``softcap`` (the model's logit map, e.g. Gemma-2's soft cap).
+Every entry point checks its inputs (``contract``: dtypes, shapes, labels in range, masks as
+weights >= 0; ``shift_labels`` has no default). Options for other trainers (keywords of both loss
+functions, declared once in ``LossOptions``): ``token_weights`` (IS weights),
+``return_token_loss``, ``shift_labels`` (HF labels convention), ``ignore_index``,
+``logit_scale`` / ``softcap`` (the model's logit map, e.g. Gemma-2's soft cap).
 """
+from .advantages import StepInputs, group_advantages, step_inputs
 from .api import AEPOLoss, LossOptions, aepo_policy_loss, fused_linear_aepo_policy_loss
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
@@ -31,8 +37,8 @@ from .policy_loss import (
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "LossOptions",
-    "aepo_policy_loss",
+    "StepInputs", "aepo_policy_loss",
     "aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
-    "logprob_entropy", "policy_loss_from_logprobs",
+    "group_advantages", "logprob_entropy", "policy_loss_from_logprobs", "step_inputs",
 ]

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from . import contract
 from .logits_ops import (
     accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, logit_map, map_logits, merge_stats, shift_labels_left,
     shift_to_labels,
@@ -46,6 +47,24 @@ from .logits_ops import (
 # against 256 MiB and against materialising the logits): docs/benchmarks.md, "The one-pass AEPO loss
 # on CPU" (bench/bench_aepo_loss.py ':<M>MiB' cases).
 DEFAULT_CHUNK_BYTES = 192 << 20
+# On CUDA the budget comes from free memory instead (:func:`chunk_bytes_for`): every token chunk of
+# the one-pass loss read-modify-writes the fp32 [V, D] weight-gradient accumulator (2.9 GiB at
+# Qwen3-14B's V x D), so 192 MiB blocks (662 bf16 rows at V = 151,936) would move ~155 GB for a
+# 16K-token micro-batch; 2 GiB blocks (7,067 rows) cut that to 3 passes.
+CUDA_CHUNK_BYTES_MAX = 2 << 30
+CUDA_FREE_SHARE = 8  # the block takes at most 1/8 of the free memory
+
+
+def chunk_bytes_for(device: torch.device, chunk_bytes: int | None = None) -> int:
+    """The logits-block budget on ``device``: ``chunk_bytes`` when given; else
+    :data:`DEFAULT_CHUNK_BYTES` off CUDA and, on CUDA, an eighth of the free memory within
+    ``[DEFAULT_CHUNK_BYTES, CUDA_CHUNK_BYTES_MAX]`` (1-2 GiB with 8-16 GiB free or more)."""
+    if chunk_bytes is not None:
+        return chunk_bytes
+    if device.type != "cuda":
+        return DEFAULT_CHUNK_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(min(CUDA_CHUNK_BYTES_MAX, max(DEFAULT_CHUNK_BYTES, free // CUDA_FREE_SHARE)))
 
 
 def chunks_for_budget(vocab: int, chunk_bytes: int) -> tuple[int, int]:
@@ -116,7 +135,7 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
         f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
         stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
         target = torch.zeros(n_tokens, **f32)
-        valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
+        valid = contract.target_mask(labels, vocab, ignore_index)
         for v0 in range(0, vocab, vocab_chunk):
             w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)  # [vc, D], [vc] in the compute dtype
             in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
@@ -182,44 +201,48 @@ def fused_linear_logprob_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     *,
+    shift_labels: bool | None = None,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``labels`` and entropies of ``softmax((hidden @ weight.T + bias) / T)``.
 
     Args:
         hidden: ``[N, D]`` or ``[B, T, D]`` final hidden states (after the last norm).
-        weight: ``[V, D]`` lm_head weight; bias: optional ``[V]``.
-        labels: ``[N]`` / ``[B, T]``; ``ignore_index`` gives log-prob 0 and no gradient.
+        weight: ``[V, D]`` lm_head weight (hidden first: Liger's order is (weight, hidden)); bias:
+            optional ``[V]``.
+        labels: ``[N]`` / ``[B, T]`` token ids in ``[0, V)``; ``ignore_index`` gives log-prob 0 and
+            no gradient; other values are refused (:mod:`aepo_kernels.contract`).
+        shift_labels: required, no default. True: hidden row t predicts ``labels[t+1]``; outputs
+            aligned with ``labels`` (token 0: 0), as :func:`aepo_kernels.logprob_entropy`. False:
+            hidden row t predicts ``labels[t]``.
         token_chunk, vocab_chunk: block sizes, by default derived from ``chunk_bytes``
-            (:func:`chunks_for_budget`); peak extra memory is a few fp32
+            (:func:`chunks_for_budget`; None: :func:`chunk_bytes_for` the device); peak extra memory is a few fp32
             ``[token_chunk, vocab_chunk]`` blocks plus an fp32 ``[N, D]`` and ``[vocab_chunk, D]``.
         logit_scale, softcap: the model's logits are ``softcap * tanh(logit_scale * z / softcap)``
             of the raw ``z = hidden @ weight.T + bias`` (:func:`aepo_kernels.logits_ops.logit_map`).
-        shift_labels: hidden row t predicts ``labels[t+1]``; outputs aligned with ``labels``
-            (token 0: 0), as :func:`aepo_kernels.logprob_entropy`.
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``; gradients flow to hidden, weight, bias.
         The matmuls run in ``hidden``'s dtype (module docstring).
     """
+    shift = contract.alignment("fused_linear_logprob_entropy", shift_labels)
+    contract.check_hidden("fused_linear_logprob_entropy", hidden, weight, labels, bias)
+    contract.enforce("fused_linear_logprob_entropy", [contract.label_rule(labels, weight.shape[0], ignore_index)])
     inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
-    if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"shapes: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}")
-    auto_tokens, auto_vocab = chunks_for_budget(weight.shape[0], chunk_bytes)
+    auto_tokens, auto_vocab = chunks_for_budget(weight.shape[0], chunk_bytes_for(hidden.device, chunk_bytes))
     token_chunk, vocab_chunk = token_chunk or auto_tokens, vocab_chunk or auto_vocab
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
+    targets = shift_labels_left(labels, ignore_index) if shift else labels
     logp, entropy = FusedLinearLogprobEntropyFunction.apply(
         flat_hidden, weight, bias, targets.reshape(-1).long(), inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk
     )
     logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
-    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift else (logp, entropy)
 
 
 # ---------------------------------------------------------------------------------------------

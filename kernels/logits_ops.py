@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
+from . import contract
 from .compile import compile_enabled, compiled
 from .reference import logprob_entropy_reference
 
@@ -207,7 +208,7 @@ def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, igno
     eu = torch.empty_like(lse)
     for b, rows in _row_chunks(logits):
         lse[b, rows], eu[b, rows] = finish_stats(*fast_chunk_stats(logits[b, rows], inv_t, tanh_scale))
-    valid = labels != ignore_index
+    valid = contract.target_mask(labels, logits.shape[-1], ignore_index)  # else no target: log-prob 0
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     target = map_logits(logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(lse.dtype)
     logp = torch.where(valid, target - lse, torch.zeros_like(lse))
@@ -216,7 +217,8 @@ def torch_forward(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, igno
 
 def torch_backward(logits, labels, lse, eu, g_lp, g_h, inv_t, ignore_index, out, tanh_scale=None):
     """Writes dlogits ``[B, T, V]`` into ``out`` (which may be ``logits`` itself)."""
-    local = torch.where(labels != ignore_index, labels, torch.full_like(labels, -1))
+    valid = contract.target_mask(labels, logits.shape[-1], ignore_index)
+    local = torch.where(valid, labels, torch.full_like(labels, -1))
     for b, rows in _row_chunks(logits):
         args = (logits[b, rows], local[b, rows], lse[b, rows], eu[b, rows], g_lp[b, rows], g_h[b, rows], inv_t)
         if out is logits:
@@ -236,7 +238,7 @@ def _triton_impl() -> tuple[Callable, Callable]:
     return triton_kernels.triton_forward, triton_kernels.triton_backward
 
 
-def _resolve_backend(backend: str, logits: torch.Tensor) -> str:
+def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
     if backend != "auto":
@@ -273,7 +275,8 @@ class LogprobEntropyFunction(torch.autograd.Function):
         logits, labels, lse, eu = ctx.saved_tensors
         inv_t, tanh_scale, backend, inplace, ignore_index = ctx.config
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
-        g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)  # logp is the constant 0 there
+        # logp is the constant 0 where there is no target (ignore_index, or a label outside [0, V))
+        g_lp = g_lp.masked_fill(~contract.target_mask(labels, logits.shape[-1], ignore_index), 0.0)
         g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
         if inplace:
             out = logits  # safe: saved_tensors above already checked the version counter
@@ -301,11 +304,11 @@ def shift_to_labels(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t[..., :-1], (1, 0))
 
 
-def _as_3d(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def as_3d(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked (:func:`aepo_kernels.contract.check_logits`) ``[N, V]``/``[B, T, V]`` logits and
+    their labels as ``[B, T, V]`` (``[1, N, V]``) with a dense vocab dim, and int64 labels."""
     if logits.dim() == 2:
         logits, labels = logits.unsqueeze(0), labels.unsqueeze(0)
-    if logits.dim() != 3 or labels.shape != logits.shape[:-1]:
-        raise ValueError(f"logits {tuple(logits.shape)} must be [N, V] or [B, T, V] with labels {tuple(labels.shape)} = its leading dims")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the vocab dim must be dense; other strides are kept
     return logits, labels.long()
@@ -316,19 +319,24 @@ def logprob_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     *,
+    shift_labels: bool | None = None,
     backend: str = "auto",
     inplace_backward: bool = False,
     ignore_index: int = -100,
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    shift_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``labels`` and entropy of ``softmax(logits / temperature)``, per token.
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]``, fp32/bf16/fp16, unit stride on V.
-        labels: ``[N]`` or ``[B, T]`` token ids; ``ignore_index`` gives log-prob 0 and no gradient.
+        logits: ``[N, V]`` or ``[B, T, V]``, fp32/bf16/fp16 (fp64 on the torch and reference
+            backends), unit stride on V.
+        labels: ``[N]`` or ``[B, T]`` integer token ids in ``[0, V)``, or ``ignore_index`` (log-prob
+            0, no gradient). Other values are refused (:mod:`aepo_kernels.contract`).
         temperature: sampling temperature T > 0 (a runtime value: no recompilation).
+        shift_labels: required, no default. True: ``labels`` are input_ids-aligned and logits row
+            t predicts ``labels[t+1]`` (HF convention); the outputs are aligned with ``labels``
+            (token 0: log-prob and entropy 0); no logits copy. False: row t predicts ``labels[t]``.
         backend: ``"auto" | "triton" | "torch" | "reference"``.
         inplace_backward: write dlogits into the logits buffer during backward (saves one
             ``[N, V]`` tensor). Afterwards ``logits`` holds its gradient; any other autograd use
@@ -337,21 +345,21 @@ def logprob_entropy(
         logit_scale, softcap: the softmax is that of ``softcap * tanh(logit_scale * logits / softcap)
             / temperature`` (:func:`logit_map`). Only for raw logits: a model whose forward already
             applies its scale/soft cap (HF Gemma-2, Cohere) returns logits that need neither.
-        shift_labels: ``labels`` are input_ids-aligned and logits row t predicts ``labels[t+1]``
-            (HF convention); the outputs are aligned with ``labels`` (token 0: log-prob and
-            entropy 0). No logits copy.
 
     Returns:
         ``(logprobs, entropy)``: fp32, shaped like ``labels``, both differentiable.
     """
+    shift = contract.alignment("logprob_entropy", shift_labels)
+    contract.check_logits("logprob_entropy", logits, labels)
+    contract.enforce("logprob_entropy", [contract.label_rule(labels, logits.shape[-1], ignore_index)])
     inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
-    backend = _resolve_backend(backend, logits)
-    targets = shift_labels_left(labels, ignore_index) if shift_labels else labels
+    backend = resolve_backend(backend, logits)
+    targets = shift_labels_left(labels, ignore_index) if shift else labels
     if backend == "reference":
         logp, entropy = logprob_entropy_reference(logits, targets, temperature, ignore_index, logit_scale, softcap)
     else:
-        logits3, labels3 = _as_3d(logits, targets)
+        logits3, labels3 = as_3d(logits, targets)
         logp, entropy = LogprobEntropyFunction.apply(logits3, labels3, inv_t, tanh_scale, backend, inplace_backward,
                                                      ignore_index)
         logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
-    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift_labels else (logp, entropy)
+    return (shift_to_labels(logp), shift_to_labels(entropy)) if shift else (logp, entropy)

@@ -18,7 +18,7 @@ Bytes: read the logits twice, write them once -- the same as a separate forward 
 but with no saved activations and nothing left for backward to do.
 
 The loss is ``sum_t w_t L_t``; per-row ``(logp, H, L_t, ratio, A_t, kl)`` come back as detached
-vectors for the statistics (clip fractions etc., :func:`aepo_kernels.policy_loss._loss_stats`):
+vectors for the statistics (clip fractions etc., :func:`aepo_kernels.policy_loss.loss_stats`):
 no host sync. The maths of the head is exactly :func:`aepo_kernels.policy_loss.clipped_token_loss`
 (values and autograd gradients), written with explicit derivatives; the oracle for both is
 :mod:`aepo_kernels.reference`.
@@ -36,6 +36,11 @@ the forward call (their version counter is bumped, so a node that saved them ear
 
 Hyper-parameters, the clip rule included, are runtime values (a small tensor here, scalar kernel
 arguments in Triton): changing any of them never recompiles.
+
+A row without a valid target (its label is ``ignore_index`` or outside ``[0, V)``) has log-prob 0,
+``L_t = 0`` and no gradient on every backend, whatever its weight: such a label is never counted
+(the public functions refuse it, or on CUDA take it out of the mask and fail at the next sync:
+:mod:`aepo_kernels.contract`).
 
 Gradients flow to the logits only: old log-probs, advantages, weights and the entropy statistics
 are treated as constants (as everywhere in this package). ``-inf`` logits (a masked vocabulary)
@@ -125,8 +130,8 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
 def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t, tanh_scale=None):
     """The per-row middle of the pass for a chunk ``z: [R, V]`` with merged stats ``(m, s, t)``:
     returns ``(lse, eu, g_lp, g_h, rows [6, R])``. ``local_labels`` is the target column or -1
-    (no target: logp is the constant 0 and gets no gradient). ``rows`` stacks
-    ``(logp, H, L_t, ratio, A_t, kl)``."""
+    (no target: logp is the constant 0, and the row has no loss and no gradient whatever its
+    weight). ``rows`` stacks ``(logp, H, L_t, ratio, A_t, kl)``."""
     acc = m.dtype
     lse, eu = finish_stats(m, s, t)
     valid = local_labels >= 0
@@ -135,8 +140,9 @@ def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv
     entropy = lse - eu
     loss, d_logp, d_h, ratio, shaped, kl = token_head(
         logp, entropy, old.to(acc), adv.to(acc), ref.to(acc), mean.to(acc), std.to(acc), hp)
-    weight = weight.to(acc)
+    weight = torch.where(valid, weight.to(acc), torch.zeros_like(lse))
     g_lp = torch.where(valid, d_logp * weight, torch.zeros_like(d_logp))
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
     return lse, eu, g_lp, d_h * weight, torch.stack([logp, entropy, loss, ratio, shaped, kl])
 
 

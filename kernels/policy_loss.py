@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import contract
 from .config import LossConfig
 
 
@@ -145,7 +146,7 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) 
     return (values.detach().float() * mask).sum() / count
 
 
-def _loss_stats(entropy, ratio, advantages, loss_mask, config, kl, stats_masks=None) -> dict[str, torch.Tensor]:
+def loss_stats(entropy, ratio, advantages, loss_mask, config, kl, stats_masks=None) -> dict[str, torch.Tensor]:
     """Detached per-call statistics (means over this call's valid tokens), no host syncs.
 
     ``stats_masks`` (name -> mask shaped like ``loss_mask``) adds every statistic again over the
@@ -178,6 +179,17 @@ def _token_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str,
     if kl is not None:
         stats["kl"] = _masked_mean(kl, mask, count)
     return stats
+
+
+def _check(function, logprobs, entropy, old_logprobs, advantages, loss_mask, ref_logprobs, token_weights,
+           stats_masks) -> None:
+    """The contract (:mod:`aepo_kernels.contract`) for per-token inputs shaped like ``logprobs``."""
+    if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
+        given = logprobs.dtype if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
+        raise TypeError(f"{function}(): logprobs must be a floating-point tensor [N] or [B, T], got {given}")
+    contract.check_loss_tokens(function, logprobs, "logprobs", dict(
+        entropy=entropy, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask,
+        ref_logprobs=ref_logprobs, token_weights=token_weights), stats_masks)
 
 
 def policy_loss_from_logprobs(
@@ -216,6 +228,8 @@ def policy_loss_from_logprobs(
     Returns:
         ``(loss, stats)``: a scalar and a dict of detached scalar tensors (+ ``token_loss``).
     """
+    _check("policy_loss_from_logprobs", logprobs, entropy, old_logprobs, advantages, loss_mask, ref_logprobs,
+           token_weights, stats_masks)
     advantages = apply_token_weights(advantages, token_weights, logprobs.shape)
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
@@ -234,7 +248,7 @@ def policy_loss_from_logprobs(
     if config.entropy_coef != 0.0:
         token_loss = token_loss - config.entropy_coef * entropy
     loss = aggregate(token_loss, loss_mask, config, global_token_count, global_num_seqs)
-    stats = _loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl, stats_masks)
+    stats = loss_stats(entropy, ratio, shaped_adv, loss_mask, config, kl, stats_masks)
     if return_token_loss:
         token_loss = token_loss.detach()
         stats["token_loss"] = torch.where(loss_mask != 0, token_loss, torch.zeros_like(token_loss))

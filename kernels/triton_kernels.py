@@ -223,14 +223,14 @@ def _aepo_one_pass_kernel(
     valid = (y != ignore_index) & (y >= 0) & (y < vocab)
     b_zy = _map_logits(tl.load(p_row + tl.where(valid, y, 0)).to(tl.float32), inv_temperature, tanh_scale, SOFTCAP)
     b_logp = tl.where(valid, b_zy - b_lse, 0.0)
-    b_w = tl.load(weight_ptr + i_row)
+    b_w = tl.where(valid, tl.load(weight_ptr + i_row), 0.0)  # no target: no loss, no gradient
     b_loss, b_dlogp, b_ratio, b_shaped, b_kl = _token_head(
         b_logp, b_entropy, tl.load(old_ptr + i_row), tl.load(adv_ptr + i_row), tl.load(ref_ptr + i_row),
         tl.load(mean_ptr), tl.load(std_ptr),
         eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref)
     tl.store(rows_ptr + i_row, b_logp)
     tl.store(rows_ptr + n_rows + i_row, b_entropy)
-    tl.store(rows_ptr + 2 * n_rows + i_row, b_loss)
+    tl.store(rows_ptr + 2 * n_rows + i_row, tl.where(valid, b_loss, 0.0))
     tl.store(rows_ptr + 3 * n_rows + i_row, b_ratio)
     tl.store(rows_ptr + 4 * n_rows + i_row, b_shaped)
     tl.store(rows_ptr + 5 * n_rows + i_row, b_kl)

@@ -42,6 +42,33 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo"
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_bytes) -> Path``: a tmpfs of that size mounted under ``tmp_path`` and
+    unmounted after the test: a full disk for real. The test skips where mounting is refused
+    (not root, no CAP_SYS_ADMIN, no mount command)."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        target = tmp_path / f"disk{len(mounted)}"
+        target.mkdir()
+        try:
+            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.skip(f"cannot mount a tmpfs here ({exc})")
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
+
+
+@pytest.fixture
 def shared_data() -> Path:
     """../shared/data/arpo beside the checkout; tests needing it skip where a clone lacks it."""
     if not SHARED_DATA.is_dir():

@@ -151,3 +151,42 @@ def test_broadcast_to_tokens():
     assert torch.equal(broadcast_to_tokens(adv, mask.bool()), expected)
     with pytest.raises(ValueError):
         broadcast_to_tokens(adv, mask[:1])
+
+
+# ---------------------------------------------------------------------------------------------
+# aepo_kernels.step_inputs: the one call an outside loop makes before the loss.
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_step_inputs_make_micro_batch_losses_sum_to_the_step_loss(aggregation):
+    """step_inputs over the whole step, its loss_kwargs passed to each micro-batch's call: the
+    micro-batch losses (and gradients) sum to the one-call loss of the whole batch, whose own
+    statistics are those of the same entropies; the advantages are group_advantages'."""
+    from aepo_kernels import LossConfig, aepo_policy_loss, entropy_moments, logprob_entropy, step_inputs
+
+    gen = torch.Generator().manual_seed(4)
+    batch, seq, vocab = 6, 5, 23
+    logits = torch.randn(batch, seq, vocab, generator=gen) * 2
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = (torch.rand(batch, seq, generator=gen) > 0.3).float()
+    rewards, groups = torch.rand(batch, generator=gen), torch.arange(batch) // 3
+    old, entropy = logprob_entropy(logits, labels, shift_labels=False)
+    step = step_inputs(rewards, groups, entropy, mask)
+    torch.testing.assert_close(step.advantages, group_advantages(rewards, groups))
+    moments = entropy_moments(entropy, mask)
+    assert step.global_token_count == mask.sum() and step.global_num_seqs == batch
+    torch.testing.assert_close(step.entropy_mean, (moments[0] / moments[2]).float())
+    cfg = LossConfig(aggregation=aggregation, entropy_adv_alpha=0.4)
+    old = old + 0.1 * torch.randn(batch, seq, generator=gen)  # ratios != 1
+    leaf = logits.clone().requires_grad_()
+    whole, _ = aepo_policy_loss(leaf, labels, old, step.advantages, mask, shift_labels=False, config=cfg)
+    whole.backward()
+    parts = logits.clone().requires_grad_()
+    total = sum(aepo_policy_loss(parts[rows], labels[rows], old[rows], step.advantages[rows], mask[rows],
+                                 shift_labels=False, config=cfg, **step.loss_kwargs())[0]
+                for rows in (slice(0, 2), slice(2, 6)))
+    total.backward()
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(parts.grad, leaf.grad, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match=r"step_inputs\(\): entropy \[6, 5\] and loss_mask \[6, 4\]"):
+        step_inputs(rewards, groups, entropy, mask[:, :4])

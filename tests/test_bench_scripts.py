@@ -46,6 +46,10 @@ def test_gpu_check_smoke(tmp_path):
     engine = {r["check"]: r for r in rows if r["section"] == "engine"}
     assert engine["packing: varlen_packing"]["status"] == "PASS" and engine["fsdp: fsdp_one_rank"]["status"] == "PASS"
     assert engine["fsdp: fsdp_one_rank"]["backend"] == "gloo"
+    bf16 = engine["fsdp: bf16_fsdp_step"]  # the tiny model, gloo: loss inputs fp32 as handed, ratio 1
+    assert bf16["status"] == "PASS" and bf16["loss_inputs_fp32"] and bf16["bit_equal"] and bf16["token_count_exact"]
+    for name in ("packing: varlen_kernel", "fsdp: memory_plan"):  # CUDA only
+        assert engine[name]["status"] == "SKIP" and "CUDA" in engine[name]["detail"]
     for name in ("vllm: vllm_generate", "vllm: weight_sync", "vllm: sleep_wake", "train: train_vllm"):
         assert engine[name]["status"] == "SKIP" and engine[name]["detail"].startswith("smoke: ")
 
@@ -264,3 +268,78 @@ def test_scoring_agreement_variants_and_summary_hand_worked():
     (row, *_) = summarize(cases, lambda c: (c["variant"], c["kind"]), _eval_row, "eval_by_variant")
     assert row["group"] == "all" and row["cases"] == 2 and row["agree_correct"] == 0.5 and row["agree_answer"] == 1.0
     assert row["engine_correct"] == 1 and row["reference_correct"] == 0
+
+
+# --- a bare GPU machine: torch, triton and torch's own dependencies, nothing else -------------------
+
+TORCH_AND_ITS_DEPENDENCIES = ("torch", "triton", "filelock", "typing_extensions", "setuptools", "sympy", "mpmath",
+                              "networkx", "jinja2", "MarkupSafe", "fsspec")
+
+
+def _wheels() -> list[str]:
+    """The distributions ``bench/gpu_wheels.txt`` brings to a bare GPU machine."""
+    lines = (BENCH / "gpu_wheels.txt").read_text().splitlines()
+    return [line.split("==")[0] for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _bare_python(root: Path, distributions) -> tuple[str, dict]:
+    """A venv that sees only ``distributions`` of this environment (symlinked: the versions
+    installed here) and the project from its source tree: ``(python, environment)``."""
+    import importlib.metadata as md
+
+    site, shim = root / "site", root / "shim"
+    site.mkdir(parents=True)
+    shim.mkdir()
+    for name in distributions:
+        dist = md.distribution(name)
+        for top in {f.parts[0] for f in dist.files or () if f.parts[0] not in ("..", "__pycache__")}:
+            if dist.locate_file(top).exists() and not (site / top).exists():
+                (site / top).symlink_to(dist.locate_file(top))
+    (shim / "aepo_kernels").symlink_to(BENCH.parent / "kernels")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+    python = root / "venv" / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "bare.pth").write_text(f"{site}\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return str(python), {**env, "PYTHONPATH": f"{shim}{os.pathsep}{BENCH.parent}", "TRITON_INTERPRET": "1"}
+
+
+def test_gpu_check_on_a_bare_machine_skips_what_it_cannot_import(tmp_path):
+    """Issue 35: the acceptance script must run where only torch and triton are installed (a lent
+    GPU has no package index): --cpu-dry-run lists the kernel sections as runnable and every engine
+    group as SKIP naming the modules it misses; --smoke of the engine section writes those rows."""
+    python, env = _bare_python(tmp_path, TORCH_AND_ITS_DEPENDENCIES)
+    check = subprocess.run([python, "-c", "import msgspec"], env=env, capture_output=True, text=True)
+    assert check.returncode != 0  # the venv is bare
+    dry = subprocess.run([python, str(BENCH / "gpu_check.py"), "--cpu-dry-run"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    lines = dry.stdout.splitlines()
+    assert all(any(line.startswith(section) and "INFO" in line for line in lines)
+               for section in ("kernels", "logits", "fused_linear"))
+    engine = [line for line in lines if line.startswith("engine")]
+    assert len(engine) == 9 and all(" SKIP " in line and "needs msgspec" in line for line in engine), engine
+    out = tmp_path / "rows.jsonl"
+    smoke = subprocess.run([python, str(BENCH / "gpu_check.py"), "--smoke", "--sections", "engine", "--out", str(out)],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert rows and all(r["status"] == "SKIP" and "not importable here" in r["detail"] for r in rows)
+
+
+@pytest.mark.slow
+def test_gpu_check_on_a_bare_machine_with_the_carried_wheels(tmp_path):
+    """With the packages of bench/gpu_wheels.txt added to the bare venv, the packing and FSDP
+    groups run (CPU: the varlen path, the bf16 FSDP step on gloo) and only vLLM's groups are SKIP."""
+    python, env = _bare_python(tmp_path, TORCH_AND_ITS_DEPENDENCIES + tuple(_wheels()))
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([python, str(BENCH / "gpu_check.py"), "--smoke", "--sections", "engine", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    rows = {r["check"]: r for r in map(json.loads, out.read_text().splitlines()) if r["section"] == "engine"}
+    assert proc.returncode == 0, proc.stdout[-3000:] + json.dumps(rows)[-3000:]
+    for name in ("packing: varlen_packing", "fsdp: fsdp_one_rank", "fsdp: bf16_fsdp_step"):
+        assert rows[name]["status"] == "PASS", rows[name]
+    for name in ("vllm: vllm_generate", "train: train_vllm"):
+        assert rows[name]["status"] == "SKIP" and "needs vllm" in rows[name]["detail"], rows[name]
+

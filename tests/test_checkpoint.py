@@ -348,7 +348,7 @@ _FSDP_WORKER = textwrap.dedent("""
     step(model, optimizer, x)
     want = {k: v.full_tensor() for k, v in model.state_dict().items()}
     fresh, fresh_opt = sharded(mesh, zero=True)
-    loaded = manager.load_latest(fresh, fresh_opt)
+    loaded = manager.resume("auto", fresh, fresh_opt)  # each rank verifies a share of the files first
     step(fresh, fresh_opt, x)
     same = all(torch.equal(want[k], v.full_tensor()) for k, v in fresh.state_dict().items())
     if dist.get_rank() == 0:
@@ -369,7 +369,24 @@ _FSDP_WORKER = textwrap.dedent("""
     if dist.get_rank() == 0:
         exported = AutoModelForCausalLM.from_pretrained(path / "hf_model").state_dict()
         print("HF_RESULT", all(torch.equal(full[k], v) for k, v in exported.items()), flush=True)
+
+    # A full disk in rank 0's part of a save (the HF export): every rank raises the error, none
+    # waits for rank 0 forever, and nothing of the checkpoint is left.
+    import errno
+    import aepo_engine.checkpoint as ckpt
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt._export_hf = full
+    try:
+        manager.save(3, model, optimizer=optimizer)
+        print("SAVE_ERROR none", flush=True)
+    except ckpt.CheckpointSaveError as err:
+        print(f"SAVE_ERROR rank {dist.get_rank()}: {err}", flush=True)
     dist.barrier()
+    if dist.get_rank() == 0:
+        print("LEFT", sorted(p.name for p in manager.root.iterdir()), flush=True)
     dist.destroy_process_group()
     # The end, without the interpreter's exit: after fully_shard, torch keeps the gloo group alive
     # past destroy_process_group (its threads still run), so a normal exit tears it down while the
@@ -393,6 +410,9 @@ def test_fsdp2_sharded_save_load_and_full_hf_export(tmp_path):
     assert result[0] == ("RESULT 2 {'k': 1} True [('0.bias', (16,)), ('0.weight', (16, 8)), "
                          "('2.bias', (4,)), ('2.weight', (4, 16))]")
     assert (tmp_path / "ckpt" / "step_000002" / "train_state" / "__1_0.distcp").is_file()  # sharded write
+    for rank in (0, 1):
+        assert f"SAVE_ERROR rank {rank}: the checkpoint of step 3 was not saved: the disk is full" in stdout, report
+    assert "LEFT ['latest', 'step_000002']" in stdout, report
 
 
 def test_export_keeps_one_name_per_tied_parameter():

@@ -64,3 +64,19 @@ def test_readme_trl_snippet_is_the_documented_one():
         return found
 
     assert block(ROOT / "README.md") == block(ROOT / "docs" / "integrations.md")
+
+
+def test_readme_loss_snippet_is_the_examples():
+    """The README's aepo_policy_loss snippet (HF alignment, temperature shown) is the block of
+    examples/hf_loop.py between its "README snippet" markers, which tests/test_example_hf_loop.py
+    runs; docs/library.md shows the same lines."""
+    def block(path: Path) -> str:
+        (found,) = [b for b in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+                    if b.startswith("from aepo_kernels import aepo_policy_loss, LossConfig\n# HF logits")]
+        return found
+
+    example = (ROOT / "examples" / "hf_loop.py").read_text()
+    marked = example.split("# README snippet", 1)[1].split("\n", 1)[1].split("# end of README snippet")[0]
+    lines = [line[4:] for line in marked.rstrip().splitlines()]
+    assert block(ROOT / "README.md") == "\n".join(lines) + "\n"
+    assert block(ROOT / "docs" / "library.md") == block(ROOT / "README.md")

@@ -16,8 +16,9 @@ from runs import child_env, run_main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "arpo"
 PAPER = ["--preset", "qwen3_14b_deep_research"]
-# The paper preset on a CPU machine without vLLM/flash-attn packages concerns: HF backend, sdpa.
-CPU = ["--backend.kind=hf", "--policy.attn_implementation=sdpa"]
+# The paper preset on a CPU machine without vLLM/flash-attn packages concerns: HF backend (one
+# device: no tensor parallelism), sdpa.
+CPU = ["--backend.kind=hf", "--backend.tensor_parallel_size=1", "--policy.attn_implementation=sdpa"]
 
 
 def dry_run(*args: str) -> subprocess.CompletedProcess:
@@ -137,3 +138,48 @@ def test_eval_files_are_resolved_and_read():
     assert "eval: bamboogle: 125 questions" in proc.stderr + proc.stdout
     (problem,) = problems(proc)
     assert "eval.files: unknown benchmark or missing file 'gaiaa'; known benchmarks: gaia" in problem
+
+
+def test_it_prints_the_disk_each_checkpoint_takes(tmp_path):
+    """Qwen3-14B as published (bf16): 165 GiB of training state per checkpoint, one 27.5 GiB bf16
+    HF export at the end (not a 59 GB fp32 one with every checkpoint)."""
+    from test_memory_plan import QWEN3_14B
+
+    model = tmp_path / "qwen3-14b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**QWEN3_14B, "dtype": "bfloat16"}))
+    proc = dry_run(*PAPER, *CPU, f"--model.path={model}", f"--run_dir={tmp_path / 'run'}")
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("note: checkpoint disk:"))
+    assert ("165.0 GiB of training state per checkpoint" in line and "HF export 27.5 GiB (bfloat16) at the end" in line
+            and "up to 687.7 GiB with keep_last 3" in line), line
+    every = dry_run(*PAPER, *CPU, f"--model.path={model}", "--checkpoint.hf_export_every=10")
+    assert "HF export 27.5 GiB (bfloat16) every 10 steps and at the end" in every.stderr
+
+
+def test_checkpoints_that_cannot_fit_are_a_problem(small_disk, tmp_path):
+    disk = small_disk(1 << 20)  # the tiny preset's checkpoints take ~3.4 MB each
+    proc = dry_run("--preset", "embedded", "--preset", "tiny", f"--run_dir={tmp_path / 'run'}",
+                   f"--checkpoint.dir={disk / 'ckpt'}")
+    assert proc.returncode == 2
+    assert any(p.startswith(f"problem: the checkpoints need up to ") and str(disk / "ckpt") in p
+               and "checkpoint.keep_last" in p for p in problems(proc)), proc.stderr[-2000:]
+    fits = dry_run("--preset", "embedded", "--preset", "tiny", f"--run_dir={tmp_path / 'run'}")
+    assert not [p for p in problems(fits) if "checkpoints need" in p]
+
+
+def test_a_damaged_resume_checkpoint_is_a_problem(tmp_path):
+    from aepo_engine.checkpoint import CheckpointManager
+
+    import torch
+
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints")
+    for step in (1, 2):
+        manager.save(step, torch.nn.Linear(30, 40), export_hf=False)
+    data = tmp_path / "run" / "checkpoints" / "step_000002" / "train_state" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    tiny = ["--preset", "embedded", "--preset", "tiny", f"--run_dir={tmp_path / 'run'}"]
+    proc = dry_run(*tiny)
+    assert "warning: checkpoint" in proc.stderr and "step_000002 is damaged (train_state/__0_0.distcp has 100 bytes" in proc.stderr
+    assert f"note: resume: from {tmp_path / 'run' / 'checkpoints' / 'step_000001'}" in proc.stderr
+    named = dry_run(*tiny, f"--checkpoint.resume={data.parent.parent}")
+    assert named.returncode == 2 and any("step_000002' is damaged: train_state/__0_0.distcp" in p for p in problems(named))

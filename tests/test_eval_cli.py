@@ -16,6 +16,7 @@ import pytest
 
 from conftest import vllm_missing
 from runs import child_env, train
+from aepo_engine.config_loader import ConfigError
 from aepo_engine.eval.cli import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,8 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
     for r in records:  # the records hold the authors' scores of each response
         check = "mixed" if r["dataset"] == "hle" else "math"
-        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"])
+        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"],
+                                  tool_spans=[tuple(span) for span in r["tool_spans"]])
         assert {k: r[k] for k in expected} == expected
     capsys.readouterr()
     # resuming the folder under the other scoring would mix two rule sets in one summary
@@ -161,6 +163,29 @@ def test_errors_say_what_to_do(tiny, shared_data, tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2 and "python -m aepo_engine.train" in capsys.readouterr().err
+
+
+def test_a_checkpoints_export_is_verified_before_use(tmp_path):
+    """--model on a checkpoint: its hf_model/ files are checked against meta.json (a damaged
+    export is refused, naming the file); a checkpoint saved without an export says so."""
+    from transformers import AutoModelForCausalLM
+
+    from aepo_engine.checkpoint import CheckpointManager
+    from aepo_engine.models import build_tiny_qwen3
+
+    build_tiny_qwen3(tmp_path / "model", seed=0, hidden_size=32, intermediate_size=64, num_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    manager = CheckpointManager(tmp_path / "ckpt")
+    path = manager.save(1, model)
+    assert resolve_model(str(path)).model_dir == path / "hf_model"
+    weights = path / "hf_model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x04
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="the HF export of .*step_000001 is damaged: hf_model/model.safetensors"):
+        resolve_model(str(path))
+    with pytest.raises(ConfigError, match="has no hf_model/ export"):
+        resolve_model(str(manager.save(2, model, export_hf=False)))
 
 
 def test_dry_run(tiny, shared_data, tmp_path, capsys):
@@ -231,7 +256,7 @@ def test_eval_files_during_training(run_dir):
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch):
-    source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))
+    source = resolve_model(str(run_dir / "checkpoints" / "step_000001"))  # the final (and only) checkpoint
     assert source.run_dir == run_dir and source.model_dir == run_dir / "checkpoints" / "step_000001" / "hf_model"
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "aepo-default").symlink_to(run_dir)

@@ -63,7 +63,7 @@ def test_reward_decides_correct_when_given(runner):
     example = Example(index=0, question="france", prompt_messages=None, ground_truth=["Paris"], data_source="toy")
     calls = []
 
-    def reward(response, truth):
+    def reward(response, truth, tool_spans=None):
         calls.append(truth)
         from types import SimpleNamespace
         return SimpleNamespace(score=0.25, correct=False)

@@ -15,7 +15,7 @@ def _answer_with_prompt_letter(context: str, request):
     return f"<answer>{context[0]}</answer>", 0.5, True
 
 
-def _reward(response: str, ground_truth):
+def _reward(response: str, ground_truth, tool_spans=None):
     correct = f"<answer>{ground_truth[0]}</answer>" in response
     return SimpleNamespace(score=float(correct), correct=correct)
 

@@ -51,7 +51,7 @@ def test_verl_suite_in_its_venv():
     assert proc.returncode == 0, tail
     summary = re.search(r"(\d+) passed(?:, (\d+) skipped)?", proc.stdout)
     # Every verl test ran; only this launcher skips in the venv.
-    assert summary and int(summary.group(1)) >= 44 and int(summary.group(2) or 0) <= 1, tail
+    assert summary and int(summary.group(1)) >= 45 and int(summary.group(2) or 0) <= 1, tail
 
 
 verl_only = pytest.mark.skipif(not _verl_importable(), reason="verl not importable here (runs in its venv)")
@@ -222,6 +222,23 @@ def test_missing_entropy_is_a_clear_error(base_actor_config):
     # alpha_H = 0 needs no entropy
     run_ppo_loss(actor_config(base_actor_config, "token-mean", entropy_adv_alpha=0.0), tensors, model_output,
                  logprobs, False, 1, None, None)
+
+
+@verl_only
+def test_bad_inputs_are_refused_in_verls_names(base_actor_config):
+    """The input contract through verl's own ppo_loss: a NaN importance weight or a response mask
+    shaped unlike log_prob is an error naming the argument in the loss's and verl's words (old
+    code: the NaN went into the loss)."""
+    config = actor_config(base_actor_config, "token-mean")
+    tensors, model_output, logprobs, _ = make_rank_batch(0)
+    tensors["rollout_is_weights"][1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"token_weights must hold finite weights >= 0.*rollout_is_weights"):
+        run_ppo_loss(config, tensors, model_output, logprobs, True, 1, None, None)
+    from aepo_kernels.integrations.verl import compute_policy_loss_aepo
+    with pytest.raises(ValueError, match=r"advantages \[5, 6\] must be shaped like logprobs \[5, 7\].*response_mask"):
+        compute_policy_loss_aepo(tensors["old_log_probs"], logprobs, tensors["advantages"][:, :6],
+                                 tensors["response_mask"], config=actor_config(base_actor_config, "token-mean",
+                                                                               entropy_adv_alpha=0.0))
 
 
 @verl_only

@@ -77,9 +77,9 @@ def test_logit_map_folds_the_scale_and_rejects_bad_values():
             logit_map(1.0, **{"logit_scale": 1.0, "softcap": None, **kwargs})
     logits, labels, old, adv, mask, _ = _batch(0)
     with pytest.raises(ValueError, match="softcap"):
-        aepo_policy_loss(logits, labels, old, adv, mask, softcap=-1.0)
+        aepo_policy_loss(logits, labels, old, adv, mask, softcap=-1.0, shift_labels=False)
     with pytest.raises(ValueError, match="logit_scale"):
-        fused_linear_aepo_policy_loss(torch.zeros(3, 7, 4), torch.zeros(1009, 4), labels, old, adv, mask, logit_scale=0.0)
+        fused_linear_aepo_policy_loss(torch.zeros(3, 7, 4), torch.zeros(1009, 4), labels, old, adv, mask, logit_scale=0.0, shift_labels=False)
 
 
 def test_reference_soft_cap_is_literal():
@@ -100,7 +100,7 @@ def test_logprob_entropy_with_scale_and_softcap(backend, scale, cap):
     gen = torch.Generator().manual_seed(2)
     g_lp, g_h = torch.randn(labels.shape, generator=gen), torch.randn(labels.shape, generator=gen)
     leaf, ref_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    logp, ent = logprob_entropy(leaf, labels, 0.8, backend=backend, logit_scale=scale, softcap=cap)
+    logp, ent = logprob_entropy(leaf, labels, 0.8, backend=backend, logit_scale=scale, softcap=cap, shift_labels=False)
     (logp * g_lp + ent * g_h).sum().backward()
     ref_logp, ref_ent = logprob_entropy_reference(ref_leaf, labels, 0.8, logit_scale=scale, softcap=cap)
     (ref_logp * g_lp + ref_ent * g_h).sum().backward()
@@ -125,7 +125,7 @@ def test_one_pass_with_scale_and_softcap_matches_reference(backend, scale, cap, 
         leaf = logits.clone().requires_grad_()
         loss, stats = aepo_policy_loss(leaf * 1.0, labels, old, adv, mask, config=cfg, temperature=0.9, backend=backend,
                                        ref_logprobs=ref, logit_scale=scale, softcap=cap, inplace_backward=in_place,
-                                       return_token_loss=True)
+                                       return_token_loss=True, shift_labels=False)
         (g * loss).backward()
         assert leaf.grad.dtype == dtype
         torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-4)
@@ -156,19 +156,19 @@ def test_float64_gradcheck_scale_and_softcap_cpu_path():
     cfg = LossConfig(clip="ppo", kl_coef=0.1, entropy_coef=0.05, eps_low=0.6, eps_high=0.6, entropy_adv_alpha=0.0)
     opts = dict(logit_scale=0.8, softcap=3.0)
     assert torch.autograd.gradcheck(
-        lambda z: logprob_entropy(z, labels, 0.7, backend="torch", **opts), (logits,))
+        lambda z: logprob_entropy(z, labels, 0.7, backend="torch", shift_labels=False, **opts), (logits,))
     assert torch.autograd.gradcheck(
         lambda z: aepo_policy_loss(z, labels, old, adv, mask, config=cfg, temperature=0.7, backend="torch",
-                                   ref_logprobs=old + 0.2, **opts)[0], (logits,))
+                                   ref_logprobs=old + 0.2, shift_labels=False, **opts)[0], (logits,))
     hidden = torch.randn(2, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     weight = (torch.randn(13, 4, dtype=torch.float64, generator=gen) * 2).requires_grad_()
     bias = torch.randn(13, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(lambda h, w, b: fused_linear_aepo_policy_loss(
         h, w, labels, old, adv, mask, config=cfg, temperature=1.4, bias=b, backend="torch", token_chunk=3,
-        ref_logprobs=old - 0.3, **opts)[0],
+        ref_logprobs=old - 0.3, shift_labels=False, **opts)[0],
         (hidden, weight, bias))
     assert torch.autograd.gradcheck(lambda h, w, b: fused_linear_logprob_entropy(
-        h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5, **opts), (hidden, weight, bias))
+        h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5, shift_labels=False, **opts), (hidden, weight, bias))
 
 
 def test_triton_tanh_from_exp_is_accurate():
@@ -198,13 +198,13 @@ def test_changing_softcap_or_scale_does_not_recompile_and_off_is_the_old_graph()
     from aepo_kernels import one_pass
 
     logits, labels, old, adv, mask, _ = _batch(6)
-    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch")[0].backward()
-    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch", softcap=5.0)[0].backward()
+    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch", shift_labels=False)[0].backward()
+    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch", softcap=5.0, shift_labels=False)[0].backward()
     assert one_pass.fast_row_head.mode == "compiled"
     graphs = counters["stats"]["unique_graphs"]
     for scale, cap in ((0.5, None), (2.0, 30.0), (1.0, 7.5)):
         aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch", logit_scale=scale,
-                         softcap=cap, temperature=0.7)[0].backward()
+                         softcap=cap, temperature=0.7, shift_labels=False)[0].backward()
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -237,7 +237,7 @@ def test_shift_labels_equals_manual_shifting(backend, aggregation):
     hand_leaf = logits.clone().requires_grad_()
     want, want_stats = aepo_policy_loss(hand_leaf[:, :-1], _by_hand(labels), _by_hand(old), _by_hand(adv),
                                         _by_hand(mask), ref_logprobs=_by_hand(ref), token_weights=_by_hand(weights),
-                                        **kwargs)
+                                        shift_labels=False, **kwargs)
     want.backward()
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(shifted_leaf.grad, hand_leaf.grad, atol=1e-7, rtol=1e-5)
@@ -249,7 +249,7 @@ def test_shift_labels_equals_manual_shifting(backend, aggregation):
             got = got[:, 1:]
         torch.testing.assert_close(got, value, atol=1e-6, rtol=1e-5, msg=name)
     # the shift matters: the unshifted loss of the same tensors is another number
-    unshifted, _ = aepo_policy_loss(logits, labels, old, adv, mask, ref_logprobs=ref, token_weights=weights, **kwargs)
+    unshifted, _ = aepo_policy_loss(logits, labels, old, adv, mask, ref_logprobs=ref, token_weights=weights, shift_labels=False, **kwargs)
     assert not torch.allclose(unshifted, loss)
 
 
@@ -267,7 +267,7 @@ def test_shift_labels_fused_linear_equals_manual_shifting(backend):
                                                 shift_labels=True, **kwargs)
     loss.backward()
     want, want_stats = fused_linear_aepo_policy_loss(h2[:, :-1], w2, _by_hand(labels), _by_hand(old), _by_hand(adv),
-                                                     _by_hand(mask), token_weights=_by_hand(weights), **kwargs)
+                                                     _by_hand(mask), token_weights=_by_hand(weights), shift_labels=False, **kwargs)
     want.backward()
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-5)
@@ -280,7 +280,7 @@ def test_shift_labels_flat_tokens_and_bad_shapes():
     logits, labels, old, adv, mask, *_ = _shift_case(4)
     flat = [t[0] for t in (logits, labels, old, adv, mask)]
     loss, _ = aepo_policy_loss(*flat, backend="torch", shift_labels=True)
-    want, _ = aepo_policy_loss(flat[0][:-1], *(t[1:] for t in flat[1:]), backend="torch")
+    want, _ = aepo_policy_loss(flat[0][:-1], *(t[1:] for t in flat[1:]), backend="torch", shift_labels=False)
     torch.testing.assert_close(loss, want)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         aepo_policy_loss(logits[:, :1], labels[:, :1], old[:, :1], adv[:, :1], mask[:, :1], shift_labels=True)
@@ -305,7 +305,7 @@ def test_ignore_index_on_every_path():
     for backend in BACKENDS + ["reference"]:
         leaf = logits.clone().requires_grad_()
         loss, stats = aepo_policy_loss(leaf, labels, old, adv, mask, config=cfg, backend=backend, ref_logprobs=ref,
-                                       ignore_index=-1, return_token_loss=True)
+                                       ignore_index=-1, return_token_loss=True, shift_labels=False)
         loss.backward()
         torch.testing.assert_close(loss.detach(), want, atol=1e-6, rtol=1e-5, msg=backend)
         assert stats["num_tokens"] == hand_mask.sum()
@@ -313,11 +313,11 @@ def test_ignore_index_on_every_path():
         assert (stats["token_logprobs"][labels == -1] == 0).all()
     for backend in BACKENDS:
         loss, _ = fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, config=cfg, backend=backend,
-                                                ref_logprobs=ref, ignore_index=-1, token_chunk=4)
+                                                ref_logprobs=ref, ignore_index=-1, token_chunk=4, shift_labels=False)
         torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5, msg=f"fused-linear {backend}")
-        logp, _ = logprob_entropy(logits, labels, backend=backend, ignore_index=-1)
+        logp, _ = logprob_entropy(logits, labels, backend=backend, ignore_index=-1, shift_labels=False)
         assert (logp[labels == -1] == 0).all() and (logp[labels != -1] != 0).all()
-    logp, _ = fused_linear_logprob_entropy(hidden, weight, labels, ignore_index=-1, vocab_chunk=100)
+    logp, _ = fused_linear_logprob_entropy(hidden, weight, labels, ignore_index=-1, vocab_chunk=100, shift_labels=False)
     assert (logp[labels == -1] == 0).all() and (logp[labels != -1] != 0).all()
 
 
@@ -329,7 +329,7 @@ def test_token_loss_on_request_and_only_then(backend):
     logits, labels, old, adv, mask, ref = _batch(12, vocab=401)
     expected, _, token, logp, ent = _reference(logits, labels, old, adv, mask, cfg, 1.0, ref, 1.0, None)
     loss, stats = aepo_policy_loss(logits, labels, old, adv, mask, config=cfg, backend=backend, ref_logprobs=ref,
-                                   return_token_loss=True)
+                                   return_token_loss=True, shift_labels=False)
     torch.testing.assert_close(stats["token_loss"], token, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stats["token_logprobs"], logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stats["token_entropy"], ent, atol=1e-5, rtol=1e-5)
@@ -337,7 +337,7 @@ def test_token_loss_on_request_and_only_then(backend):
     per_seq = (stats["token_loss"].sum(-1) / target_mask.sum(-1).clamp(min=1)).mean()
     torch.testing.assert_close(per_seq, loss, atol=1e-6, rtol=1e-5)
     assert not any(t.requires_grad for t in stats.values())
-    _, plain = aepo_policy_loss(logits, labels, old, adv, mask, config=cfg, backend=backend, ref_logprobs=ref)
+    _, plain = aepo_policy_loss(logits, labels, old, adv, mask, config=cfg, backend=backend, ref_logprobs=ref, shift_labels=False)
     assert not {"token_loss", "token_logprobs", "token_entropy"} & plain.keys()
     # policy_loss_from_logprobs: the same per-token loss from given log-probs
     _, from_logprobs = policy_loss_from_logprobs(logp, ent, old, adv, target_mask, config=cfg, ref_logprobs=ref,
@@ -392,7 +392,7 @@ def test_fused_linear_logprob_entropy_with_scale_and_softcap(scale, cap):
     g_lp, g_h = torch.randn(23, generator=gen), torch.randn(23, generator=gen)
     h1, w1, h2, w2 = (t.clone().requires_grad_() for t in (hidden, weight, hidden, weight))
     logp, ent = fused_linear_logprob_entropy(h1, w1, labels, 1.2, token_chunk=5, vocab_chunk=200, logit_scale=scale,
-                                             softcap=cap)
+                                             softcap=cap, shift_labels=False)
     (logp * g_lp + ent * g_h).sum().backward()
     ref_logp, ref_ent = logprob_entropy_reference(h2 @ w2.T, labels, 1.2, logit_scale=scale, softcap=cap)
     (ref_logp * g_lp + ref_ent * g_h).sum().backward()
@@ -455,7 +455,7 @@ def test_logprob_entropy_shift_labels_round_trip(backend):
     logits, labels, _, adv, mask, *_ = _shift_case(13)
     leaf, hand = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     logp, ent = logprob_entropy(leaf, labels, 0.9, backend=backend, softcap=5.0, shift_labels=True)
-    want_logp, want_ent = logprob_entropy(hand[:, :-1], labels[:, 1:], 0.9, backend=backend, softcap=5.0)
+    want_logp, want_ent = logprob_entropy(hand[:, :-1], labels[:, 1:], 0.9, backend=backend, softcap=5.0, shift_labels=False)
     (logp.sum() + ent.sum()).backward()
     (want_logp.sum() + want_ent.sum()).backward()
     assert logp.shape == labels.shape and (logp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
@@ -477,17 +477,19 @@ def test_logprob_entropy_shift_labels_round_trip(backend):
 
 def test_both_loss_functions_take_every_shared_option_with_its_one_default():
     """The shared keywords are declared once (LossOptions): both signatures list each with that
-    default, AEPOLoss's defaults are the same, and a misspelt keyword is a TypeError naming it."""
+    default (shift_labels with none: it is required), AEPOLoss's defaults are the same, and a
+    misspelt keyword is a TypeError naming it."""
     for fn in (aepo_policy_loss, fused_linear_aepo_policy_loss):
         params = inspect.signature(fn).parameters
         for name, default in LossOptions._field_defaults.items():
-            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default, (fn, name)
+            want = inspect.Parameter.empty if name == "shift_labels" else default
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == want, (fn, name)
     assert len(LossOptions._fields) == 15
-    module = AEPOLoss()
+    module = AEPOLoss(shift_labels=False)
     assert (module.config, module.temperature, module.backend) == (LossConfig(), 1.0, "auto")
     logits, labels, old, adv, mask, _ = _batch(11)
     with pytest.raises(TypeError, match="aepo_policy_loss\\(\\) got an unexpected keyword argument 'temprature'"):
-        aepo_policy_loss(logits, labels, old, adv, mask, temprature=0.7)
+        aepo_policy_loss(logits, labels, old, adv, mask, temprature=0.7, shift_labels=False)
     hidden, weight = torch.randn(3, 7, 5), torch.randn(1009, 5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'inplace_backward'"):
-        fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, inplace_backward=True)
+        fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, inplace_backward=True, shift_labels=False)

@@ -7,8 +7,9 @@ written five times on purpose (see the note beside ``CLIP_RULES`` in kernels/con
 2. ``policy_loss.policy_loss_from_logprobs`` (``clipped_token_loss``) -- autograd;
 3. ``one_pass.token_head`` -- explicit derivatives, all rules evaluated then one selected;
 4. ``triton_kernels._token_head`` -- the same in Triton (interpreter mode on the CPU);
-5. ``token_head`` of the native C kernel (``kernels/native/one_pass_rows.c``) -- reached through
-   its row pass, where the C compiler is there.
+5. ``token_head`` of the native C kernel (``kernels/csrc/one_pass_rows.c``) -- reached through
+   its row pass, where the C compiler is there (which gives the position without a target no
+   loss and no gradient, whatever its weight).
 
 The rules are read from ``CLIP_RULES``, so a new rule is tested in all five the day it is added;
 ``test_reference_tells_every_rule_apart`` fails for a rule the reference does not implement (it
@@ -142,12 +143,14 @@ def _native(c: Case, cfg: LossConfig):
     rows = native.native_one_pass(c.logits, c.labels, inputs, cfg, 1.0, IGNORE, out)
     got = {"loss": rows[2], "ratio": rows[3], "shaped": rows[4], "kl": rows[5]}
     expected = _oracle(c, cfg, logp=rows[0], entropy=rows[1])
+    has_target = c.labels != IGNORE  # the row pass gives a row without a target no loss, no gradient
+    expected["loss"] = torch.where(has_target, expected["loss"], torch.zeros_like(expected["loss"]))
     z = c.logits.double().requires_grad_()
     logp, entropy = logprob_entropy_reference(z, c.labels, ignore_index=IGNORE)
     d = lambda t: t.double()  # noqa: E731
     loss = token_loss_reference(logp, entropy, d(c.old), d(c.adv), d(c.mask), cfg, d(c.mean), d(c.std),
                                 ref_logprobs=d(c.ref))
-    (d_logits,) = torch.autograd.grad((loss * d(c.mask)).sum(), z)
+    (d_logits,) = torch.autograd.grad((loss * d(c.mask) * has_target).sum(), z)
     got["dlogits"], expected["dlogits"] = out.double(), d_logits
     return got, expected
 

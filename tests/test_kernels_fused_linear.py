@@ -29,7 +29,7 @@ def test_matches_materialised_logits(dtype, token_chunk, vocab_chunk):
         return logp.detach(), ent.detach(), [t.grad.float() for t in leaves]
 
     got = grads(lambda h, w, b: fused_linear_logprob_entropy(
-        h, w, labels, 0.8, bias=b, token_chunk=token_chunk, vocab_chunk=vocab_chunk))
+        h, w, labels, 0.8, bias=b, token_chunk=token_chunk, vocab_chunk=vocab_chunk, shift_labels=False))
     # The oracle: the logits a head in the inputs' dtype computes (nn.Linear: the fused matmuls run
     # in that dtype too), materialised, then the plain fp32 log_softmax reference.
     ref = grads(lambda h, w, b: logprob_entropy_reference(torch.nn.functional.linear(h, w, b).float(), labels, 0.8))
@@ -53,7 +53,7 @@ def test_float64_gradcheck_hidden_weight_bias():
     bias = torch.randn(13, dtype=torch.float64, generator=gen, requires_grad=True)
     labels = torch.randint(0, 13, (2, 5), generator=gen)
     labels[0, 0] = -100
-    fn = lambda h, w, b: fused_linear_logprob_entropy(h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5)
+    fn = lambda h, w, b: fused_linear_logprob_entropy(h, w, labels, 1.4, bias=b, token_chunk=3, vocab_chunk=5, shift_labels=False)
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
@@ -66,8 +66,8 @@ def test_loss_matches_logits_level_loss():
     mask = (torch.rand(4, 8, generator=gen) > 0.2).float()
     cfg = LossConfig(aggregation="seq-mean-token-mean")
     h1, w1, h2, w2 = (t.clone().requires_grad_() for t in (hidden, weight, hidden, weight))
-    loss, stats = fused_linear_aepo_policy_loss(h1.reshape(4, 8, 16), w1, labels, old, adv, mask, config=cfg, token_chunk=5, vocab_chunk=100)
-    ref, ref_stats = aepo_policy_loss((h2 @ w2.T).reshape(4, 8, -1), labels, old, adv, mask, config=cfg, backend="reference")
+    loss, stats = fused_linear_aepo_policy_loss(h1.reshape(4, 8, 16), w1, labels, old, adv, mask, config=cfg, token_chunk=5, vocab_chunk=100, shift_labels=False)
+    ref, ref_stats = aepo_policy_loss((h2 @ w2.T).reshape(4, 8, -1), labels, old, adv, mask, config=cfg, backend="reference", shift_labels=False)
     loss.backward()
     ref.backward()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
@@ -76,6 +76,33 @@ def test_loss_matches_logits_level_loss():
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_shape_errors():
-    with pytest.raises(ValueError, match="shapes"):
-        fused_linear_logprob_entropy(torch.zeros(3, 4), torch.zeros(10, 5), torch.zeros(3, dtype=torch.long))
+def test_the_logits_block_is_sized_from_free_memory_on_cuda(monkeypatch):
+    """Issue 35, point 9: 192 MiB blocks on a GPU are ~662 bf16 rows of Qwen3's 151,936-token
+    vocabulary, so a 16K-token micro-batch read-modify-wrote the 2.9 GiB fp32 weight-gradient
+    accumulator 25 times. On CUDA the budget is an eighth of the free memory within 192 MiB-2 GiB
+    (a recorded fake of ``torch.cuda.mem_get_info``); elsewhere, and when given, it is unchanged."""
+    import math
+
+    from aepo_kernels import api
+    from aepo_kernels.fused_linear import CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunk_bytes_for, token_chunk_for_budget
+
+    cuda, gib = torch.device("cuda", 3), 1 << 30
+    asked, free = [], {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (free["bytes"], 80 * gib))
+    for free_gib, budget in ((40, CUDA_CHUNK_BYTES_MAX), (12, 1.5 * gib), (8, gib), (1, DEFAULT_CHUNK_BYTES)):
+        free["bytes"] = free_gib * gib
+        assert chunk_bytes_for(cuda) == budget, free_gib
+    assert asked == [cuda] * 4
+    free["bytes"] = 40 * gib
+    rows = token_chunk_for_budget(151936, chunk_bytes_for(cuda), element_size=2)
+    assert rows == 7067 and math.ceil(16384 / rows) == 3  # d_W passes of a 16K-token micro-batch (was 25)
+    assert chunk_bytes_for(torch.device("cpu")) == DEFAULT_CHUNK_BYTES
+    assert chunk_bytes_for(cuda, 64 << 20) == 64 << 20 and len(asked) == 5  # a given budget: nothing asked
+
+    # the public loss resolves its default (None) on the device of its hidden states
+    resolved = []
+    monkeypatch.setattr(api, "chunk_bytes_for", lambda device, budget: resolved.append((device, budget)) or (1 << 20))
+    hidden, weight, _, labels = _inputs(9, 8, 50, torch.float32, seed=1)
+    fused_linear_aepo_policy_loss(hidden, weight, labels, torch.full((9,), -3.0), torch.ones(9), torch.ones(9),
+                                  shift_labels=False)
+    assert resolved == [(torch.device("cpu"), None)]

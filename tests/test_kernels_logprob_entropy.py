@@ -26,7 +26,7 @@ def _run(logits, labels, temperature, backend, g_lp, g_h, **kw):
     if backend == "reference":
         logp, entropy = logprob_entropy_reference(leaf, labels, temperature)
     else:
-        logp, entropy = logprob_entropy(leaf, labels, temperature, backend=backend, **kw)
+        logp, entropy = logprob_entropy(leaf, labels, temperature, backend=backend, shift_labels=False, **kw)
     (logp * g_lp + entropy * g_h).sum().backward()
     return logp.detach(), entropy.detach(), leaf.grad
 
@@ -55,7 +55,7 @@ def test_strided_token_dim_and_in_place_backward(backend):
     expected = _run(logits[:, :-1], labels[:, :-1], 0.9, "reference", g_lp, g_h)
 
     full = logits.clone().requires_grad_()
-    logp, ent = logprob_entropy(full[:, :-1], labels[:, :-1], 0.9, backend=backend)
+    logp, ent = logprob_entropy(full[:, :-1], labels[:, :-1], 0.9, backend=backend, shift_labels=False)
     (logp * g_lp + ent * g_h).sum().backward()
     torch.testing.assert_close(full.grad[:, :-1], expected[2], atol=2e-6, rtol=1e-4)
     assert (full.grad[:, -1] == 0).all()
@@ -63,7 +63,7 @@ def test_strided_token_dim_and_in_place_backward(backend):
     # In-place: the logits buffer (a non-leaf here, as in a model) receives dlogits.
     base = logits.clone().requires_grad_()
     produced = base * 1.0
-    logp, ent = logprob_entropy(produced, labels, 0.9, backend=backend, inplace_backward=True)
+    logp, ent = logprob_entropy(produced, labels, 0.9, backend=backend, inplace_backward=True, shift_labels=False)
     (logp[:, :-1] * g_lp + ent[:, :-1] * g_h).sum().backward()
     torch.testing.assert_close(base.grad[:, :-1], expected[2], atol=2e-6, rtol=1e-4)
     torch.testing.assert_close(produced.detach()[:, :-1], expected[2], atol=2e-6, rtol=1e-4)
@@ -77,7 +77,7 @@ def test_in_place_backward_is_safe_with_other_users_of_the_logits():
         produced = leaf * 2.0
         if other_first:  # its backward runs after ours, reading the saved `produced`
             other = (produced * produced).sum()
-        logp, _ = logprob_entropy(produced, labels, backend="torch", inplace_backward=inplace)
+        logp, _ = logprob_entropy(produced, labels, backend="torch", inplace_backward=inplace, shift_labels=False)
         if not other_first:  # its backward runs before ours, while `produced` is intact
             other = (produced * produced).sum()
         (logp.sum() + other).backward()
@@ -97,29 +97,29 @@ def test_float64_gradcheck_logprob_and_entropy():
     labels[1, 2] = -100
     for temperature in (1.0, 0.6):
         # Both outputs are checked: the entropy gradient is part of the contract.
-        assert torch.autograd.gradcheck(lambda z: logprob_entropy(z, labels, temperature, backend="torch"), (logits,))
-        assert torch.autograd.gradcheck(lambda z: logprob_entropy(z, labels, temperature, backend="torch")[1].sum(), (logits,))
+        assert torch.autograd.gradcheck(lambda z: logprob_entropy(z, labels, temperature, backend="torch", shift_labels=False), (logits,))
+        assert torch.autograd.gradcheck(lambda z: logprob_entropy(z, labels, temperature, backend="torch", shift_labels=False)[1].sum(), (logits,))
 
 
 def test_entropy_hand_worked():
     # Uniform over 4 tokens: H = log 4, log p = -log 4, for any temperature.
     logits = torch.zeros(1, 4)
-    logp, ent = logprob_entropy(logits, torch.tensor([2]), 0.5, backend="torch")
+    logp, ent = logprob_entropy(logits, torch.tensor([2]), 0.5, backend="torch", shift_labels=False)
     torch.testing.assert_close(ent, torch.tensor([1.3862944]))
     torch.testing.assert_close(logp, torch.tensor([-1.3862944]))
     # Two tokens with logits (0, log 3) at T=1: p = (1/4, 3/4), H = -(.25 ln .25 + .75 ln .75) = 0.5623351.
-    logp, ent = logprob_entropy(torch.tensor([[0.0, 1.0986123]]), torch.tensor([1]), backend="torch")
+    logp, ent = logprob_entropy(torch.tensor([[0.0, 1.0986123]]), torch.tensor([1]), backend="torch", shift_labels=False)
     torch.testing.assert_close(ent, torch.tensor([0.5623351]))
     torch.testing.assert_close(logp, torch.tensor([-0.2876821]))
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):
-        logprob_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 0.0)
+        logprob_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 0.0, shift_labels=False)
     with pytest.raises(ValueError, match="backend"):
-        logprob_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), backend="cuda")
+        logprob_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), backend="cuda", shift_labels=False)
     with pytest.raises(ValueError, match="leading dims"):
-        logprob_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+        logprob_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), shift_labels=False)
 
 
 def test_eager_fallback_matches_compiled(monkeypatch):

@@ -46,7 +46,7 @@ def test_native_matches_float64_reference_around_the_vector_width(vocab, in_plac
     expected_loss, expected_grad = _reference64(logits, labels, old, adv, mask, cfg, 0.7, ref)
     leaf = logits.clone().requires_grad_()
     loss, _ = aepo_policy_loss(leaf * 1.0, labels, old, adv, mask, config=cfg, temperature=0.7, backend="torch",
-                               inplace_backward=in_place, ref_logprobs=ref)
+                               inplace_backward=in_place, ref_logprobs=ref, shift_labels=False)
     loss.backward()
     torch.testing.assert_close(loss.double(), expected_loss, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(leaf.grad.double(), expected_grad, atol=1e-7, rtol=1e-4)
@@ -147,7 +147,7 @@ def test_peaked_rows_underflow_to_zero_and_nan_stays_in_its_row():
     logits[0, 1, labels[0, 1]] = 10.0
     expected_loss, expected_grad = _reference64(logits, labels, old, adv, mask, cfg, 1.0, None)
     leaf = logits.clone().requires_grad_()
-    loss, _ = aepo_policy_loss(leaf, labels, old, adv, mask, config=cfg, backend="torch")
+    loss, _ = aepo_policy_loss(leaf, labels, old, adv, mask, config=cfg, backend="torch", shift_labels=False)
     loss.backward()
     torch.testing.assert_close(loss.double(), expected_loss, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(leaf.grad.double(), expected_grad, atol=1e-7, rtol=1e-4)
@@ -173,14 +173,14 @@ def test_dispatch_takes_native_only_where_it_applies(monkeypatch):
                                           (torch.float32, 30.0, "1", 0), (torch.float32, None, "0", 0)]:
         calls.clear()
         monkeypatch.setenv("AEPO_CPU_NATIVE", env)
-        aepo_policy_loss(logits.to(dtype).requires_grad_(), labels, old, adv, mask, backend="torch", softcap=softcap)
+        aepo_policy_loss(logits.to(dtype).requires_grad_(), labels, old, adv, mask, backend="torch", softcap=softcap, shift_labels=False)
         assert len(calls) == expected, (dtype, softcap, env)
     # fused-linear's row op on fp32 logits blocks (in place, so through the scratch row)
     calls.clear()
     monkeypatch.setenv("AEPO_CPU_NATIVE", "1")
     hidden, weight = torch.randn(10, 16, requires_grad=True), torch.randn(101, 16, requires_grad=True)
     fused_linear_aepo_policy_loss(hidden, weight, labels.reshape(-1), old.reshape(-1),
-                                  adv.unsqueeze(-1).expand_as(old).reshape(-1), mask.reshape(-1), backend="torch")
+                                  adv.unsqueeze(-1).expand_as(old).reshape(-1), mask.reshape(-1), backend="torch", shift_labels=False)
     assert len(calls) >= 1
 
 

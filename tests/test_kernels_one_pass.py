@@ -134,7 +134,7 @@ def test_one_pass_matches_reference(backend, clip, aggregation):
         leaf = logits.clone().requires_grad_()
         produced = leaf * 1.0  # a non-leaf, as logits coming out of a model
         loss, stats = aepo_policy_loss(produced, labels, old, adv, mask, config=cfg, temperature=0.8, backend=backend,
-                                       inplace_backward=in_place, ref_logprobs=ref)
+                                       inplace_backward=in_place, ref_logprobs=ref, shift_labels=False)
         assert stats["clipfrac_high"] + stats["clipfrac_low"] > 0 and "kl" in stats  # clipping happens
         loss.backward()
         torch.testing.assert_close(loss.detach(), expected_loss, atol=1e-6, rtol=1e-5)
@@ -152,7 +152,7 @@ def test_one_pass_bf16_and_supplied_statistics(backend, clip):
     mean, std, count = torch.tensor(5.5), torch.tensor(0.9), torch.tensor(40.0)
     leaf = logits.clone().requires_grad_()
     loss, stats = aepo_policy_loss(leaf, labels, old, adv, mask, config=cfg, temperature=1.3, backend=backend,
-                                   entropy_mean=mean, entropy_std=std, global_token_count=count)
+                                   entropy_mean=mean, entropy_std=std, global_token_count=count, shift_labels=False)
     loss.backward()
     ref_leaf = logits.clone().requires_grad_()
     from aepo_kernels.reference import logprob_entropy_reference
@@ -183,7 +183,7 @@ def test_cpu_row_chunks_match_the_reference(monkeypatch, rows_per_chunk, in_plac
     expected_loss, expected_grad = _reference(logits, labels, old, adv, mask, cfg, 0.9, ref)
     leaf = logits.clone().requires_grad_()
     loss, _ = aepo_policy_loss(leaf * 1.0, labels, old, adv, mask, config=cfg, temperature=0.9, backend="torch",
-                               inplace_backward=in_place, ref_logprobs=ref)
+                               inplace_backward=in_place, ref_logprobs=ref, shift_labels=False)
     loss.backward()
     torch.testing.assert_close(loss.detach(), expected_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(leaf.grad, expected_grad, atol=1e-7, rtol=1e-4)
@@ -196,7 +196,7 @@ def test_strided_logits_and_flat_inputs(backend):
     logits, labels, old, adv, mask, _ = _batch(seed=5, seq=8)
     full = logits.clone().requires_grad_()
     view = full[:, :-1]
-    loss, _ = aepo_policy_loss(view, labels[:, :-1], old[:, :-1], adv, mask[:, :-1], config=cfg, backend=backend)
+    loss, _ = aepo_policy_loss(view, labels[:, :-1], old[:, :-1], adv, mask[:, :-1], config=cfg, backend=backend, shift_labels=False)
     loss.backward()
     expected_loss, expected_grad = _reference(logits[:, :-1], labels[:, :-1], old[:, :-1], adv, mask[:, :-1], cfg, 1.0, None)
     torch.testing.assert_close(loss.detach(), expected_loss, atol=1e-6, rtol=1e-5)
@@ -204,7 +204,7 @@ def test_strided_logits_and_flat_inputs(backend):
     assert (full.grad[:, -1] == 0).all()
     flat = logits.reshape(-1, logits.shape[-1]).clone().requires_grad_()
     adv_tokens = adv.unsqueeze(-1).expand_as(old).reshape(-1)
-    loss_flat, _ = aepo_policy_loss(flat, labels.reshape(-1), old.reshape(-1), adv_tokens, mask.reshape(-1), config=cfg, backend=backend)
+    loss_flat, _ = aepo_policy_loss(flat, labels.reshape(-1), old.reshape(-1), adv_tokens, mask.reshape(-1), config=cfg, backend=backend, shift_labels=False)
     expected_flat, _ = _reference(logits, labels, old, adv, mask, cfg, 1.0, None)
     torch.testing.assert_close(loss_flat.detach(), expected_flat, atol=1e-6, rtol=1e-5)
 
@@ -213,7 +213,7 @@ def test_strided_logits_and_flat_inputs(backend):
 def test_fully_masked_micro_batch(backend):
     logits, labels, old, adv, mask, _ = _batch(seed=8)
     leaf = logits.clone().requires_grad_()
-    loss, stats = aepo_policy_loss(leaf, labels, old, adv, torch.zeros_like(mask), backend=backend, global_token_count=torch.tensor(50.0))
+    loss, stats = aepo_policy_loss(leaf, labels, old, adv, torch.zeros_like(mask), backend=backend, global_token_count=torch.tensor(50.0), shift_labels=False)
     loss.backward()
     assert loss.item() == 0 and (leaf.grad == 0).all() and stats["num_tokens"].item() == 0
     assert all(torch.isfinite(v) for v in stats.values())
@@ -223,14 +223,14 @@ def test_in_place_writes_the_gradient_and_guards_earlier_users():
     logits, labels, old, adv, mask, _ = _batch(seed=9)
     leaf = logits.clone().requires_grad_()
     produced = leaf * 2.0
-    loss, _ = aepo_policy_loss(produced, labels, old, adv, mask, backend="torch", inplace_backward=True)
+    loss, _ = aepo_policy_loss(produced, labels, old, adv, mask, backend="torch", inplace_backward=True, shift_labels=False)
     # the buffer now holds dL/dlogits (chain rule: leaf.grad = 2 * that)
     loss.backward()
     torch.testing.assert_close(leaf.grad, 2.0 * produced.detach())
     leaf2 = logits.clone().requires_grad_()
     produced2 = leaf2 * 2.0
     other = (produced2 * produced2).sum()  # saved `produced2` before the loss overwrote it
-    loss2, _ = aepo_policy_loss(produced2, labels, old, adv, mask, backend="torch", inplace_backward=True)
+    loss2, _ = aepo_policy_loss(produced2, labels, old, adv, mask, backend="torch", inplace_backward=True, shift_labels=False)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss2 + other).backward()
 
@@ -251,7 +251,7 @@ def test_float64_gradcheck_cpu_path():
         cfg = LossConfig(clip=clip, aggregation="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.05, eps_low=0.5,
                          eps_high=0.5, entropy_adv_alpha=0.0)
         fn = lambda z: aepo_policy_loss(z, labels, old, adv, mask, config=cfg, temperature=0.7, backend="torch",  # noqa: E731
-                                        entropy_mean=torch.tensor(2.0), entropy_std=torch.tensor(0.5), ref_logprobs=ref)[0]
+                                        entropy_mean=torch.tensor(2.0), entropy_std=torch.tensor(0.5), ref_logprobs=ref, shift_labels=False)[0]
         assert torch.autograd.gradcheck(fn, (logits,))
 
 
@@ -278,7 +278,7 @@ def test_fused_linear_matches_reference(backend, dtype, clip, aggregation):
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     loss, stats = fused_linear_aepo_policy_loss(
         leaves[0].reshape(batch, seq, d), leaves[1], labels, old, adv, mask, config=cfg, temperature=0.9,
-        bias=leaves[2], backend=backend, token_chunk=7, vocab_chunk=300, ref_logprobs=ref)
+        bias=leaves[2], backend=backend, token_chunk=7, vocab_chunk=300, ref_logprobs=ref, shift_labels=False)
     (3.0 * loss).backward()  # a non-unit incoming gradient: backward scales
     # The oracle: the logits a head in the inputs' dtype computes (nn.Linear; the fused matmuls run
     # in that dtype too), then the fp32 reference loss.
@@ -305,25 +305,25 @@ def test_fused_linear_micro_batch_invariance_and_budget():
     from aepo_kernels import entropy_moments, entropy_stats_from_moments, fused_linear_logprob_entropy
 
     with torch.no_grad():
-        _, entropy = fused_linear_logprob_entropy(h, weight, labels)
+        _, entropy = fused_linear_logprob_entropy(h, weight, labels, shift_labels=False)
     mean, std = entropy_stats_from_moments(entropy_moments(entropy, mask))
     w_whole = weight.clone().requires_grad_()
     whole, _ = fused_linear_aepo_policy_loss(h, w_whole, labels, old, adv, mask, config=cfg, entropy_mean=mean,
-                                             entropy_std=std, chunk_bytes=211 * 4)
+                                             entropy_std=std, chunk_bytes=211 * 4, shift_labels=False)
     whole.backward()
     w_split = weight.clone().requires_grad_()
     total = 0.0
     for i in range(0, 8, 2):
         part, _ = fused_linear_aepo_policy_loss(
             h[i:i + 2], w_split, labels[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], config=cfg,
-            entropy_mean=mean, entropy_std=std, global_token_count=mask.sum())
+            entropy_mean=mean, entropy_std=std, global_token_count=mask.sum(), shift_labels=False)
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, whole.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w_split.grad, w_whole.grad, atol=1e-7, rtol=1e-5)
     # the two-phase path (statistics of this call) equals the supplied-statistics path here
     w_two = weight.clone().requires_grad_()
-    two_phase, _ = fused_linear_aepo_policy_loss(h, w_two, labels, old, adv, mask, config=cfg)
+    two_phase, _ = fused_linear_aepo_policy_loss(h, w_two, labels, old, adv, mask, config=cfg, shift_labels=False)
     two_phase.backward()
     torch.testing.assert_close(two_phase.detach(), whole.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(w_two.grad, w_whole.grad, atol=1e-7, rtol=1e-4)
@@ -341,7 +341,7 @@ def test_fused_linear_float64_gradcheck():
     mask = torch.ones(2, 5, dtype=torch.float64)
     cfg = LossConfig(clip="ppo", entropy_coef=0.1, eps_low=0.6, eps_high=0.6, entropy_adv_alpha=0.0)  # see above
     fn = lambda h, w, b: fused_linear_aepo_policy_loss(  # noqa: E731
-        h, w, labels, old, adv, mask, config=cfg, temperature=1.4, bias=b, backend="torch", token_chunk=3,
+        h, w, labels, old, adv, mask, config=cfg, temperature=1.4, bias=b, backend="torch", token_chunk=3, shift_labels=False,
         )[0]
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
@@ -353,14 +353,14 @@ def test_cpu_path_runs_compiled_and_hyper_parameters_do_not_recompile():
     from torch._dynamo.utils import counters
 
     logits, labels, old, adv, mask, ref = _batch(seed=4)
-    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch")[0].backward()
+    aepo_policy_loss(logits.clone().requires_grad_(), labels, old, adv, mask, backend="torch", shift_labels=False)[0].backward()
     assert one_pass.fast_row_head.mode == "compiled"
     graphs = counters["stats"]["unique_graphs"]
     for cfg in (LossConfig(clip="ppo", eps_high=0.3), LossConfig(clip="cispo", entropy_adv_alpha=0.7, kl_coef=0.2),
                 LossConfig(clip="gppo", dual_clip=0.0, entropy_coef=0.1)):
         z = logits.clone().requires_grad_()
         aepo_policy_loss(z, labels, old, adv, mask, config=cfg, backend="torch", ref_logprobs=ref,
-                         temperature=0.6)[0].backward()
+                         temperature=0.6, shift_labels=False)[0].backward()
     assert counters["stats"]["unique_graphs"] == graphs  # new values, new rule: no recompile
 
 
@@ -380,13 +380,13 @@ def test_compile_failure_is_loud_and_eager_is_opt_in(monkeypatch):
 def test_bad_inputs_say_what_is_wrong():
     logits, labels, old, adv, mask, _ = _batch(seed=1)
     with pytest.raises(ValueError, match="advantages"):
-        aepo_policy_loss(logits, labels, old, adv[:2], mask)
+        aepo_policy_loss(logits, labels, old, adv[:2], mask, shift_labels=False)
     with pytest.raises(ValueError, match="old_logprobs"):
-        aepo_policy_loss(logits, labels, old[:2], adv, mask)
+        aepo_policy_loss(logits, labels, old[:2], adv, mask, shift_labels=False)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        aepo_policy_loss(logits, labels, old, adv, mask, config=LossConfig(kl_coef=0.1))
+        aepo_policy_loss(logits, labels, old, adv, mask, config=LossConfig(kl_coef=0.1), shift_labels=False)
     with pytest.raises(ValueError, match="temperature"):
-        aepo_policy_loss(logits, labels, old, adv, mask, temperature=0.0)
+        aepo_policy_loss(logits, labels, old, adv, mask, temperature=0.0, shift_labels=False)
 
 
 @pytest.mark.slow
@@ -400,7 +400,7 @@ def test_callers_torch_compile_fullgraph_traces_through_the_loss():
         cfg = LossConfig(clip="gppo", kl_coef=0.05)
 
         def step(z):
-            return aepo_policy_loss(z * 1.0, labels, old, adv, mask, config=cfg, backend="torch", ref_logprobs=ref, **kwargs)
+            return aepo_policy_loss(z * 1.0, labels, old, adv, mask, config=cfg, backend="torch", ref_logprobs=ref, shift_labels=False, **kwargs)
 
         z_eager, z_compiled = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         expected, expected_stats = step(z_eager)

@@ -145,7 +145,7 @@ def test_full_loss_matches_reference(backend, clip, aggregation):
     logits, labels, old, adv, mask = _batch(seed=len(clip) + len(aggregation))
     ref_logp = old + 0.1
     z1, z2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    loss, stats = aepo_policy_loss(z1, labels, old, adv, mask, config=cfg, temperature=0.8, backend=backend, ref_logprobs=ref_logp)
+    loss, stats = aepo_policy_loss(z1, labels, old, adv, mask, config=cfg, temperature=0.8, backend=backend, ref_logprobs=ref_logp, shift_labels=False)
     assert stats["clipfrac_high"] > 0 and stats["clipfrac_low"] > 0  # the clip branches are exercised
     ref = aepo_loss_reference(z2, labels, old, adv.unsqueeze(-1).expand_as(old), mask, cfg, 0.8, ref_logprobs=ref_logp)
     loss.backward()
@@ -160,20 +160,20 @@ def test_micro_batch_invariance_with_global_statistics():
     cfg = LossConfig()  # aepo clip, entropy advantage on
     logits, labels, old, adv, mask = _batch(seed=7, batch=8)
     whole = logits.clone().requires_grad_()
-    loss, _ = aepo_policy_loss(whole, labels, old, adv, mask, config=cfg)
+    loss, _ = aepo_policy_loss(whole, labels, old, adv, mask, config=cfg, shift_labels=False)
     loss.backward()
 
     with torch.no_grad():  # pass 1: statistics (the trainer all-reduces these)
         from aepo_kernels import logprob_entropy
 
-        _, entropy = logprob_entropy(logits, labels)
+        _, entropy = logprob_entropy(logits, labels, shift_labels=False)
         mean, std = entropy_stats_from_moments(sum(entropy_moments(entropy[i : i + 2], mask[i : i + 2]) for i in range(0, 8, 2)))
     split = logits.clone().requires_grad_()
     total = 0.0
     for i in range(0, 8, 2):
         part, _ = aepo_policy_loss(
             split[i : i + 2], labels[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], config=cfg,
-            entropy_mean=mean, entropy_std=std, global_token_count=mask.sum(),
+            entropy_mean=mean, entropy_std=std, global_token_count=mask.sum(), shift_labels=False,
         )
         part.backward()
         total = total + part.detach()
@@ -181,15 +181,15 @@ def test_micro_batch_invariance_with_global_statistics():
     torch.testing.assert_close(split.grad, whole.grad, atol=1e-8, rtol=1e-5)
 
     # Without the supplied statistics the micro-batch result differs (the reference code's defect).
-    local, _ = aepo_policy_loss(logits[:2], labels[:2], old[:2], adv[:2], mask[:2], config=cfg, global_token_count=mask.sum())
+    local, _ = aepo_policy_loss(logits[:2], labels[:2], old[:2], adv[:2], mask[:2], config=cfg, global_token_count=mask.sum(), shift_labels=False)
     with_global, _ = aepo_policy_loss(
-        logits[:2], labels[:2], old[:2], adv[:2], mask[:2], config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=mask.sum()
+        logits[:2], labels[:2], old[:2], adv[:2], mask[:2], config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=mask.sum(), shift_labels=False
     )
     assert not torch.allclose(local, with_global)
 
 
 def test_module_and_config_validation():
-    module = AEPOLoss(LossConfig(clip="ppo", entropy_adv_alpha=0.0), temperature=1.0, backend="torch")
+    module = AEPOLoss(LossConfig(clip="ppo", entropy_adv_alpha=0.0), temperature=1.0, backend="torch", shift_labels=False)
     logits, labels, old, adv, mask = _batch(seed=9)
     loss, stats = module(logits, labels, old, adv, mask)
     assert loss.dim() == 0 and "clipfrac_high" in stats

@@ -54,18 +54,18 @@ def test_weights_scale_only_the_policy_gradient_term(clip, aggregation):
     for backend in BACKENDS:
         logits = (h @ w.T).requires_grad_()
         loss, _ = aepo_policy_loss(logits, labels, old, adv, mask, config=cfg, backend=backend,
-                                   ref_logprobs=ref, token_weights=weights)
+                                   ref_logprobs=ref, token_weights=weights, shift_labels=False)
         loss.backward()
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6, msg=backend)
         torch.testing.assert_close(logits.grad, leaf.grad, rtol=1e-4, atol=1e-6, msg=backend)
     # the logprob-level loss and the fused-linear loss take the same weights
     logits = (h @ w.T).requires_grad_()
-    logp, ent = logprob_entropy(logits, labels, backend="torch")
+    logp, ent = logprob_entropy(logits, labels, backend="torch", shift_labels=False)
     loss, _ = policy_loss_from_logprobs(logp, ent, old, adv, mask, config=cfg, ref_logprobs=ref, token_weights=weights)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     hidden = h.clone().requires_grad_()
     loss, _ = fused_linear_aepo_policy_loss(hidden, w, labels, old, adv, mask, config=cfg, backend="torch",
-                                            ref_logprobs=ref, token_weights=weights)
+                                            ref_logprobs=ref, token_weights=weights, shift_labels=False)
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, leaf.grad @ w, rtol=1e-4, atol=1e-6)
@@ -74,9 +74,9 @@ def test_weights_scale_only_the_policy_gradient_term(clip, aggregation):
 def test_unit_weights_change_nothing_and_weights_matter():
     h, w, labels, old, adv, mask, weights, ref = _inputs(2)
     logits = h @ w.T
-    plain, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch")
-    ones, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch", token_weights=torch.ones_like(old))
-    weighted, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch", token_weights=weights)
+    plain, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch", shift_labels=False)
+    ones, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch", token_weights=torch.ones_like(old), shift_labels=False)
+    weighted, _ = aepo_policy_loss(logits, labels, old, adv, mask, backend="torch", token_weights=weights, shift_labels=False)
     torch.testing.assert_close(ones, plain)
     assert not torch.allclose(weighted, plain)
 

@@ -49,7 +49,7 @@ with warnings.catch_warnings(record=True) as caught:
     for backend in ("torch", "reference"):
         leaf = logits.clone().requires_grad_(True)
         loss, _ = aepo_policy_loss(leaf, labels, old, adv, mask, config=LossConfig(clip="aepo", entropy_adv_alpha=0.2),
-                                   backend=backend)
+                                   backend=backend, shift_labels=False)
         loss.backward()
         results[backend] = (loss.detach(), leaf.grad)
     torch.testing.assert_close(results["torch"][0], results["reference"][0], rtol=1e-5, atol=1e-6)

@@ -105,6 +105,102 @@ def test_a_run_that_cannot_fit_names_the_knobs(tmp_path):
     assert code == 2 and "problem: memory plan: --gpu 'h300'" in text
 
 
+def _paper_plan(gpu: str = "h100-80gb", world: int = 8, *overrides: str, **kwargs):
+    from aepo_engine.config import load_train_config
+
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research", *overrides])
+    return plan_memory(cfg, ModelShape.from_config(QWEN3_14B), world, gpu_bytes(gpu), gpu_name=gpu, **kwargs)
+
+
+def test_the_plan_counts_kv_tokens_and_names_the_knobs_of_a_preempting_engine(tmp_path):
+    """Issue 35, point 5: one engine per H100 at gpu_memory_utilization 0.5 leaves ~50K tokens of
+    KV cache (160 KiB/token: 6 trajectories of 8,192 tokens) for the 96 trajectories it samples at
+    once; the plan says so and the dry run makes it a problem naming the knobs. The preset's H100
+    settings (TP 2, 0.6, max_num_seqs 40) plan without preemption on H100 and H200."""
+    from aepo_engine.config import load_train_config
+
+    old = _paper_plan("h100-80gb", 8, "--backend.tensor_parallel_size=1", "--backend.gpu_memory_utilization=0.5",
+                      "--backend.max_num_seqs=none")
+    kv = old.kv
+    assert kv.token_bytes == 160 * 1024 and 40_000 < kv.tokens < 60_000 and kv.trajectories == kv.tokens // 8192
+    assert (kv.per_engine, kv.max_num_seqs, kv.concurrent) == (96, 1024, 96) and old.preempts
+    text = "\n".join(old.lines())
+    assert f"{kv.tokens:,} tokens at 160 KiB/token = {kv.trajectories} trajectories" in text and "PREEMPTS" in text
+    code, out = _dry_run(tmp_path, "--gpu", "h100-80gb", "--backend.tensor_parallel_size=1",
+                         "--backend.gpu_memory_utilization=0.5", "--backend.max_num_seqs=none")
+    problem = next(line for line in out.splitlines() if "KV cache holds" in line)
+    for knob in ("backend.tensor_parallel_size = 2", "backend.gpu_memory_utilization",
+                 f"backend.max_num_seqs = {kv.trajectories}"):
+        assert knob in problem, problem
+    for gpu in ("h100-80gb", "h200"):
+        plan = _paper_plan(gpu)
+        assert plan.fits and not plan.preempts and plan.kv.tp == 2 and plan.kv.concurrent == 40, gpu
+        assert plan.kv.trajectories >= 48
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research", "--backend.tensor_parallel_size=1"])
+    unsized = plan_memory(cfg, ModelShape.from_config(QWEN3_14B), 8)  # --world-size without --gpu
+    assert unsized.kv is None and not unsized.preempts
+
+
+def test_the_wake_up_fits_only_because_the_cache_is_emptied():
+    """Issue 35, point 2: without emptying PyTorch's cache the update's reserved peak stays held
+    when vLLM's pool (outside PyTorch's allocator) wakes: the plan's sync and rollout carry it and
+    the paper run does not fit an H100; emptied (what the trainer does), nothing is carried."""
+    emptied = _paper_plan()
+    assert emptied.terms["cache_carried"].bytes == 0 and emptied.fits
+    assert any("emptied after the engine sleeps" in line for line in emptied.carried)
+    held = _paper_plan(cache_emptied=False)
+    carried = held.terms["cache_carried"].bytes
+    update = max(held.phase_bytes(p) for p in held.phases if p.startswith("update"))
+    live = sum(held.terms[k].bytes for k in ("params", "adam", "overhead", "vllm_idle"))
+    assert carried == update - live > 20 * GIB
+    assert not held.fits and held.peak_phase == "rollout (engine awake)"
+    assert "cache_carried" in held.phases["weight sync"] and "cache_carried" in held.phases["rollout (engine awake)"]
+
+
+def test_the_sync_gathers_in_the_engine_dtype_and_counts_the_largest_tensor():
+    """Issue 35, point 6: shards cast to bf16 before the all-gather (half of fp32's 48 GiB per
+    rank), and a bucket may hold the largest tensor past its size (the embedding, 1.45 GiB)."""
+    plan = _paper_plan()
+    shape = ModelShape.from_config(QWEN3_14B)
+    gathered = next(v for k, v in plan.sync_bytes.items() if k.startswith("all-gathered"))
+    assert gathered == int(2 * shape.params() * 7 / 8)
+    assert shape.largest_tensor() * 2 == 151936 * 5120 * 2  # 1.45 GiB
+    assert plan.terms["bucket"].bytes >= 256 * 2**20 + shape.largest_tensor() * 2
+
+
+def _compiled() -> bool:
+    from aepo_kernels.compile import compile_enabled
+
+    return compile_enabled()
+
+
+@pytest.mark.skipif(not _compiled(), reason="the CPU kernels run eager here (no compiler or AEPO_TORCH_COMPILE=0): "
+                                            "the plan holds the compiled path's blocks, as a run has them")
+def test_the_log_prob_pass_term_matches_its_measured_peak():
+    """The fused log-prob pass at Qwen3's vocabulary (bf16, D = 1024) holds its logits block and one
+    temporary of its size, whatever the budget leaves of the tokens: planned within 15% of malloc's
+    peak above the inputs (the former term, half the budget, was 1.4-2.9x the measured peak; on
+    CUDA's 2 GiB blocks it would have planned 1 GiB for ~0.5)."""
+    from memory_measure import HeapMeter
+
+    from aepo_engine.memory_plan import logprob_block_bytes
+    from aepo_kernels import fused_linear_logprob_entropy
+
+    vocab, dim = 151936, 1024
+    weight = (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    meter = HeapMeter()
+    for tokens, budget in ((512, 192 << 20), (2048, 192 << 20), (2048, 96 << 20)):
+        hidden = torch.randn(1, tokens, dim).bfloat16()
+        labels = torch.randint(0, vocab, (1, tokens))
+        with torch.no_grad():
+            fused_linear_logprob_entropy(hidden, weight, labels, chunk_bytes=budget, shift_labels=False)  # compiled once
+            meter.start()
+            fused_linear_logprob_entropy(hidden, weight, labels, chunk_bytes=budget, shift_labels=False)
+            measured = meter.stop()
+        planned = logprob_block_bytes(vocab, tokens, budget, 2)
+        assert abs(planned - measured) <= 0.15 * measured, (tokens, budget >> 20, planned >> 20, measured >> 20)
+
+
 def test_the_flags_need_dry_run(capsys):
     from aepo_engine.train import main
 

@@ -347,7 +347,7 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
     extra no-grad pass runs inside the loss (the statistics are supplied)."""
     from aepo_engine.training.policy import LossInputs
     from aepo_kernels import entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
-    import aepo_kernels.api as api
+    import aepo_kernels.loss_call as loss_call
 
     worker = make_worker(tiny_model, use_fused_linear=fused, temperature=0.8)
     batch = with_old_policy(worker, random_batch(vocab_of(tiny_model)))
@@ -367,7 +367,7 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
     two_stage, stats_two = policy_loss_from_logprobs(logp, entropy, batch.old_logprobs, batch.advantages, batch.loss_mask,
                                                      config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=count)
     expected = grads(two_stage)
-    monkeypatch.setattr(api, "_entropy_stats", lambda config, mask, m, s, entropy_pass: (m, s))  # no second pass
+    monkeypatch.setattr(loss_call, "_entropy_stats", lambda config, mask, m, s, entropy_pass: (m, s))  # no second pass
     inputs = LossInputs(batch.old_logprobs, adv, batch.loss_mask, None, count, mean, std)
     one_pass, stats_one = worker.policy(batch.input_ids, batch.attention_mask, batch.labels, inputs)
     got = grads(one_pass)

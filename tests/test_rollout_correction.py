@@ -135,7 +135,7 @@ def test_weighted_advantages_through_the_one_pass_loss(clip):
     labels = torch.randint(0, V, (B, T), generator=gen)
     mask = (torch.rand(B, T, generator=gen) > 0.25).float()
     with torch.no_grad():
-        logp0, h0 = logprob_entropy(logits, labels, backend="reference")
+        logp0, h0 = logprob_entropy(logits, labels, backend="reference", shift_labels=False)
     old = logp0 + 0.3 * torch.randn(B, T, generator=gen)
     adv = torch.tensor([0.9, -1.4])
     w = torch.rand(B, T, generator=gen) * 1.5 + 0.1
@@ -146,9 +146,9 @@ def test_weighted_advantages_through_the_one_pass_loss(clip):
                        old, torch.arange(B), is_weights=w)
     fast_logits = logits.clone().requires_grad_()
     loss, _ = aepo_policy_loss(fast_logits, labels, old, _weighted_advantages(batch), mask, config=config,
-                               backend="torch", entropy_mean=mean, entropy_std=std, global_token_count=count)
+                               backend="torch", entropy_mean=mean, entropy_std=std, global_token_count=count, shift_labels=False)
     ref_logits = logits.clone().requires_grad_()
-    logp, entropy = logprob_entropy(ref_logits, labels, backend="reference")
+    logp, entropy = logprob_entropy(ref_logits, labels, backend="reference", shift_labels=False)
     shaped = entropy_aware_advantages(adv[:, None].expand(B, T), entropy, mask, 0.3, mean, std)
     pg, _ = clipped_token_loss(logp, old, shaped, config)
     expected = aggregate(w * pg, mask, config, global_token_count=count)

@@ -17,7 +17,7 @@ from aepo_engine.rollout.samples import SampleDumpError, read_sample_rows, sampl
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
 from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED, TokenBatch
 from aepo_kernels import LossConfig, aepo_policy_loss, fused_linear_aepo_policy_loss
-from aepo_kernels.policy_loss import _loss_stats
+from aepo_kernels.policy_loss import loss_stats
 
 
 def traj(prompt_index, traj_id, parts, kind="global", parent=None):
@@ -200,7 +200,7 @@ def test_split_loss_stats_by_hand():
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     mask = torch.ones(4)
     branch = torch.tensor([True, True, False, False])
-    stats = _loss_stats(torch.zeros(4), ratio, adv, mask, LossConfig(), None,
+    stats = loss_stats(torch.zeros(4), ratio, adv, mask, LossConfig(), None,
                         {"branch": branch, "global": ~branch})
     assert stats["clipfrac_high"].item() == pytest.approx(1 / 4)
     assert stats["clipfrac_high/branch"].item() == pytest.approx(1 / 2)
@@ -208,7 +208,7 @@ def test_split_loss_stats_by_hand():
     assert stats["clipfrac_low/branch"].item() == pytest.approx(1 / 2)
     assert stats["num_tokens/branch"].item() == 2 and stats["num_tokens/global"].item() == 2
     with pytest.raises(ValueError, match="shaped like loss_mask"):
-        _loss_stats(torch.zeros(4), ratio, adv, mask, LossConfig(), None, {"branch": branch[:3]})
+        loss_stats(torch.zeros(4), ratio, adv, mask, LossConfig(), None, {"branch": branch[:3]})
 
 
 @pytest.mark.parametrize("path", ["logits", "reference", "fused_linear"])
@@ -227,9 +227,9 @@ def test_split_stats_equal_stats_of_the_masked_loss(path):
     def run(loss_mask, masks=None):
         if path != "fused_linear":
             return aepo_policy_loss(hidden @ weight.T, labels, old, adv, loss_mask, stats_masks=masks,
-                                    backend="torch" if path == "logits" else "reference", **common)[1]
+                                    backend="torch" if path == "logits" else "reference", shift_labels=False, **common)[1]
         return fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, loss_mask, backend="torch",
-                                             stats_masks=masks, **common)[1]
+                                             stats_masks=masks, shift_labels=False, **common)[1]
 
     split, narrowed = run(mask, {"part": part}), run(mask * part)
     assert 0 < narrowed["clipfrac_high"] < 1 and 0 < narrowed["clipfrac_low"] < 1

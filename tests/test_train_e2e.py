@@ -1,7 +1,11 @@
 """End to end: ``python -m aepo_engine.train`` on a tiny generated task, its outputs, a kill -9
 in the middle of writing a checkpoint followed by ``--checkpoint.resume auto`` reproducing the
-uninterrupted run exactly, and config errors."""
+uninterrupted run exactly, damaged checkpoints skipped on resume (the run again reproduced), a
+full disk during a save (one error line; ``checkpoint.on_save_error = "warn"`` trains on), and
+config errors."""
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import runs
+from aepo_engine.checkpoint import verify_checkpoint
 from aepo_engine.metrics import read_metrics
 from runs import TINY, TINY_RUN, dist_tests
 
@@ -65,6 +70,11 @@ def test_run_writes_everything_a_user_looks_at(uninterrupted):
     latest = (uninterrupted / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_000003"
     AutoModelForCausalLM.from_pretrained(uninterrupted / "checkpoints" / latest / "hf_model")
+    # the HF export only with the final checkpoint (checkpoint.hf_export_every = 0), every one verifiable
+    exported = {p.parent.name for p in (uninterrupted / "checkpoints").glob("step_*/hf_model")}
+    assert exported == {"step_000003"}
+    for step in ("step_000001", "step_000002", "step_000003"):
+        assert verify_checkpoint(uninterrupted / "checkpoints" / step) == [], step
 
 
 @pytest.mark.sandbox
@@ -92,6 +102,86 @@ def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tm
         assert torch.equal(expected[name], got[name]), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {**json.loads((uninterrupted / "summary.json").read_text()), "rl_seconds": summary["rl_seconds"]}
+
+
+def _truncate(path: Path) -> None:
+    """The issue's case: the newest checkpoint's data file cut to half its size."""
+    file = path / "train_state" / "__0_0.distcp"
+    os.truncate(file, file.stat().st_size // 2)
+
+
+def _flip_bit(path: Path) -> None:
+    file = path / "train_state" / "__0_0.distcp"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [
+    {"step_000003": (_truncate, "train_state/__0_0.distcp has"),
+     "step_000002": (_flip_bit, "train_state/__0_0.distcp does not match its recorded xxh3_64 checksum")},
+    {"step_000003": (lambda p: (p / "meta.json").unlink(), "meta.json is missing"),
+     "step_000002": (lambda p: (p / "train_state" / ".metadata").unlink(), "train_state/.metadata is missing")},
+], ids=["truncated_and_bit_flipped", "meta_json_missing_and_file_deleted"])
+def test_damaged_checkpoints_are_skipped_and_the_run_reproduced(uninterrupted, tmp_path, damage):
+    """The two newest checkpoints of a finished run damaged: resuming warns about each (naming the
+    file), starts from step 1, and ends exactly where the uninterrupted run ended."""
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(uninterrupted, run_dir, symlinks=True)
+    for name in ("summary.json", "plots"):  # so that they must be written again
+        shutil.rmtree(run_dir / name) if (run_dir / name).is_dir() else (run_dir / name).unlink()
+    for step, (damage_fn, _) in damage.items():
+        damage_fn(run_dir / "checkpoints" / step)
+
+    resumed = train(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    first = run_dir / "checkpoints" / "step_000001"
+    for step, (_, said) in damage.items():
+        assert (f"warning: checkpoint {run_dir / 'checkpoints' / step} is damaged ({said}"
+                in resumed.stderr), resumed.stderr[-3000:]
+        assert f"skipped; resuming from {first} instead" in resumed.stderr
+    assert f"[resume] from {first} (after step 1)" in resumed.stdout
+    assert len((run_dir / "logs" / "metrics.jsonl").read_text().splitlines()) == 3 + 2  # steps 2 and 3 again
+    got_rows, expected_rows = _metrics(run_dir), _metrics(uninterrupted)
+    assert got_rows == expected_rows
+    expected, got = _final_weights(uninterrupted), _final_weights(run_dir)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {**json.loads((uninterrupted / "summary.json").read_text()), "rl_seconds": summary["rl_seconds"]}
+    assert all(verify_checkpoint(run_dir / "checkpoints" / step) == [] for step in damage)  # saved again
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_full_disk_during_a_save_is_one_error_line_then_warn_trains_on(small_disk, tmp_path):
+    """The checkpoints on a 5 MiB tmpfs that holds one (3.3 MB) of the tiny run's: a warning
+    before step 1 that keep_last of them cannot fit; the step-2 save fails with one error line
+    (exit 2) naming the step, the bytes needed and free, and step 1 as what a resume will use;
+    step 1 is intact. Resumed with checkpoint.on_save_error=warn, the run finishes (exit 0),
+    warning at each save the disk refuses."""
+    disk = small_disk(5 << 20)
+    run_dir = tmp_path / "run"
+    stopped = train(run_dir, f"--checkpoint.dir={disk / 'ckpt'}")
+    assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert f"warning: the checkpoints need up to" in stopped.stderr and str(disk / "ckpt") in stopped.stderr
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+    first = disk / "ckpt" / "step_000001"
+    assert len(errors) == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert errors[0].startswith("error: the checkpoint of step 2 was not saved: the disk is full (it needs about ")
+    assert "bytes are free in" in errors[0] and f"a resume will use {first}" in errors[0]
+    assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["latest", "step_000001"]
+    assert verify_checkpoint(first) == []
+
+    warned = train(run_dir, f"--checkpoint.dir={disk / 'ckpt'}", "--checkpoint.on_save_error=warn")
+    assert warned.returncode == 0, warned.stdout[-3000:] + warned.stderr[-3000:]
+    assert f"[resume] from {first} (after step 1)" in warned.stdout
+    for step in (2, 3):
+        assert (f"warning: the checkpoint of step {step} was not saved: the disk is full" in warned.stderr
+                and "training goes on (checkpoint.on_save_error = 'warn')" in warned.stderr), warned.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["latest", "step_000001"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -112,12 +112,12 @@ def reference(trainer, inputs, config):
     logits = model(input_ids=ids, attention_mask=attention).logits[:, -completion - 1:-1]  # [B, C, V]
     from aepo_kernels import logprob_entropy
     with torch.no_grad():
-        entropy = logprob_entropy(logits.detach().float(), inputs["completion_ids"], TEMPERATURE, backend="reference")[1]
+        entropy = logprob_entropy(logits.detach().float(), inputs["completion_ids"], TEMPERATURE, backend="reference", shift_labels=False)[1]
     mean, std = entropy_stats_from_moments(entropy_moments(entropy, mask))
     loss, _ = aepo_policy_loss(logits.float(), inputs["completion_ids"], inputs["old_per_token_logps"],
                                inputs["advantages"], mask, config=config, temperature=TEMPERATURE,
                                backend="reference", entropy_mean=mean, entropy_std=std,
-                               global_token_count=mask.sum())
+                               global_token_count=mask.sum(), shift_labels=False)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, (mean, std)
@@ -216,6 +216,34 @@ def test_bad_settings_are_rejected_with_the_reason(model_dir, dataset, tmp_path)
             make_trainer(AEPOGRPOTrainer, model_dir, dataset, make_args(tmp_path, **overrides), loss_config=config)
     with pytest.raises(ValueError, match="route"):
         make_trainer(AEPOGRPOTrainer, model_dir, dataset, make_args(tmp_path), route="logits")
+
+
+@pytest.mark.parametrize("route", ["trl_logprobs", "fused_linear"])
+def test_bad_inputs_are_refused_on_both_routes(model_dir, dataset, tmp_path, route):
+    """The kernels' input contract holds through the trainer: a NaN in the loss mask (TRL's
+    tool_mask) and, on the fused-linear route (which takes completion ids as labels), an id the
+    model's head does not have are errors naming the argument. Old code: both gave a loss."""
+    trainer = make_trainer(AEPOGRPOTrainer, model_dir, dataset, make_args(tmp_path), route=route)
+    inputs = generation_batch(trainer)
+    trainer.current_gradient_accumulation_steps = 1
+    bad = dict(inputs, tool_mask=torch.ones_like(inputs["completion_mask"], dtype=torch.float32))
+    bad["tool_mask"][0, 1] = float("nan")
+    function = "fused_linear_aepo_policy_loss" if route == "fused_linear" else "policy_loss_from_logprobs"
+    with pytest.raises(ValueError, match=rf"{function}\(\): loss_mask must hold finite weights >= 0"):
+        trainer.compute_loss(trainer.model, bad)
+    if route == "fused_linear":
+        vocab = trainer.model.get_output_embeddings().weight.shape[0]
+        bad = dict(inputs, completion_ids=inputs["completion_ids"].clone())
+        bad["completion_ids"][1, 0] = vocab
+        with pytest.raises(ValueError, match=rf"labels must hold token ids in \[0, {vocab}\)"):
+            trainer._fused_linear_loss(trainer.model, bad, *_forward_inputs(inputs), bad["completion_mask"].float(),
+                                       bad["completion_ids"].size(1), dict(config=trainer.loss_config))
+
+
+def _forward_inputs(inputs):
+    """The model's input ids and attention mask of a generation batch (valid ids only)."""
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
 
 
 def test_dr_grpo_aggregation_uses_max_completion_length(model_dir, dataset, tmp_path):

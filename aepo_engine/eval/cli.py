@@ -32,12 +32,14 @@ from typing import Any, Sequence
 
 import msgspec
 
+from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
 from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.core import judge_records, sample_records
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
+from aepo_engine.files import write_text_atomic
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -135,26 +137,54 @@ def resolve_model(spec: str) -> ModelSource:
     Raises:
         ConfigError: nothing loadable there (the message says what was expected).
     """
-    from aepo_engine.checkpoint import find_latest
+    from aepo_engine.models.gguf import find_gguf, resolve_model_dir
 
+    try:
+        if find_gguf(spec) is not None:  # a GGUF file (or a folder with one): its converted HF folder
+            return ModelSource(Path(resolve_model_dir(spec)))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {spec!r}: {exc}") from None
     path = Path(spec)
+    if (path / "meta.json").is_file() and not (path / HF_EXPORT).is_dir():
+        raise ConfigError(f"checkpoint {path} has no {HF_EXPORT}/ export: a run exports its final checkpoint "
+                          "(and every checkpoint.hf_export_every steps); give that one, or the run folder")
     if (path / "config.toml").is_file() and not (path / "config.json").is_file() \
-            and not (path / "hf_model").is_dir():  # a checkpoint folder holds a config.toml too
+            and not (path / HF_EXPORT).is_dir():  # a checkpoint folder holds a config.toml too
         cfg = _run_config(path)
-        latest = find_latest(path / cfg.checkpoint.dir)
-        if latest is None or not (latest / "hf_model" / "config.json").is_file():
-            raise ConfigError(f"run folder {path} has no checkpoint with an hf_model/ export under "
-                              f"{path / cfg.checkpoint.dir} (train with checkpoint.export_hf = true)")
-        return ModelSource(latest / "hf_model", path, cfg)
-    if (path / "hf_model" / "config.json").is_file():
-        path = path / "hf_model"
+        return ModelSource(_newest_export(path / cfg.checkpoint.dir, path) / HF_EXPORT, path, cfg)
+    if (path / HF_EXPORT / "config.json").is_file():
+        path = path / HF_EXPORT
     if (path / "config.json").is_file():
+        if path.name == HF_EXPORT:
+            _check_export(path.parent)
         run = path.parent.parent.parent  # <run>/checkpoints/step_X/hf_model
-        if path.name == "hf_model" and (run / "config.toml").is_file():
+        if path.name == HF_EXPORT and (run / "config.toml").is_file():
             return ModelSource(path, run, _run_config(run))
         return ModelSource(path)
     raise ConfigError(f"--model {spec!r}: expected a Hugging Face model folder (config.json), a checkpoint "
-                      "folder (hf_model/) or a training run folder (config.toml + checkpoints/)")
+                      "folder (hf_model/), a training run folder (config.toml + checkpoints/) or a GGUF file")
+
+
+def _check_export(checkpoint: Path) -> None:
+    """Refuse a checkpoint's HF export whose files do not match the sizes and checksums its
+    meta.json recorded (a damaged disk, a copy cut short)."""
+    problems = verify_checkpoint(checkpoint, prefix=f"{HF_EXPORT}/")
+    if problems:
+        raise ConfigError(f"the HF export of {checkpoint} is damaged: {problems[0]}")
+
+
+def _newest_export(root: Path, run: Path) -> Path:
+    """The newest checkpoint under ``root`` with an intact HF export; a damaged one is skipped
+    with a warning."""
+    for checkpoint in resume_candidates(root):
+        if not (checkpoint / HF_EXPORT / "config.json").is_file():
+            continue
+        problems = verify_checkpoint(checkpoint, prefix=f"{HF_EXPORT}/")
+        if not problems:
+            return checkpoint
+        print(f"warning: the HF export of {checkpoint} is damaged ({problems[0]}): skipped", file=sys.stderr)
+    raise ConfigError(f"run folder {run} has no checkpoint with an intact {HF_EXPORT}/ export under {root} "
+                      "(a run exports its final checkpoint; train with checkpoint.export_hf = true)")
 
 
 def _default_run_dir() -> Path:
@@ -277,9 +307,7 @@ def load_done(out: Path, n: int) -> list[dict[str, Any]]:
             continue  # the line a kill cut short
         groups.setdefault((record["dataset"], record["question_index"]), []).append(record)
     kept = [r for group in groups.values() if sorted(s["sample"] for s in group) == list(range(n)) for r in group]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     return kept
 
 
@@ -303,7 +331,7 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
         if changed:
             raise ConfigError(f"{out} holds an evaluation with other settings ({', '.join(changed)} differ): "
                               "use another --out, or --resume false to start over")
-    run_file.write_text(json.dumps(fingerprint, indent=2))
+    write_text_atomic(run_file, json.dumps(fingerprint, indent=2))
     return load_done(out, cfg.eval.n_samples)
 
 
@@ -334,8 +362,8 @@ def _start_judge(cfg: EvalCommandConfig, out: Path) -> tuple[Any, str | None]:
 
 def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     """Generate, score, judge and report; returns the summary (also written to the output folder)."""
-    from aepo_engine.data import encode_chat_prompt
     from aepo_engine.metrics import ProgressBar
+    from aepo_engine.tools.formats import build_tool_format
     from aepo_engine.rollout.backends import build_backend
     from aepo_engine.tools import ToolRunner, build_tools
     from transformers import AutoTokenizer
@@ -350,23 +378,25 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
           f"{cfg.eval.n_samples} samples per question; {len(done)} questions already done; output {out}",
           flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source.model_dir)
+    tool_format = build_tool_format(plan.tools.format, tokenizer, plan.tools.enabled)
     # The backend first: a vLLM engine must start before the search index loads numba.
     backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
     judge, judge_error = _start_judge(cfg, out)
     judge_info = None if judge is None else {"model": judge.model, "prompt": cfg.eval.judge.prompt, "url": judge.base}
     print(f"[eval] {provenance({'scoring': cfg.eval.scoring, 'judge': judge_info})}", flush=True)
     bar = ProgressBar(total, start=len(done), unit="questions")
-    t0, generated = time.perf_counter(), 0
+    t0, generated, tokens = time.perf_counter(), 0, 0
     with ToolRunner(build_tools(plan.tools), max_workers=plan.tools.max_workers) as tools:
         for eval_set in plan.sets:
             for start in range(0, len(eval_set.examples), cfg.questions_per_batch):
                 batch = eval_set.examples[start:start + cfg.questions_per_batch]
                 if all((eval_set.name, e.index) in done for e in batch):
                     continue
-                prompts = [encode_chat_prompt(tokenizer, eval_messages(e, cfg.eval.system_prompt)) for e in batch]
+                prompts = [tool_format.encode_prompt(eval_messages(e, cfg.eval.system_prompt)) for e in batch]
                 new = sample_records(backend, tools, tokenizer, cfg.rollout, cfg.eval, prompts, batch, eval_set.check,
                                      reward_fn=plan.reward_fns.get(eval_set.name),
-                                     step=start // cfg.questions_per_batch)
+                                     step=start // cfg.questions_per_batch, tool_format=tool_format,
+                                     progress=f"{eval_set.name} batch {start // cfg.questions_per_batch + 1}")
                 new = [r for r in new if (r["dataset"], r["question_index"]) not in done]
                 if judge is not None:
                     judge_records(new, judge)
@@ -374,7 +404,9 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
                 records += new
                 done |= {(r["dataset"], r["question_index"]) for r in new}
                 generated += len({r["question_index"] for r in new})
-                bar.update(len(done) - 1, {"pass@1": sum(r["correct"] for r in records) / len(records)})
+                tokens += sum(r["total_tokens"] for r in new)
+                bar.update(len(done) - 1, {"pass@1": sum(r["correct"] for r in records) / len(records),
+                                           "tok/s": tokens / max(time.perf_counter() - t0, 1e-9)})
     bar.close()
     seconds = time.perf_counter() - t0
     summary = summarize(records, cfg.eval.pass_ks)

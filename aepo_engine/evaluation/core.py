@@ -12,6 +12,8 @@ use, and accuracy per category label.
 """
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Callable, Sequence
 
 import msgspec
@@ -20,10 +22,11 @@ from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.scoring import pass_at_k, score_response
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
-from aepo_engine.rollout.trajectory import Trajectory
+from aepo_engine.rollout.trajectory import Trajectory, decode_response
 from aepo_engine.seeding import section_seed
+from aepo_engine.tools.formats import reward_view
 
-__all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "sample_records",
+__all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "progress_printer", "sample_records",
            "trajectory_record"]
 
 
@@ -35,12 +38,16 @@ def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> Rollo
         temperature=cfg.temperature, top_p=cfg.top_p, seed=section_seed(cfg.seed, "eval.seed"))
 
 
-def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str, Any]:
-    """The generation side of a sample record: prompt, response, tool calls, token counts."""
+def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format: Any = None) -> dict[str, Any]:
+    """The generation side of a sample record: prompt, response (as the reward reads it:
+    ``aepo_engine.tools.formats.reward_view``), where the engine put the tool results in it
+    (``tool_spans``, what the scores read), tool calls, token counts."""
+    response, tool_spans = reward_view(traj, tool_format) if tool_format is not None else decode_response(traj, tokenizer)
     return {
         "sample": sample,
         "prompt": tokenizer.decode(traj.prompt_ids),
-        "response": tokenizer.decode(traj.response_ids),
+        "response": response,
+        "tool_spans": [list(span) for span in tool_spans],
         "tool_calls": [{"tool": r.tool, "payload": r.payload, "result": r.result, "ok": r.ok,
                         "latency_s": round(r.elapsed_s, 6)} for r in traj.tool_log],
         "response_tokens": sum(traj.loss_mask),
@@ -52,16 +59,21 @@ def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int) -> dict[str
 
 def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_config: RolloutConfig,
                    cfg: EvalConfig, prompts: Sequence[list[int]], examples: Sequence[Any], check: str,
-                   reward_fn: Callable[[str, Any], Any] | None = None, step: int = 0) -> list[dict[str, Any]]:
+                   reward_fn: Callable[..., Any] | None = None, step: int = 0,
+                   tool_format: Any = None, progress: str | None = None) -> list[dict[str, Any]]:
     """Sample ``cfg.n_samples`` trajectories per prompt and score each.
 
     Args:
         prompts: tokenized chat prompts, one per example.
         examples: the ``aepo_engine.data.Example`` of each prompt (question, ground truth, labels).
         check: answer check of :func:`~aepo_engine.evaluation.scoring.score_response` ("qa", "math", "mixed").
-        reward_fn: when given, ``correct`` is the reward's (the training task's own notion of a
+        reward_fn: ``(response, ground_truth, tool_spans=...) -> RewardResult``
+            (``rewards.build_reward_fn``); when given, ``correct`` is the reward's (the training task's own notion of a
             right answer) and its score is kept as ``reward``.
         step: part of every sampling seed (the same step and questions give the same samples).
+        tool_format: how calls and results are written (``aepo_engine.tools.formats``); none = tags.
+        progress: a label: print questions done / total, tokens/s and an ETA on stderr after
+            every rollout round (:func:`progress_printer`); none = silent.
 
     Returns:
         One record per sample, grouped by question: dataset, question index, question, references,
@@ -72,20 +84,38 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
     if not prompts:
         return []
     rollout = EntropyBalancedRollout(backend, tool_runner, eval_rollout_config(rollout_config, cfg),
-                                     tokenizer=tokenizer)
+                                     tokenizer=tokenizer, tool_format=tool_format)
     records = []
-    for traj in rollout.rollout(list(prompts), step=step).trajectories:
+    report = progress_printer(len(prompts), progress) if progress else None
+    for traj in rollout.rollout(list(prompts), step=step, progress=report).trajectories:
         example = examples[traj.prompt_index]
         record = {"dataset": example.data_source, "question_index": example.index,
                   "question": example.question, "references": list(example.ground_truth),
-                  "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id)}
+                  "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id, tool_format)}
+        spans = [tuple(span) for span in record["tool_spans"]]
         record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
-                                     gold=example.meta.get("gold")))
+                                     gold=example.meta.get("gold"), tool_spans=spans))
         if reward_fn is not None:
-            result = reward_fn(record["response"], example.ground_truth)
+            result = reward_fn(record["response"], example.ground_truth, tool_spans=spans)
             record["reward"], record["correct"] = float(result.score), bool(result.correct)
         records.append(record)
     return records
+
+
+def progress_printer(total: int, label: str, stream: Any = None) -> Callable[[int, int, int], None]:
+    """``report(done, total, tokens)`` printing ``[eval LABEL] [####....] question 12/100 | tok/s 230 |
+    eta 95s`` (the training bar's line: :class:`aepo_engine.metrics.ProgressBar`)."""
+    from aepo_engine.metrics import ProgressBar
+
+    bar = ProgressBar(total, stream=stream or sys.stderr, unit=f"[eval {label}] question")
+
+    def report(done: int, _total: int, tokens: int) -> None:
+        elapsed = time.perf_counter() - bar.t0
+        bar.update(done - 1, {"tok/s": tokens / max(elapsed, 1e-9)})
+        if done == total:
+            bar.close()
+
+    return report
 
 
 def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
@@ -113,15 +143,20 @@ def evaluate(
     reward_fn: Callable[..., Any],
     config: EvalConfig,
     categories: Sequence[str] | None = None,
+    tool_format: Any = None,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Accuracy, pass@k, mean reward and tool use of the policy behind ``backend`` (the trainer's
     held-out measurement).
 
     Args:
         prompts: tokenized chat prompts; ground_truths: references per prompt.
-        reward_fn: ``(response_text, ground_truth) -> RewardResult`` (``score``, ``correct``).
+        reward_fn: ``(response_text, ground_truth, tool_spans=...) -> RewardResult`` (``score``,
+            ``correct``; ``rewards.build_reward_fn``).
         rollout_config: the training rollout's config; branching settings are overridden.
         categories: optional label per prompt; adds ``accuracy/<label>`` for each label.
+        tool_format: the rollout's tool format (none = tags).
+        progress: a label to print progress under (:func:`sample_records`); none = silent.
     """
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"categories has {len(categories)} labels for {len(prompts)} prompts")
@@ -138,7 +173,7 @@ def evaluate(
     examples = [Example(index=i, question="", prompt_messages=None, ground_truth=list(g) if isinstance(g, (list, tuple))
                         else [str(g)], data_source=label) for i, (g, label) in enumerate(zip(ground_truths, labels))]
     records = sample_records(backend, tool_runner, tokenizer, rollout_config, config, prompts, examples, "qa",
-                             reward_fn=reward_fn)
+                             reward_fn=reward_fn, tool_format=tool_format, progress=progress)
     correct = [0] * len(prompts)
     for r in records:
         correct[r["question_index"]] += r["correct"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from aepo_engine.evaluation.scoring import pass_at_k
+from aepo_engine.files import write_text_atomic
 
 __all__ = ["format_table", "provenance", "summarize", "write_reports"]
 
@@ -120,8 +121,8 @@ def write_reports(summary: dict[str, dict[str, Any]], out_dir: str | Path, extra
         writer.writerow([name, *(row.get(c, "") for c in columns)])
     paths = [out / "summary.md", out / "summary.csv", out / "summary.json"]
     markdown = format_table(summary, markdown=True) + "\n" + provenance(extra or {}) + "\n"
-    paths[0].write_text(markdown, encoding="utf-8")
-    paths[1].write_text(buffer.getvalue(), encoding="utf-8")
-    paths[2].write_text(json.dumps({"datasets": summary, **(extra or {})}, indent=2, ensure_ascii=False),
-                        encoding="utf-8")
+    # each whole or not at all: a CSV or table cut short by a full disk would still read as one
+    write_text_atomic(paths[0], markdown)
+    write_text_atomic(paths[1], buffer.getvalue())
+    write_text_atomic(paths[2], json.dumps({"datasets": summary, **(extra or {})}, indent=2, ensure_ascii=False))
     return paths

@@ -3,7 +3,7 @@
 Two rule sets (``eval.scoring``); docs/scoring.md compares them case by case.
 
 ``"engine"`` (default). The answer is :func:`~aepo_engine.rewards.text.final_answer`: tool results
-(``<result>...</result>``, text the engine inserted) cut out, then the last ``<answer>`` block's
+(where the engine put them, ``tool_spans``; else the ``<result>...</result>`` blocks) cut out, then the last ``<answer>`` block's
 last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a response with neither has
 *no answer*. Scores (the rewards' own functions, so training and evaluation agree):
 - ``em``: SQuAD exact match with any reference; ``f1``: the best token F1 (CJK per character,
@@ -36,7 +36,7 @@ from aepo_engine.evaluation.reference import reference_metrics, reference_predic
 from aepo_engine.rewards.base import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal
-from aepo_engine.rewards.text import (cover_match, exact_match, final_answer, strip_latex_wrappers,
+from aepo_engine.rewards.text import (ToolSpans, cover_match, exact_match, final_answer, strip_latex_wrappers,
                                       strip_tool_results, token_f1)
 
 __all__ = ["CHECKS", "final_answer", "pass_at_k", "score_response", "strip_tool_results"]
@@ -107,8 +107,9 @@ def _references(references: Any) -> list[str]:
     return [str(ref) for ref in references]
 
 
-def _engine_scores(response: str, references: list[str], check: str) -> dict[str, Any]:
-    answer = final_answer(response)
+def _engine_scores(response: str, references: list[str], check: str,
+                   tool_spans: ToolSpans | None = None) -> dict[str, Any]:
+    answer = final_answer(response, tool_spans=tool_spans)
     scores: dict[str, Any] = {"answer": answer, "em": 0.0, "f1": 0.0, "acc": 0.0, "math": 0.0, "correct": False}
     if answer is None or not answer.strip() or not references:
         return scores
@@ -134,7 +135,7 @@ def _reference_scores(response: str, references: list[str], check: str, gold: An
 
 
 def score_response(response: str, references: Sequence[str] | str | int, check: str, scoring: str = "engine",
-                   gold: Any = None) -> dict[str, Any]:
+                   gold: Any = None, tool_spans: ToolSpans | None = None) -> dict[str, Any]:
     """Scores of one response (module docstring).
 
     Args:
@@ -146,6 +147,8 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         gold: for "reference", the gold as the authors' loader reads it (a string, an int, or a
             list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
             reference as a string, or the list of several.
+        tool_spans: where the engine put the tool results (``decode_response``); the engine's
+            rules read them there (the authors' read the text as theirs did).
 
     Returns:
         ``{answer, em, f1, acc, math, format_ok, format_error, correct}``.
@@ -155,9 +158,9 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
     if scoring not in RULES:
         raise ValueError(f"unknown scoring {scoring!r}: use {', '.join(RULES)}")
     refs = _references(references)
-    form = check_format(response)
+    form = check_format(response, tool_spans)
     if scoring == "reference":
         scores = _reference_scores(response, refs, check, gold)
     else:
-        scores = _engine_scores(response, refs, check)
+        scores = _engine_scores(response, refs, check, tool_spans)
     return {**scores, "format_ok": form.error is None, "format_error": form.error}

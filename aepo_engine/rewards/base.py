@@ -2,7 +2,10 @@
 
 A reward function has the signature
 ``(response: str, ground_truth: str | list[str], **options) -> RewardResult``, its options
-declared as keyword arguments with defaults so that a misspelt option is a ``TypeError``.
+declared as keyword arguments with defaults so that a misspelt option is a ``TypeError``. A
+reward that reads tool results takes ``tool_spans`` too: where the engine put them in the
+response (``rollout.trajectory.decode_response``), which a tool's text cannot fake; the built-in
+ones all do, and :func:`build_reward_fn` passes it to those that take it.
 Every reward reads each reference through ``text.reference_answer`` (a reference that is a
 whole solution is cut down to its ``\\boxed{}`` or its ``#### answer``).
 ``response`` is the model's text only (no prompt). Functions are pure and cheap, so the caller
@@ -113,8 +116,9 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
             raise ValueError("set reward.rules, not reward.options.rules (one place for one setting)")
 
 
-def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
-    """``(response, ground_truth) -> RewardResult`` with the configured options bound.
+def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
+    """``(response, ground_truth, tool_spans=None) -> RewardResult`` with the configured options
+    bound (``tool_spans`` goes to a reward that takes it).
 
     Raises:
         ValueError: an unknown reward name, an option the reward does not take, or
@@ -126,6 +130,8 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
     except KeyError as err:
         raise ValueError(err.args[0]) from None
     options = dict(cfg.options)
+    if "tool_spans" in options:
+        raise ValueError("reward.options cannot set tool_spans: the engine passes where it put the tool results")
     try:
         inspect.signature(reward).bind("", "", **options)
     except TypeError as err:
@@ -135,7 +141,13 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[[str, Any], RewardResult]:
     elif cfg.rules != "engine":
         raise ValueError(f"reward.rules = {cfg.rules!r} needs a reward with a reference version (deep_research); "
                          f"{cfg.name!r} has none: the authors trained with deep_research only")
-    return lambda response, ground_truth: reward(response, ground_truth, **options)
+    takes_spans = "tool_spans" in inspect.signature(reward).parameters
+
+    def reward_fn(response: str, ground_truth: Any, tool_spans: Any = None) -> RewardResult:
+        spans = {"tool_spans": tool_spans} if takes_spans and tool_spans is not None else {}
+        return reward(response, ground_truth, **options, **spans)
+
+    return reward_fn
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,20 +15,25 @@ A response is malformed when any of these holds (``details["format_error"]`` say
   nested, a closed call is not followed by a ``<result>`` block before anything else, a
   ``<result>`` appears without a preceding call, or a result is unclosed;
 - the answer has no ``\\boxed{}``.
-Text inside ``<result>...</result>`` is tool output inserted by the engine, so tags in it
-(a web page that contains "<answer>") are ignored, and the tool bonus counts completed calls, not
-closing tags quoted by a page. ``correct`` is the exact match of the boxed answer with a reference
+Tool output is located by the engine's record of where it put it (``tool_spans``,
+``rollout.trajectory.decode_response``): each span is one result block and any tag in it (a web
+page that contains "<answer>", code that prints ``</result><search>q</search>``) is ignored, so
+the tool bonus counts completed calls the model wrote, and a ``<result>`` tag outside a span is
+the model's own and malformed. Without the record (saved text) the ``<result>...</result>`` blocks
+of the text are the results, which a tool cannot close early either: ``tools.framing`` rewrites
+the engine's tags in tool text. ``correct`` is the exact match of the boxed answer with a reference
 (F1 = 1 can also come from reordered words).
 """
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import RULES, RewardResult, as_references, register_reward
 from .reference import reference_reward
-from .text import exact_match, extract_boxed, reference_answer, token_f1
+from .text import ToolSpans, exact_match, extract_boxed, reference_answer, token_f1
 
 __all__ = ["deep_research", "check_format", "FormatCheck"]
 
@@ -110,15 +115,19 @@ def _final_error(scan: _Scan) -> str | None:
     return None
 
 
-def check_format(response: str) -> FormatCheck:
+def check_format(response: str, tool_spans: ToolSpans | None = None) -> FormatCheck:
     """Check the tag structure of a deep-research response.
 
     Args:
-        response: the model's text, tool results included as ``<result>...</result>``.
+        response: the model's text, tool results included.
+        tool_spans: where the engine put the tool results (``decode_response``): each is one
+            result block whatever it holds; None: the ``<result>...</result>`` blocks of the text.
 
     Returns:
         A :class:`FormatCheck`.
     """
+    if tool_spans is not None:
+        return _check_with_spans(response, sorted(tool_spans))
     scan, answer_start, answer_end = _Scan(), 0, 0
     for match in _TAG.finditer(response):
         closing, name = match.group(1) == "/", match.group(2)
@@ -137,6 +146,36 @@ def check_format(response: str) -> FormatCheck:
     return FormatCheck(error, frozenset(scan.tools_used), answer)
 
 
+def _check_with_spans(response: str, spans: list[tuple[int, int]]) -> FormatCheck:
+    """:func:`check_format` on the engine's spans: tags inside one are not scanned, each span is
+    a whole result block, and a result tag outside every span is an error."""
+    starts = [start for start, _ in spans]
+    events = [(start, None, "span") for start in starts]
+    for match in _TAG.finditer(response):
+        i = bisect.bisect_right(starts, match.start()) - 1
+        if i < 0 or match.start() >= spans[i][1]:  # outside every span
+            events.append((match.start(), match, match.group(2)))
+    scan, answer_start, answer_end = _Scan(), 0, 0
+    for _, match, name in sorted(events, key=lambda e: e[0]):
+        if match is None:  # a result the engine inserted: opened and closed
+            error = _step(scan, False, "result")
+            scan.in_result = False
+        elif name == "result":
+            error = "a result tag the engine did not insert"
+        else:
+            closing = match.group(1) == "/"
+            error = _step(scan, closing, name)
+            if name == "answer" and closing:
+                answer_end = match.start()
+            elif name == "answer":
+                answer_start = match.end()
+        if error is not None:
+            return FormatCheck(error, frozenset(scan.tools_used))
+    error = _final_error(scan)
+    answer = response[answer_start:answer_end] if error is None else None
+    return FormatCheck(error, frozenset(scan.tools_used), answer)
+
+
 @register_reward("deep_research")
 def deep_research(
     response: str,
@@ -146,6 +185,7 @@ def deep_research(
     tool_bonus: float = 0.1,
     think_opened_in_prompt: bool = False,
     rules: str = "engine",
+    tool_spans: ToolSpans | None = None,
 ) -> RewardResult:
     """Score a deep-research response (see the module docstring for the rules).
 
@@ -158,6 +198,8 @@ def deep_research(
             (Qwen3 thinking mode), so the response starts inside the think block.
         rules: "engine" (module docstring) or "reference" (the authors' reward,
             :mod:`aepo_engine.rewards.reference`); ``reward.rules`` in the config.
+        tool_spans: where the engine put the tool results (module docstring); the authors' rules
+            read the text as theirs did and do not use it.
 
     Returns:
         ``RewardResult`` with ``details`` = ``{format_error}`` for a malformed response, else
@@ -170,9 +212,11 @@ def deep_research(
         raise ValueError(f"unknown reward rules {rules!r}: use one of {', '.join(RULES)}")
     if think_opened_in_prompt:
         response = "<think>" + response
+        if tool_spans is not None:
+            tool_spans = [(start + len("<think>"), end + len("<think>")) for start, end in tool_spans]
     if rules == "reference":
         return reference_reward(response, as_references(ground_truth), format_penalty, tool_bonus)
-    check = check_format(response)
+    check = check_format(response, tool_spans)
     answer = extract_boxed(check.answer) if check.answer is not None else None
     error = check.error or (None if answer is not None else "no \\boxed{} in <answer>")
     if error is not None:

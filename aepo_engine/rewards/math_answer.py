@@ -30,7 +30,7 @@ from fractions import Fraction
 from typing import Any
 
 from .base import RewardResult, as_references, register_reward
-from .text import final_answer, reference_answer, strip_latex_wrappers
+from .text import ToolSpans, final_answer, reference_answer, strip_latex_wrappers
 
 __all__ = ["math_reward", "math_equal", "normalize_math", "parse_value"]
 
@@ -298,19 +298,21 @@ def math_equal(prediction: str, reference: str, rel_tol: float = 0.0) -> bool:
 
 
 @register_reward("math")
-def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0) -> RewardResult:
+def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0,
+                tool_spans: ToolSpans | None = None) -> RewardResult:
     """1.0 if the response's boxed answer (module docstring) is equivalent to any reference, else 0.0.
 
     Args:
         response: the model's text.
         ground_truth: a string, a list of strings, or a JSON-encoded list of strings.
         rel_tol: see :func:`math_equal`.
+        tool_spans: where the engine put the tool results (``rewards.text.strip_tool_results``).
 
     Returns:
         ``RewardResult(score, correct, details={answer})``; a response without ``\\boxed{}``
         scores 0 with ``details["format_error"]``.
     """
-    answer = final_answer(response, require_box=True)
+    answer = final_answer(response, require_box=True, tool_spans=tool_spans)
     if answer is None:
         return RewardResult(0.0, False, {"format_error": "no \\boxed{}"})
     refs = [reference_answer(ref) for ref in as_references(ground_truth)]

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from .base import RewardResult, as_references, register_reward
-from .text import exact_match, extract_answer, reference_answer, token_f1
+from .text import ToolSpans, exact_match, extract_answer, reference_answer, token_f1
 
 __all__ = ["qa_em", "qa_f1"]
 
 
-def _qa_scores(response: str, ground_truth: Any) -> dict[str, Any]:
-    answer = extract_answer(response)
+def _qa_scores(response: str, ground_truth: Any, tool_spans: ToolSpans | None) -> dict[str, Any]:
+    answer = extract_answer(response, tool_spans)
     refs = [reference_answer(ref) for ref in as_references(ground_truth)]
     return {
         "answer": answer,
@@ -28,30 +28,32 @@ def _qa_scores(response: str, ground_truth: Any) -> dict[str, Any]:
 
 
 @register_reward("qa_em")
-def qa_em(response: str, ground_truth: Any) -> RewardResult:
+def qa_em(response: str, ground_truth: Any, *, tool_spans: ToolSpans | None = None) -> RewardResult:
     """1.0 if the extracted answer matches any reference after SQuAD normalisation, else 0.0.
 
     Args:
         response: the model's text.
         ground_truth: a string, a list of strings, or a JSON-encoded list.
+        tool_spans: where the engine put the tool results (``rewards.text.strip_tool_results``).
 
     Returns:
         ``RewardResult(score=em, correct=em == 1, details={answer, em, f1})``.
     """
-    details = _qa_scores(response, ground_truth)
+    details = _qa_scores(response, ground_truth, tool_spans)
     return RewardResult(details["em"], details["em"] == 1.0, details)
 
 
 @register_reward("qa_f1")
-def qa_f1(response: str, ground_truth: Any) -> RewardResult:
+def qa_f1(response: str, ground_truth: Any, *, tool_spans: ToolSpans | None = None) -> RewardResult:
     """Token F1 of the extracted answer, maximised over the references.
 
     Args:
         response: the model's text.
         ground_truth: a string, a list of strings, or a JSON-encoded list.
+        tool_spans: where the engine put the tool results (``rewards.text.strip_tool_results``).
 
     Returns:
         ``RewardResult(score=f1, correct=em == 1, details={answer, em, f1})``.
     """
-    details = _qa_scores(response, ground_truth)
+    details = _qa_scores(response, ground_truth, tool_spans)
     return RewardResult(details["f1"], details["em"] == 1.0, details)

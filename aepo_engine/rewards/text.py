@@ -1,8 +1,10 @@
 """Answer extraction (``<answer>``, ``\\boxed{}``) and SQuAD-style text matching.
 
-Extraction (:func:`final_answer`): tool results (``<result>...</result>``, text the engine
-inserted) are cut out first, so a web page's ``\\boxed{}`` or ``<answer>`` is never taken for
-the model's answer. Then the last complete ``<answer>...</answer>`` block wins: its last
+Extraction (:func:`final_answer`): tool results (text the engine inserted) are cut out first, so a
+web page's ``\\boxed{}`` or ``<answer>`` is never taken for the model's answer. Where they are is
+the engine's record (``tool_spans``, ``rollout.trajectory.decode_response``); a response without
+that record (a file of saved samples) falls back to its ``<result>...</result>`` blocks, which a
+tool cannot close early either (``tools.framing`` rewrites the tags in tool text). Then the last complete ``<answer>...</answer>`` block wins: its last
 ``\\boxed{}``, else its text. Only a response with no answer block falls back to its last
 ``\\boxed{}`` (a box in the reasoning never beats the answer block). Every scan here is linear
 in the length of the text, so a model's degenerate output (100k unclosed ``\\boxed{``) cannot
@@ -28,10 +30,11 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from typing import Sequence
 
 __all__ = ["normalize_answer", "answer_tokens", "token_f1", "exact_match", "cover_match", "extract_boxed",
            "extract_tag", "extract_answer", "final_answer", "reference_answer", "strip_latex_wrappers",
-           "strip_tool_results"]
+           "strip_tool_results", "ToolSpans"]
 
 _ASCII_PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -197,12 +200,28 @@ def extract_tag(text: str, tag: str) -> str | None:
     return text[start + len(tag) + 2:end].strip() if start >= 0 else None
 
 
-def strip_tool_results(response: str) -> str:
-    """The response without ``<result>...</result>`` blocks (an unclosed one runs to the end)."""
-    return _RESULT_BLOCK.sub(" ", response)
+ToolSpans = Sequence[tuple[int, int]]
+"""Character ``(start, end)`` of each tool result in a response, as the engine recorded them."""
 
 
-def final_answer(response: str, require_box: bool = False) -> str | None:
+def strip_tool_results(response: str, tool_spans: ToolSpans | None = None) -> str:
+    """The response with each tool result replaced by a space.
+
+    Args:
+        response: the model's text, tool results included.
+        tool_spans: where the engine put the results (``decode_response``); None: the
+            ``<result>...</result>`` blocks of the text (an unclosed one runs to the end).
+    """
+    if tool_spans is None:
+        return _RESULT_BLOCK.sub(" ", response)
+    parts, pos = [], 0
+    for start, end in sorted(tool_spans):
+        parts.append(response[pos:max(pos, start)])
+        pos = max(pos, end)
+    return " ".join(parts + [response[pos:]])
+
+
+def final_answer(response: str, require_box: bool = False, tool_spans: ToolSpans | None = None) -> str | None:
     """The answer of a response (module docstring): with tool results cut out, the last
     ``\\boxed{}`` of the last ``<answer>`` block, else that block's text; with no answer block,
     the last ``\\boxed{}``.
@@ -210,11 +229,12 @@ def final_answer(response: str, require_box: bool = False) -> str | None:
     Args:
         response: the model's text, tool results included.
         require_box: only a ``\\boxed{}`` counts (an answer block without one gives None).
+        tool_spans: where the engine put the tool results (:func:`strip_tool_results`).
 
     Returns:
         The answer (stripped), or None when the response gives none.
     """
-    own = strip_tool_results(response)
+    own = strip_tool_results(response, tool_spans)
     block = extract_tag(own, "answer")
     boxed = extract_boxed(own if block is None else block)
     if boxed is not None or require_box or block is None:
@@ -231,7 +251,7 @@ def reference_answer(reference: str) -> str:
     return reference.rsplit("####", 1)[-1].strip()
 
 
-def extract_answer(text: str) -> str:
+def extract_answer(text: str, tool_spans: ToolSpans | None = None) -> str:
     """The answer of a free-form response: :func:`final_answer`, else the whole text (stripped)."""
-    answer = final_answer(text)
+    answer = final_answer(text, tool_spans=tool_spans)
     return answer if answer is not None else text.strip()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -18,8 +18,8 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
 from aepo_engine.seeding import section_seed
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
-from aepo_engine.tools import (TOOL_STOP_STRINGS, MalformedToolCall, ToolCall, find_tool_call,
-                               format_tool_result)
+from aepo_engine.tools import TOOL_STOP_STRINGS, MalformedToolCall, ToolCall
+from aepo_engine.tools.formats import TagFormat
 
 # ---------------------------------------------------------------------------------------------
 # Seeds
@@ -171,11 +171,14 @@ class EntropyBalancedRollout:
         tokenizer: encodes tool-result text (``encode(text, add_special_tokens=False)``) and
             decodes segments when the backend gives no text; default ``backend.tokenizer``.
         tool_names: enabled tool tags; default the keys of ``tool_runner.tools`` if present,
-            else the tags of ``TOOL_STOP_STRINGS``. Stop strings are ``</name>`` for each.
+            else the tags of ``TOOL_STOP_STRINGS``.
+        tool_format: how calls are parsed and results inserted (``aepo_engine.tools.formats``:
+            the paper's tags, the default, or the chat template's own format); its stop strings
+            end a segment.
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
-                 tokenizer: Any = None, tool_names: Sequence[str] | None = None) -> None:
+                 tokenizer: Any = None, tool_names: Sequence[str] | None = None, tool_format: Any = None) -> None:
         self.backend = backend
         self.tool_runner = tool_runner
         self.config = config
@@ -186,16 +189,20 @@ class EntropyBalancedRollout:
             tool_names = (list(runner_tools) if runner_tools else
                           [s.removeprefix("</").removesuffix(">") for s in TOOL_STOP_STRINGS])
         self.tool_names = tuple(tool_names)
-        self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
+        self.tool_format = tool_format if tool_format is not None else TagFormat(self.tokenizer, self.tool_names)
+        self.stop_strings = tuple(self.tool_format.stop_strings)
 
     # -- public -------------------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], step: int) -> RolloutResult:
+    def rollout(self, prompts: list[list[int]], step: int,
+                progress: Callable[[int, int, int], None] | None = None) -> RolloutResult:
         """Sample exactly ``config.k`` trajectories per prompt.
 
         Args:
             prompts: prompt token ids, one list per prompt.
             step: the training step (part of every seed; trajectories record it).
+            progress: called after every round with (prompts whose k trajectories have all
+                ended, prompts, tokens sampled so far): the evaluations' progress line.
 
         Returns:
             ``k * len(prompts)`` trajectories grouped by prompt index (ascending), each group
@@ -220,6 +227,9 @@ class EntropyBalancedRollout:
             self._round(states, batch, step, stats)
             for state in states:
                 self._advance(state, step, stats)
+            if progress is not None:
+                done = sum(len(s.members) == self.config.k and not s.generating() for s in states)
+                progress(done, len(states), stats.tokens_generated)
         for state in states:  # reserve samples no refill needed: the budget went to branches
             self._discard_reserve(state, stats)
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
@@ -366,7 +376,7 @@ class EntropyBalancedRollout:
                 stats.discarded_speculative += 1
                 stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
             state.presampled = {}
-        calls, callers = [], []
+        calls, callers, ended_turns = [], [], []
         for traj, output in zip(batch, outputs):
             if id(traj) in dropped:
                 continue
@@ -374,8 +384,9 @@ class EntropyBalancedRollout:
             if call is not None:
                 calls.append(call)
                 callers.append(traj)
+                ended_turns.append(output.finish_reason == "eos")
         if calls:
-            self._run_tools(calls, callers, stats)
+            self._run_tools(calls, callers, ended_turns, stats)
 
     def _request(self, traj: Trajectory, step: int) -> GenRequest:
         cfg = self.config
@@ -391,16 +402,17 @@ class EntropyBalancedRollout:
                   ) -> ToolCall | None:
         """Set the finish reason of a trajectory that ends here, or return its tool call."""
         cfg = self.config
-        if output.finish_reason == "eos":
+        # A format whose calls end the turn (Llama-3 JSON) reads a call from a segment ended by eos.
+        if output.finish_reason == "eos" and not self.tool_format.calls_end_turn:
             traj.finish_reason = "eos"
             return None
         if output.finish_reason == "length" or len(traj.response_ids) >= cfg.max_response_tokens:
             traj.finish_reason = "length"  # a call at the cap could not receive its result
             return None
         text = output.text or self.tokenizer.decode(output.token_ids)
-        call = find_tool_call(text, self.tool_names)
+        call = self.tool_format.parse_call(text)
         if call is None:
-            traj.finish_reason = "stop"
+            traj.finish_reason = "eos" if output.finish_reason == "eos" else "stop"
         elif isinstance(call, MalformedToolCall):
             traj.malformed_calls += 1
             stats.malformed_calls += 1
@@ -411,15 +423,17 @@ class EntropyBalancedRollout:
             return call
         return None
 
-    def _run_tools(self, calls: list[ToolCall], callers: list[Trajectory], stats: _Stats) -> None:
+    def _run_tools(self, calls: list[ToolCall], callers: list[Trajectory], ended_turns: list[bool],
+                   stats: _Stats) -> None:
         results = self.tool_runner.run(calls)
         if len(results) != len(calls):
             raise RuntimeError(f"tool runner returned {len(results)} results for "
                                f"{len(calls)} calls")
-        for call, traj, result in zip(calls, callers, results):
+        for call, traj, result, ended_turn in zip(calls, callers, results, ended_turns):
             traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
             remaining = self.config.max_response_tokens - len(traj.response_ids)
-            ids = self.tokenizer.encode(format_tool_result(result.text), add_special_tokens=False)
+            # plain text: tags and control tokens the tool printed cannot act as the engine's
+            ids = self.tool_format.result_ids(result.text, ended_turn)
             traj.append_tool_result(list(ids)[:remaining])
             traj.tool_calls += 1
             stats.tool_calls_executed += 1

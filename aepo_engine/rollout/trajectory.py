@@ -2,7 +2,7 @@
 
 A trajectory is the prompt ids plus a response made of alternating segments: model segments
 (sampled tokens, loss mask 1, their sampling log-probs and entropies) and tool-result segments
-(tokenized ``format_tool_result`` text, loss mask 0, log-prob 0, entropy 0). Model tokens are
+(``tools.encode_tool_result``: the tool's text as plain text, loss mask 0, log-prob 0, entropy 0). Model tokens are
 stored exactly as the backend sampled them; they are never decoded and re-encoded.
 
 Lineage: ``traj_id`` numbers the trajectories of one prompt in creation order; a branch records
@@ -180,6 +180,31 @@ class Trajectory:
             segments=list(prefix), segment_entropies=self.segment_entropies[:n_model],
             tool_calls=n_tool, tool_log=self.tool_log[:n_tool],
         )
+
+
+def decode_response(traj: Trajectory, tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The response text and where the engine put each tool result in it.
+
+    Decoded segment by segment, so that the spans are the engine's record of what the tools
+    wrote (rewards read results there, not where the text holds result tags: a tool that prints
+    ``</result>`` cannot end its block, ``tools.framing``).
+
+    Args:
+        traj: a trajectory.
+        tokenizer: its tokenizer (``decode``).
+
+    Returns:
+        ``(text, tool_spans)``: the concatenated decoded segments, and ``(start, end)`` character
+        offsets of each tool segment in it, in order.
+    """
+    parts, spans, pos = [], [], 0
+    for segment in traj.segments:
+        piece = tokenizer.decode(traj.response_ids[segment.start:segment.end])
+        if segment.kind == "tool":
+            spans.append((pos, pos + len(piece)))
+        parts.append(piece)
+        pos += len(piece)
+    return "".join(parts), spans
 
 
 # ---------------------------------------------------------------------------------------------

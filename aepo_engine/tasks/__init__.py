@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import msgspec
+
 from aepo_engine.tasks.config import SyntheticSetupConfig, TaskConfig
 
 if TYPE_CHECKING:
@@ -59,14 +61,16 @@ def prepare_task(task: TaskConfig, model: "ModelConfig", tools: "ToolsConfig", d
         log: progress messages (the trainer passes a rank-0 printer).
     Returns:
         The model directory, tools and examples of the run. With the synthetic task a non-empty
-        ``model.path`` replaces the model the set-up built.
+        ``model.path`` replaces the tiny model: the warm start (if on) starts from it. A GGUF ``model.path`` is the HF folder
+        it was converted into (:mod:`aepo_engine.models.gguf`; rank 0 converts it once).
     """
+    model = msgspec.structs.replace(model, path=_model_dir(model.path, log))
     if task.source == "synthetic":
         from aepo_engine.tasks.synthetic_setup import prepare_synthetic_task, synthetic_example
 
-        setup = SyntheticSetupConfig(task=task, tiny=model.tiny, tools=tools)
+        setup = SyntheticSetupConfig(task=task, tiny=model.tiny, tools=tools, model_path=model.path)
         run = prepare_synthetic_task(setup, run_dir, in_child=setup_in_child, log=log)
-        return PreparedTask(model_dir=str(model.path or run.model_dir), tools_config=run.tools_config,
+        return PreparedTask(model_dir=str(run.model_dir), tools_config=run.tools_config,
                             train_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.train)],
                             eval_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.heldout)])
     from aepo_engine.data import load_examples
@@ -75,3 +79,14 @@ def prepare_task(task: TaskConfig, model: "ModelConfig", tools: "ToolsConfig", d
     evals = load_examples(data.eval_files, data) if data.eval_files else []
     log(f"[data] {len(train)} train / {len(evals)} eval examples")
     return PreparedTask(model.path, tools, train, evals)
+
+
+def _model_dir(path: str, log: Callable[[str], None]) -> str:
+    """``model.path`` as a HF folder: a GGUF file is converted by rank 0, then read by all."""
+    from aepo_engine import distributed
+    from aepo_engine.models.gguf import resolve_model_dir
+
+    if distributed.is_main():
+        resolve_model_dir(path, log)
+    distributed.barrier()
+    return resolve_model_dir(path, log)

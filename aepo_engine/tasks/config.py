@@ -25,7 +25,8 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
         source: "files" (model.path and data.train_files / data.eval_files) or "synthetic" (the
             generated knowledge-base task of the embedded preset, with its own search corpus).
         synthetic: size and mix of the generated task (synthetic only).
-        warm_start: supervised warm start on generated demonstrations before RL (synthetic only).
+        warm_start: supervised warm start on generated demonstrations before RL (synthetic only):
+            of the tiny model, or with model.path set of that pretrained model (the cold start).
         warm_start_enabled: run the warm start (synthetic only).
     """
 
@@ -48,8 +49,12 @@ class SyntheticSetupConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
         tiny: the run's ``model.tiny`` section (the tiny Qwen3 the set-up builds).
         tools: the run's ``tools`` section (the demonstrations call the real tools; search is
             pointed at the generated corpus).
+        model_path: a pretrained HF folder (the run's ``model.path``, a GGUF file already
+            converted) that the warm start starts from (the paper's cold start); empty = build
+            the tiny model.
     """
 
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     tiny: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
     tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
+    model_path: str = ""

@@ -109,7 +109,7 @@ from typing import Callable, Literal, Sequence
 import msgspec
 
 from aepo_engine.seeding import section_seed
-from aepo_engine.tools.parsing import format_tool_result
+from aepo_engine.tools.framing import format_tool_result
 
 QuestionKind = Literal["lookup", "two_hop", "arithmetic", "namesake"]
 NamesakeListing = Literal["name_first", "value_first"]

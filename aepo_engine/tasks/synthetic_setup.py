@@ -162,7 +162,9 @@ def main(argv: list[str]) -> None:
 
 
 def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Callable[[str], None] = print) -> SyntheticRun:
-    """Build (or reuse) the task, corpus, tiny model and warm start of the embedded default.
+    """Build (or reuse) the task, corpus, tiny model and warm start of the embedded default; with
+    ``setup.model_path`` the warm start (the cold start of a pretrained model) starts from that
+    model and no tiny model is built.
 
     Args:
         setup: the sections the set-up is built from (task, model.tiny, tools).
@@ -185,7 +187,11 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
         os.replace(corpus_path.with_suffix(".tmp"), corpus_path)
     tools_config = synthetic_tools_config(setup.tools, corpus_path)
     warm_dir, random_dir = setup_dir / "warm_start", setup_dir / "random_init"
-    model_dir = warm_dir if setup.task.warm_start_enabled else random_dir
+    # The warm start's starting point: the pretrained model.path, or the tiny model built here.
+    base_dir = Path(setup.model_path) if setup.model_path else random_dir
+    model_dir = warm_dir if setup.task.warm_start_enabled else base_dir
+    if setup.model_path and not setup.task.warm_start_enabled:
+        return SyntheticRun(task, corpus_path, model_dir, tools_config)
     if (model_dir / "DONE").exists():
         log(f"[setup] reusing {model_dir}")
         return SyntheticRun(task, corpus_path, model_dir, tools_config)
@@ -198,38 +204,47 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
                                     wrong_pick_rate=synthetic.demo_wrong_pick_rate)
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
         f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
-    texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
-    tiny = setup.tiny
-    build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
-                     num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
-                     head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size,
-                     tie_word_embeddings=tiny.tie_word_embeddings,
-                     seed=section_seed(tiny.seed, "model.tiny.seed"))
-    (random_dir / "DONE").write_text("ok")
+    if not setup.model_path:
+        texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
+        tiny = setup.tiny
+        build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
+                         num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
+                         head_dim=tiny.head_dim, intermediate_size=tiny.intermediate_size,
+                         tie_word_embeddings=tiny.tie_word_embeddings,
+                         seed=section_seed(tiny.seed, "model.tiny.seed"))
+        (random_dir / "DONE").write_text("ok")
     if setup.task.warm_start_enabled:
-        warm_start(random_dir, warm_dir, task, demos, setup.task.warm_start, log)
+        warm_start(base_dir, warm_dir, task, demos, setup.task.warm_start, log, tools=tools_config)
         (warm_dir / "DONE").write_text("ok")
     return SyntheticRun(task, corpus_path, model_dir, tools_config)
 
 
 def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: list[str], sft_cfg: SFTConfig,
-               log: Callable[[str], None] = print) -> dict[str, float]:
+               log: Callable[[str], None] = print, tools: ToolsConfig | None = None) -> dict[str, float]:
     """Supervised warm start: load the model in ``src``, train it on ``demos`` (one per train
-    question, loss on model-written tokens only), save model and tokenizer to ``dst`` (may be
-    ``src``) with ``warm_start.json`` (steps, seconds, final loss), which is also returned."""
+    question, loss on model-written tokens only; in ``tools.format``, the demonstrations being
+    written in tags), save model and tokenizer to ``dst`` (may be ``src``) with ``warm_start.json``
+    (steps, seconds, final loss), which is also returned."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aepo_engine.tools.formats import build_tool_format
 
     src, dst = Path(src), Path(dst)
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    examples = build_examples(tokenizer, [q.messages() for q in task.train], demos, sft_cfg.max_length)
+    tools = tools or ToolsConfig()
+    tool_format = build_tool_format(tools.format, tokenizer, tools.enabled)
+    examples = build_examples(tokenizer, [q.messages() for q in task.train], demos, sft_cfg.max_length,
+                              tool_format=tool_format)
     t0 = time.perf_counter()
     losses: list[float] = []
 
     def on_step(row: dict[str, float]) -> None:
         losses.append(row["loss"])
-        if (row["step"] + 1) % 50 == 0:
-            log(f"[warm start] step {row['step'] + 1}/{sft_cfg.steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f}")
+        every = max(1, min(50, sft_cfg.steps // 10))
+        if (row["step"] + 1) % every == 0:
+            log(f"[warm start] step {row['step'] + 1}/{sft_cfg.steps} loss {sum(losses[-every:]) / every:.4f} "
+                f"({time.perf_counter() - t0:.0f}s)")
 
     train_sft(model, examples, sft_cfg, log=on_step, pad_id=tokenizer.pad_token_id or 0)
     model.save_pretrained(dst)

@@ -4,7 +4,7 @@ Public API (the rollout scheduler codes against exactly this)::
 
     from aepo_engine.tools import (ToolCall, MalformedToolCall, ToolResult, Tool, register_tool,
                                    build_tool, ToolRunner, find_tool_call, format_tool_result,
-                                   TOOL_STOP_STRINGS)
+                                   encode_tool_result, encode_plain_text, TOOL_STOP_STRINGS)
 
 Built-in tools: ``search`` (offline cache / local BM25 corpus / HTTP retrieval server) and
 ``python`` (sandboxed subprocess). Configure them with :class:`ToolsConfig` and
@@ -21,7 +21,9 @@ from aepo_engine.tools.base import (
     truncate_text,
 )
 from aepo_engine.tools.config import PythonConfig, SearchConfig, ToolsConfig, build_tools
-from aepo_engine.tools.parsing import TOOL_STOP_STRINGS, find_tool_call, format_tool_result
+from aepo_engine.tools.framing import (encode_plain_text, encode_tool_result, format_tool_result,
+                                      neutralise)
+from aepo_engine.tools.parsing import TOOL_STOP_STRINGS, find_tool_call
 from aepo_engine.tools.runner import ToolRunner
 
 # Importing the built-in tools registers them.
@@ -30,6 +32,6 @@ from aepo_engine.tools import search as _search  # noqa: E402,F401
 
 __all__ = [
     "MalformedToolCall", "PythonConfig", "SearchConfig", "TOOL_STOP_STRINGS", "Tool", "ToolCall",
-    "ToolResult", "ToolRunner", "ToolsConfig", "build_tool", "build_tools", "find_tool_call",
-    "format_tool_result", "register_tool", "registered_tools", "truncate_text",
+    "ToolResult", "ToolRunner", "ToolsConfig", "build_tool", "build_tools", "encode_plain_text",
+    "encode_tool_result", "find_tool_call", "format_tool_result", "neutralise", "register_tool", "registered_tools", "truncate_text",
 ]

@@ -80,13 +80,19 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         scratch_mb: size of the sandbox's one writable tmpfs, MiB: the work dir, /tmp and
             /dev/shm together (bwrap only; it is RAM, so 64 concurrent calls may hold up to
             64 x scratch_mb).
+        scratch_inodes: most files and directories the scratch may hold (``nr_inodes``; each
+            costs about 1 KiB of kernel memory that ``scratch_mb`` does not count). Applied
+            when the engine runs as root, which mounts the scratch itself; bwrap's own tmpfs,
+            used otherwise, takes a size only.
         cgroup_parent: a cgroup v2 directory delegated to the engine (writable, ``memory`` and
             ``pids`` available); each call then gets its own cgroup under it with
             ``memory.max = memory_mb`` (no swap) and ``pids.max = nproc`` for the whole
             sandbox. Empty: per-process rlimits only (worst case ``nproc`` x ``memory_mb``).
         run_as_uid: when the engine runs as root, sandboxes run as uids
             ``run_as_uid .. run_as_uid + uid_pool_size - 1`` (one per concurrent run; pick
-            uids no real user has). "engine" keeps the engine's uid (no file-permission containment).
+            uids no real user has). "engine" keeps the engine's uid (no file-permission
+            containment); with ``isolation="bwrap"`` the tool refuses it when the engine runs as
+            root, because the code would then run as uid 0.
         uid_pool_size: how many sandbox uids, i.e. the most concurrent sandboxes.
         site_packages: let code import installed packages (numpy, sympy...); False runs a bare
             ``python -I -S`` with the standard library only (under bwrap its site-packages
@@ -107,6 +113,7 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     isolation: Literal["bwrap", "none"] = "bwrap"
     bwrap_path: str = ""
     scratch_mb: int = 64
+    scratch_inodes: int = 8192
     cgroup_parent: str = ""
     run_as_uid: int | Literal["engine"] = 61_000
     uid_pool_size: int = 64
@@ -115,12 +122,15 @@ class PythonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_s", "file_size_mb", "open_files", "nproc",
-                     "max_output_bytes", "uid_pool_size", "scratch_mb"):
+                     "max_output_bytes", "uid_pool_size", "scratch_mb", "scratch_inodes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"python.{name} must be > 0, got {getattr(self, name)}")
         if self.memory_mb < 128:
             raise ValueError(f"python.memory_mb must be >= 128 because the interpreter itself "
                              f"needs that much address space, got {self.memory_mb}")
+        if self.scratch_inodes < 64:
+            raise ValueError("python.scratch_inodes must be >= 64 because the work dir, the code "
+                             f"and the way down to an interpreter under /tmp use some, got {self.scratch_inodes}")
         if self.open_files < 16:
             raise ValueError("python.open_files must be >= 16 because the interpreter opens "
                              f"files at start-up, got {self.open_files}")
@@ -145,6 +155,10 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             appended to the trajectory.
         search: the ``<search>`` tool.
         python: the ``<python>`` tool.
+        format: how the model calls tools and reads results: "tags" (the paper's
+            ``<search> q</search>`` then `` <result>...</result>`` in the same turn) or
+            "chat_template" (the template's tool list, its call syntax - ``<tool_call>{json}</tool_call>``
+            or Llama-3 JSON - and its tool turn; ``aepo_engine.tools.formats``).
     """
 
     enabled: list[str] = msgspec.field(default_factory=lambda: ["search", "python"])
@@ -152,6 +166,7 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result_max_chars: int = 3000
     search: SearchConfig = msgspec.field(default_factory=SearchConfig)
     python: PythonConfig = msgspec.field(default_factory=PythonConfig)
+    format: Literal["tags", "chat_template"] = "tags"
 
     def __post_init__(self) -> None:
         if len(set(self.enabled)) != len(self.enabled):

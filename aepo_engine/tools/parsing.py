@@ -1,4 +1,4 @@
-"""Finding the tool call at the end of a generated segment, and formatting its result.
+"""Finding the tool call at the end of a generated segment (its result's framing: :mod:`.framing`).
 
 The rollout generates until a stop string such as ``</search>`` (docs/algorithm.md §1b), so a segment that
 calls a tool ends with the closing tag. The parser looks only at the end of the segment: the
@@ -14,26 +14,15 @@ import re
 from typing import Iterable
 
 from aepo_engine.tools.base import MalformedToolCall, ToolCall
+from aepo_engine.tools.framing import DEFAULT_TOOLS, ENGINE_TAGS
 
-TOOL_STOP_STRINGS: tuple[str, ...] = ("</search>", "</python>")
+TOOL_STOP_STRINGS: tuple[str, ...] = tuple(f"</{name}>" for name in DEFAULT_TOOLS)
 """Stop strings for the default tools: generation pauses right after one of these."""
 
-NON_TOOL_TAGS: tuple[str, ...] = ("think", "answer", "result")
+NON_TOOL_TAGS: tuple[str, ...] = ENGINE_TAGS
 DEFAULT_MAX_PAYLOAD_CHARS = 20_000
 
 _TRAILING_CLOSE = re.compile(r"</([A-Za-z_][A-Za-z0-9_]*)>\s*\Z")
-
-
-def format_tool_result(text: str) -> str:
-    """Wrap a (truncated) tool result for appending to the trajectory (docs/algorithm.md §1b).
-
-    Args:
-        text: the result text.
-
-    Returns:
-        ``" <result>\\n" + text + "\\n</result>"``.
-    """
-    return " <result>\n" + text + "\n</result>"
 
 
 def find_tool_call(

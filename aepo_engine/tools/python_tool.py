@@ -55,6 +55,10 @@ class PythonTool(ConfiguredTool):
         if not code.strip():
             return error_result("empty python code")
         try:
+            code.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no file can hold it
+            return error_result(f"the code is not valid text: {exc.reason} at character {exc.start}")
+        try:
             outcome = run_python(code, self.config)
         except (OSError, RuntimeError) as exc:
             return error_result(f"could not start the sandbox: {exc}")

@@ -34,6 +34,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from aepo_engine.training.attention import hf_attn_implementation
+
 __all__ = ["SafetensorsCheckpoint", "build_meta_model", "check_supported_model", "load_hf_model",
            "load_sharded_weights"]
 
@@ -137,7 +139,7 @@ def _check_attention(attn_implementation: str) -> None:
     if attn_implementation == "flash_attention_2" and not (
             torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None):
         raise RuntimeError("attn_implementation='flash_attention_2' needs CUDA and the flash-attn "
-                           "package; use 'sdpa'")
+                           "package; use 'varlen' (torch's own varlen kernel) or 'sdpa'")
 
 
 def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
@@ -146,7 +148,8 @@ def load_hf_model(path: str, attn_implementation: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     _check_attention(attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=hf_attn_implementation(attn_implementation))
     check_supported_model(model)
     return model
 
@@ -187,7 +190,8 @@ def build_meta_model(path: str, attn_implementation: str) -> nn.Module:
     _check_attention(attn_implementation)
     config = AutoConfig.from_pretrained(path)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=hf_attn_implementation(attn_implementation))
     check_supported_model(model)
     return model.eval()
 

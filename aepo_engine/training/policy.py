@@ -2,7 +2,8 @@
 
 One worker per process. Without torchrun it runs single-process; under torchrun it initialises
 torch.distributed (gloo on CPU, nccl on CUDA), shards every decoder layer and then the root with
-FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy``. A sharded model is built on the meta device
+FSDP2 ``fully_shard`` and a ``MixedPrecisionPolicy`` (the root does not cast its forward's
+inputs: the loss inputs it receives stay fp32). A sharded model is built on the meta device
 and each rank reads only its shards from the checkpoint (:mod:`aepo_engine.training.loading`):
 no rank ever holds the whole fp32 model. The lm_head's three matmuls run in ``param_dtype``
 (``_in_compute_dtype``; the kernels accumulate in fp32).
@@ -64,7 +65,6 @@ from aepo_engine.training.loading import build_meta_model, load_hf_model, load_s
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
 from aepo_kernels import (
-    DEFAULT_CHUNK_BYTES,
     LossConfig,
     aepo_policy_loss,
     apply_token_weights,
@@ -108,7 +108,9 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         use_fused_linear: Compute the loss from hidden states and the lm_head weight in blocks
             (aepo_kernels.fused_linear_aepo_policy_loss) instead of materialising [B, L, V] logits.
         fused_chunk_bytes: Memory budget of the fused-linear kernels' logits block (its row
-            count is derived from it and the vocabulary size).
+            count is derived from it and the vocabulary size); none = 192 MiB on CPU and, on
+            CUDA, an eighth of the free memory within 192 MiB-2 GiB (each block re-reads and
+            re-writes the fp32 [V, D] weight-gradient accumulator: few large blocks on a GPU).
         entropy_stats_scope: "global": entropy mean/std of the entropy-aware advantage are
             all-reduced over all micro-batches and ranks of the mini-batch, so the loss does not
             depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
@@ -125,12 +127,15 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         reduce_dtype: dtype of the FSDP2 gradient reduce-scatter.
         activation_checkpointing: Recompute each decoder layer in backward (HF gradient
             checkpointing, non-reentrant) to save activation memory.
-        attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager", or
-            "flash_attention_2" (only where flash-attn imports on CUDA).
+        attn_implementation: HF attention kernel: "sdpa" (default, any device), "eager",
+            "varlen" (packed rows through torch's own FlashAttention varlen kernel on CUDA in
+            bf16, the same attention row by row with SDPA elsewhere: ``training.attention``; no
+            flash-attn package needed), or "flash_attention_2" (only where flash-attn imports on CUDA).
         pack_sequences: Concatenate a micro-batch's rows without padding into one sequence with
-            per-row position ids (HF's padding-free format): flash_attention_2 then runs its varlen
-            kernel, sdpa/eager a block-diagonal causal mask. "auto" packs with flash_attention_2
-            only (the sdpa/eager mask is [T, T] for T tokens per micro-batch); "on" / "off" force it.
+            per-row position ids (HF's padding-free format): varlen and flash_attention_2 then run
+            their varlen kernels, sdpa/eager a block-diagonal causal mask. "auto" packs with
+            varlen and flash_attention_2 only (the sdpa/eager mask is [T, T] for T tokens per
+            micro-batch); "on" / "off" force it ("varlen" needs it).
         counterfactual_stats: Every update also reports ``cf/*``: per-token gradients under PPO's
             and AEPO's clip and with the entropy-aware advantage on and off, from the log-probs and
             entropies the loss already computed (``training.counterfactual``; no model pass). Needs
@@ -144,14 +149,14 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mini_batch_unit: Literal["prompts", "rows"] = "prompts"
     ppo_epochs: int = 1
     use_fused_linear: bool = True
-    fused_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fused_chunk_bytes: int | None = None
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
     sharded_load: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "varlen", "flash_attention_2"] = "sdpa"
     pack_sequences: Literal["auto", "on", "off"] = "auto"
     counterfactual_stats: bool = True
 
@@ -159,7 +164,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def packs(self) -> bool:
         """Whether micro-batches are packed (``pack_sequences`` resolved)."""
         if self.pack_sequences == "auto":
-            return self.attn_implementation == "flash_attention_2"
+            return self.attn_implementation in ("varlen", "flash_attention_2")
         return self.pack_sequences == "on"
 
     def __post_init__(self) -> None:
@@ -168,7 +173,11 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"micro_batch_max_tokens must be >= 1 (or none), got {self.micro_batch_max_tokens}")
         require(self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         require(self.ppo_epochs >= 1, f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        require(self.fused_chunk_bytes >= 1, f"fused_chunk_bytes must be >= 1, got {self.fused_chunk_bytes}")
+        require(not (self.attn_implementation == "varlen" and self.pack_sequences == "off"),
+                "attn_implementation='varlen' with pack_sequences='off': the varlen kernel reads the rows of a "
+                "packed micro-batch from its position ids and takes no padding mask; use 'auto' or 'on'")
+        require(self.fused_chunk_bytes is None or self.fused_chunk_bytes >= 1,
+                f"fused_chunk_bytes must be >= 1 (or none), got {self.fused_chunk_bytes}")
         require(self.loss.aggregation == "token-mean",
                 f"loss.aggregation={self.loss.aggregation!r}: the worker normalises by the global token "
                 "count, which only token-mean supports; sequence-level modes are left out")
@@ -213,7 +222,7 @@ class PolicyModel(nn.Module):
     kernels (which read ``weight`` directly instead of calling the head).
     """
 
-    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int,
+    def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int | None,
                  loss_config: LossConfig | None = None, pack: bool = False):
         super().__init__()
         self.hf = hf_model
@@ -249,9 +258,11 @@ class PolicyModel(nn.Module):
         hidden = _in_compute_dtype(hidden)
         if self.fused:
             logprobs, entropy = fused_linear_logprob_entropy(
-                hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes)
+                hidden, head.weight, labels, self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes,
+                shift_labels=False)  # labels[t]: the target of hidden row t
         else:
-            logprobs, entropy = logprob_entropy(head(hidden), labels, self.temperature)  # logits: [B, L, V]
+            logits = head(hidden)  # [B, L, V]
+            logprobs, entropy = logprob_entropy(logits, labels, self.temperature, shift_labels=False)
         # The kernels return reshaped views; FSDP2 hooks a root's outputs for backward and an in-place
         # op on a view would bypass that hook, so hand out fresh [B, L] tensors (cheap: no V).
         return logprobs.clone(), entropy.clone()
@@ -267,9 +278,10 @@ class PolicyModel(nn.Module):
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
-                                                 chunk_bytes=self.chunk_bytes, **kwargs)
+                                                 chunk_bytes=self.chunk_bytes, shift_labels=False, **kwargs)
         # The head's output is used by nothing else: its buffer can take the gradient.
-        return aepo_policy_loss(head(hidden), *args, inplace_backward=True, **kwargs)  # logits: [B, L, V]
+        logits = head(hidden)  # [B, L, V]
+        return aepo_policy_loss(logits, *args, inplace_backward=True, shift_labels=False, **kwargs)
 
 
 def _in_compute_dtype(hidden: Tensor) -> Tensor:
@@ -341,7 +353,12 @@ class PolicyWorker:
                                   reduce_dtype=DTYPES[self.config.reduce_dtype])
         for layer in self.policy.decoder.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+        # The root's forward takes the LossInputs: FSDP2 would cast every floating tensor of them
+        # (a dataclass is walked) to param_dtype -- old log-probs, advantages, the global token
+        # count and the entropy statistics rounded to bf16 (-7.3456 -> -7.34375, 425 -> 424).
+        # They stay fp32; the root's own parameters are still gathered in param_dtype and each
+        # decoder layer still casts its input.
+        fully_shard(self.policy, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
 
     def _autocast(self):
         dtype = DTYPES[self.config.param_dtype]
@@ -560,14 +577,21 @@ class PolicyWorker:
 
     # --- weights --------------------------------------------------------------------------------
 
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Tensor]]:
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
         """Full weights with HF names, one size-bounded bucket at a time (collective: every rank
         must exhaust the iterator, in step, since each sharded parameter is all-gathered).
 
         A bucket holds parameters until their bytes reach ``bucket_bytes`` (one larger parameter
-        goes alone); it is gathered when asked for and dropped by the caller before the next, so
-        the extra memory is one bucket, not the model. Tied parameters are gathered once and
-        listed under each name. Tensors stay on the parameters' device and dtype.
+        closes it: a bucket holds at most ``bucket_bytes`` plus one parameter); it is gathered when
+        asked for and dropped by the caller before the next, so the extra memory is one bucket, not
+        the model. Tied parameters are gathered once and listed under each name. Tensors stay on
+        the parameters' device.
+
+        Args:
+            bucket_bytes: the size that closes a bucket.
+            dtype: the rollout engine's dtype: each rank casts its shard first and the gather runs
+                in it (bf16: half the bytes of gathering fp32 and casting after). None: the
+                parameters' own dtype.
         """
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -579,7 +603,7 @@ class PolicyWorker:
         bucket: dict[str, Tensor] = {}
         size = 0
         for key, value in params.items():
-            full = value.detach()
+            full = value.detach() if dtype is None else value.detach().to(dtype)  # a shard is cast locally
             if hasattr(full, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather it
                 full = full.full_tensor()
             for name in names[key]:

@@ -14,7 +14,8 @@
  * output's pages are faulted in before the sweeps (prefault_output).
  * The maths is that of aepo_kernels.one_pass.token_head / the Triton _aepo_one_pass_kernel;
  * the tests compare all of them with aepo_kernels.reference. -inf logits (a masked vocabulary)
- * get probability 0 and gradient 0; a row of only -inf logits has no softmax (NaN).
+ * get probability 0 and gradient 0; a row of only -inf logits has no softmax (NaN). A row whose
+ * label is ignore_index or outside [0, vocab) has no target: log-prob 0, L_t = 0, no gradient.
  */
 #define _GNU_SOURCE /* madvise */
 #include <math.h>
@@ -166,11 +167,11 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
         const float loss = token_head(logp, entropy, old[i], adv[i], ref[i], mean, std, &h, &d_logp, &ratio, &shaped, &kl);
         rows_out[i] = logp;
         rows_out[n_rows + i] = entropy;
-        rows_out[2 * n_rows + i] = loss;
+        rows_out[2 * n_rows + i] = valid ? loss : 0.0f; /* no target: no loss, no gradient */
         rows_out[3 * n_rows + i] = ratio;
         rows_out[4 * n_rows + i] = shaped;
         rows_out[5 * n_rows + i] = kl;
-        const float w = weight[i];
+        const float w = valid ? weight[i] : 0.0f;
         const float g_lp = valid ? d_logp * w : 0.0f, g_h = -h.entropy_coef * w;
         const float a = inv_t / s, c = g_h * eu - g_lp, u_floor = m - 88.0f;
         /* out_j = (e_j / s) (g_H (Eu - u_j) - g_lp) inv_t; in place, z_j is read before o_j is written.

@@ -70,7 +70,6 @@ import torch
 from trl import GRPOTrainer
 
 from ..config import LossConfig
-from ..fused_linear import DEFAULT_CHUNK_BYTES
 from ..api import fused_linear_aepo_policy_loss
 from ..policy_loss import aggregate, entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
 
@@ -139,11 +138,12 @@ class AEPOGRPOTrainer(GRPOTrainer):
             ``dapo`` loss use ``LossConfig(clip="ppo", dual_clip=0, entropy_adv_alpha=0)``.
         route: ``"fused_linear"`` or ``"trl_logprobs"`` (default :data:`DEFAULT_ROUTE`; the
             trainer falls back to ``"trl_logprobs"`` where the fused-linear route cannot serve).
-        chunk_bytes: memory budget of the fused-linear route's logits block.
+        chunk_bytes: memory budget of the fused-linear route's logits block (None: by device,
+            ``aepo_kernels.fused_linear.chunk_bytes_for``).
     """
 
     def __init__(self, *args, loss_config: LossConfig | None = None, route: str = DEFAULT_ROUTE,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kwargs):
+                 chunk_bytes: int | None = None, **kwargs):
         self._captured_entropies = None  # a list while _generate_and_score_completions runs
         super().__init__(*args, **kwargs)
         self.loss_config = _check_args(self.args, loss_config or LossConfig(), route)
@@ -297,7 +297,7 @@ class AEPOGRPOTrainer(GRPOTrainer):
         return fused_linear_aepo_policy_loss(
             hidden, head.weight, inputs["completion_ids"], inputs["old_per_token_logps"], inputs["advantages"], mask,
             temperature=self.temperature, bias=head.bias, chunk_bytes=self.chunk_bytes, token_weights=weights,
-            **kwargs)
+            shift_labels=False, **kwargs)
 
     def _trl_extra_terms(self, entropies, mask, aux_loss) -> torch.Tensor | float:
         """TRL's entropy bonus (static or adaptive) and MoE auxiliary loss, as GRPOTrainer adds them."""

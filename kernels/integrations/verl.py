@@ -65,6 +65,9 @@ _AGGREGATIONS = {
     "seq-mean-token-sum": ("seq-mean-token-sum-norm", 1),
     "seq-mean-token-sum-norm": ("seq-mean-token-sum-norm", None),
 }
+# What the loss's refusals call verl's tensors (a bad input is named in the loss's words first).
+_VERL_NAMES = ("policy_loss_from_logprobs's logprobs, old_logprobs, advantages, loss_mask, token_weights are verl's "
+               "log_prob, old_log_prob, advantages, response_mask, rollout_is_weights")
 # The padded per-token entropy of the micro-batch, set by the ppo_loss wrapper around the call.
 _ENTROPY: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("aepo_entropy", default=None)
 
@@ -145,9 +148,12 @@ def compute_policy_loss_aepo(old_log_prob, log_prob, advantages, response_mask, 
                              "AEPOPolicyLossConfig)")
         entropy = torch.zeros_like(log_prob)
     mask = response_mask.float()
-    loss, stats = policy_loss_from_logprobs(
-        log_prob, entropy, old_log_prob, advantages, mask, config=loss_config, token_weights=rollout_is_weights,
-        **verl_normalisers(loss_agg_mode, mask, **config.global_batch_info))
+    try:
+        loss, stats = policy_loss_from_logprobs(
+            log_prob, entropy, old_log_prob, advantages, mask, config=loss_config, token_weights=rollout_is_weights,
+            **verl_normalisers(loss_agg_mode, mask, **config.global_batch_info))
+    except (TypeError, ValueError) as err:  # the input contract (aepo_kernels.contract), in verl's names
+        raise type(err)(f"{err} [{_VERL_NAMES}]") from err
     ppo_kl = ((old_log_prob - log_prob).detach() * mask).sum() / mask.sum().clamp(min=1)
     values = torch.stack([stats["clipfrac_high"] + stats["clipfrac_low"], ppo_kl,
                           stats.get("clipfrac_dual", torch.zeros_like(ppo_kl)), stats["entropy"]]).tolist()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the batch helper
 
@@ -29,6 +30,19 @@ from aepo_engine.training.optim import OptimConfig  # noqa: E402
 from aepo_engine.training import PolicyConfig, PolicyWorker  # noqa: E402
 
 OPTIM = OptimConfig(lr=0.05, eps=1.0, weight_decay=0.0, grad_clip=0.0)  # SGD-like first steps
+
+
+class GatherRecorder(TorchDispatchMode):
+    """Records the dtypes of the all-gathers (FSDP2's ``full_tensor``) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_gather" in str(func):
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "auto",
@@ -54,6 +68,12 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     assert all(torch.equal(streamed[k].cpu(), v) for k, v in everywhere.items())
     largest = max(t.numel() * t.element_size() for t in everywhere.values())
     assert all(size < 2048 + largest for size in sizes)  # a bucket closes once it reaches the bound
+    # in a bf16 engine's dtype: every shard is cast before its all-gather (half the bytes)
+    with GatherRecorder() as gathers:
+        streamed_bf16 = {k: v for bucket in worker.iter_weight_buckets(2048, dtype=torch.bfloat16)
+                         for k, v in bucket.items()}
+    assert all(torch.equal(streamed_bf16[k].cpu(), v.to(torch.bfloat16)) for k, v in everywhere.items())
+    assert gathers.dtypes == ({torch.bfloat16} if worker.use_fsdp else set())
     CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
         torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,

@@ -42,7 +42,8 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         logprobs_topk: top-k logprobs vLLM returns per token for the entropy estimate.
         tensor_parallel_size: GPUs one vLLM engine spans; must divide the ranks of a node. 1: one
             engine per rank; the ranks per node: one engine per node (see ``engine_layout``).
-        dtype: vLLM's model dtype ("auto": the checkpoint's).
+        dtype: the engine's model dtype: vLLM's ("auto": the checkpoint's); the HF backend's
+            ("auto": float32 on CPU, bfloat16 on GPU; its sampling maths is float32 either way).
         enforce_eager: vLLM without CUDA graphs / torch.compile; none = eager on CPU only (where
             compilation costs start-up time and buys nothing for tiny models).
         max_num_seqs: most sequences one vLLM engine schedules at once; none = vLLM's default.
@@ -173,12 +174,14 @@ def engine_group(layout: EngineLayout, world: int) -> Any:
         return None
     import torch.distributed as dist
 
+    from aepo_engine.distributed import collective_timeout
     from aepo_engine.rollout.backends.vllm import EngineGroup
 
     mine = None
     for first in range(0, world, size):
         ranks = list(range(first, first + size))
-        process_group = dist.new_group(ranks, backend="gloo")
+        # followers wait here while their leader runs tool calls: the run's collective timeout
+        process_group = dist.new_group(ranks, backend="gloo", timeout=collective_timeout())
         if layout.group[0] == first:
             mine = EngineGroup(ranks, process_group)
     return mine
@@ -230,6 +233,8 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
     if device == "auto":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     extra = {}
+    if cfg.dtype != "auto":
+        extra["dtype"] = getattr(torch, cfg.dtype)
     if not cfg.enable_prefix_caching:
         extra["prefix_cache_gib"] = 0.0
     elif cfg.kv_cache_gib is not None:

@@ -249,6 +249,11 @@ class HFBackend:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the model's weights (a weight push is gathered in it)."""
+        return next(self.model.parameters()).dtype
+
     # -----------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
         """Sample every request, ``max_batch_size`` at a time; outputs in request order."""

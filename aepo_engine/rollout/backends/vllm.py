@@ -183,6 +183,11 @@ class VLLMBackend:
         return self._eos
 
     @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (a weight push is gathered in it)."""
+        return self.llm.llm_engine.model_config.dtype
+
+    @property
     def prefix_caching_enabled(self) -> bool:
         return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 

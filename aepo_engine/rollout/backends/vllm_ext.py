@@ -12,9 +12,15 @@ is re-processed -- e.g. vLLM-CPU's repacking -- once all its weights have arrive
 seams so that the tensors can come in buckets instead of from one iterator over a whole model.
 Across processes tensors travel as raw bytes with dtype and shape (plain msgpack types, which
 every engine-core transport carries; bfloat16 included).
+
+Each RPC runs inside ``with torch.device(<the worker's device>)`` as well as vLLM's config, as
+vLLM's own update RPCs do: the layer-wise reload materialises each layer on a device it recorded,
+and where a vLLM version records the ambient default device (CPU outside such a block) every
+layer would round-trip GPU -> CPU -> GPU on every push.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -40,38 +46,41 @@ def decode_bucket(items: list) -> Iterator[tuple[str, Any]]:
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class; ``self.model_runner`` holds the vLLM model."""
 
+    @contextlib.contextmanager
+    def _aepo_context(self) -> Iterator[None]:
+        """vLLM's config and the worker's device, current for one RPC (module docstring)."""
+        from vllm.config import set_current_vllm_config
+
+        device = getattr(self, "device", None) or self.model_runner.device
+        with set_current_vllm_config(self.vllm_config), torch.device(device):
+            yield
+
     def aepo_begin_weight_update(self) -> None:
         """Put every layer into deferred (layer-wise) loading."""
-        from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        with set_current_vllm_config(self.vllm_config):
+        with self._aepo_context():
             initialize_layerwise_reload(self.model_runner.get_model())
 
     def aepo_load_weight_bucket(self, items: list) -> int:
         """Load one bucket sent as bytes (see :func:`encode_bucket`); returns the number of tensors."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
+        with self._aepo_context():
             self.model_runner.get_model().load_weights(decode_bucket(items))
         return len(items)
 
     def aepo_load_weight_tensors(self, tensors: dict) -> int:
         """Load one bucket of ``{hf_name: tensor}`` handed over by reference (an engine in the
         caller's process: the tensors may live on the device; nothing is copied to the host)."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
+        with self._aepo_context():
             self.model_runner.get_model().load_weights(iter(tensors.items()))
         return len(tensors)
 
     def aepo_finish_weight_update(self) -> None:
         """Process the layers still waiting and drop state derived from the old weights."""
-        from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         runner = self.model_runner
-        with set_current_vllm_config(self.vllm_config):
+        with self._aepo_context():
             finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):

@@ -5,9 +5,11 @@ and never less than configured: a host that cannot give it raises
 :class:`IsolationUnavailable` (trusted code may opt out with ``isolation="none"``). One file per
 mechanism, each saying what it guarantees:
 - :mod:`.host`: which bwrap binary, and why a host refuses its namespaces;
-- :mod:`.bwrap`: the bwrap command line: namespaces, capabilities, the read-only filesystem
-  with its scratch tmpfs;
-- :mod:`.seccomp`: the syscall filter (no new namespaces, mounts, ptrace, keyring, bpf...);
+- :mod:`.bwrap`: the bwrap command line: namespaces, capabilities, the read-only filesystem;
+- :mod:`.layout`: what of the host the interpreter needs (its trees, the libraries it maps);
+- :mod:`.scratch`: the one writable tmpfs, with its size and (as root) file caps;
+- :mod:`.seccomp`: the syscall filter (no new namespaces, mounts, ptrace, keyring, bpf, SysV
+  shared memory, memory files, inotify, flock, io_uring, sockets but unix/inet...);
 - :mod:`.child`: the bootstrap run before the code: interpreter flags, scrubbed environment,
   rlimits, the switch to the sandbox uid;
 - :mod:`.uids`: one sandbox uid per run as root, and killing/removing what it left;
@@ -21,25 +23,26 @@ Kernel exploits are out of scope. The user's view: docs/sandbox.md.
 from __future__ import annotations
 
 from aepo_engine.tools.config import PythonConfig
-from aepo_engine.tools.sandbox.bwrap import (SANDBOX_DEVICES, SANDBOX_WORKDIR, InterpreterLayout,
-                                             bwrap_command, filesystem_args, interpreter_layout)
+from aepo_engine.tools.sandbox.bwrap import (MASKED_FILES, SANDBOX_DEVICES, SANDBOX_HOSTNAME,
+                                             SANDBOX_WORKDIR, bwrap_command, filesystem_args)
 from aepo_engine.tools.sandbox.cgroups import CgroupScope, cgroup_problem, check_cgroup
 from aepo_engine.tools.sandbox.child import SAFE_PATH, sandbox_interpreter, world_executable
 from aepo_engine.tools.sandbox.host import IsolationUnavailable
 from aepo_engine.tools.sandbox.isolation import (bwrap_problem, check_isolation, describe_limits,
-                                                 isolation_problem)
+                                                 isolation_problem, worst_case_mib)
+from aepo_engine.tools.sandbox.layout import InterpreterLayout, interpreter_layout, link_chain
 from aepo_engine.tools.sandbox.process import SandboxOutcome
 from aepo_engine.tools.sandbox.run import run_under
 from aepo_engine.tools.sandbox.seccomp import seccomp_filter, seccomp_problem
 from aepo_engine.tools.sandbox.uids import (WORLD_WRITABLE_DIRS, UidLease, kill_uid_processes,
                                             remove_uid_files)
 
-__all__ = ["SAFE_PATH", "SANDBOX_DEVICES", "SANDBOX_WORKDIR", "WORLD_WRITABLE_DIRS", "CgroupScope",
+__all__ = ["MASKED_FILES", "SAFE_PATH", "SANDBOX_DEVICES", "SANDBOX_HOSTNAME", "SANDBOX_WORKDIR", "WORLD_WRITABLE_DIRS", "CgroupScope",
            "InterpreterLayout", "IsolationUnavailable", "SandboxOutcome", "UidLease", "bwrap_command",
            "bwrap_problem", "cgroup_problem", "check_cgroup", "check_isolation", "describe_limits",
-           "filesystem_args", "interpreter_layout", "isolation_problem", "kill_uid_processes",
+           "filesystem_args", "interpreter_layout", "isolation_problem", "kill_uid_processes", "link_chain",
            "remove_uid_files", "run_python", "sandbox_interpreter", "seccomp_filter",
-           "seccomp_problem", "world_executable"]
+           "seccomp_problem", "world_executable", "worst_case_mib"]
 
 
 def run_python(code: str, config: PythonConfig) -> SandboxOutcome:

@@ -1,21 +1,26 @@
 """The bwrap command line of one run: namespaces, capabilities and the sandbox's filesystem.
 
 Each run is one ``bwrap`` (bubblewrap) invocation (which binary: :mod:`.host`):
-- a filesystem namespace with a minimal read-only root: ``/usr`` (and the ``/bin``, ``/lib``...
-  links to it), ``/etc/ld.so.cache``, one private tmpfs of ``scratch_mb`` MiB at ``/tmp``
+- a filesystem namespace with a minimal read-only root holding what the interpreter needs
+  (:mod:`.layout`: its install trees, the directories of the shared libraries it maps, the links
+  on the way to them, its site directories hidden behind empty read-only mounts unless
+  ``site_packages``; ``/etc/ld.so.cache``; not the rest of ``/usr``), and one private scratch
+  tmpfs at ``/tmp`` (:mod:`.scratch`: ``scratch_mb`` MiB and, as root, ``scratch_inodes`` files)
   holding the working directory ``/tmp/work`` (the code is ``main.py`` there; ``/dev/shm`` is a
-  link into it, so the work dir, ``/tmp`` and ``/dev/shm`` share one cap), then the
-  interpreter's own install trees (prefix, base prefix, the real executable's directory) bound
-  read-only at their host paths, *after* the tmpfs, so an interpreter under ``/tmp`` (a venv in
-  a temporary directory) is bound over the scratch instead of hidden by it; every site directory
-  of the interpreter and of its base installation hidden behind an empty read-only mount unless
-  ``site_packages``; ``/dev/null|zero|urandom`` (plus ``/dev/fd``, ``/dev/std*`` links) and a
-  fresh ``/proc`` of its own PID namespace (bwrap covers ``/proc/sys`` & co read-only).
+  link into it, so the work dir, ``/tmp`` and ``/dev/shm`` share one cap). The interpreter's trees
+  are bound *after* the scratch, so an interpreter under ``/tmp`` (a venv in a temporary
+  directory) is bound over the scratch instead of hidden by it.
+  ``/dev/null|zero|urandom`` (plus ``/dev/fd``, ``/dev/std*`` links) are the host's nodes: the
+  code never runs as uid 0 (:mod:`.isolation` refuses it), so it cannot chmod them. A fresh
+  ``/proc`` of its own PID namespace, with ``/proc/sys`` bound read-only over it (bwrap leaves it
+  writable: it only covers what it can write to itself, and ``/proc/sys`` is a 0555 directory),
+  ``/proc/cmdline`` and the boot id replaced by empty files, the host name ``sandbox``.
   Nothing else exists: not the engine's code or data, the checkout, ``/home``, ``/root``,
   ``/etc``, credentials (an interpreter that lives inside such a tree, e.g. a venv in the
   checkout, brings only its own directory, and the directories above it hold only the way
-  down). Writes anywhere but the tmpfs fail (read-only or missing); the tmpfs vanishes with
-  the namespace.
+  down). Writes anywhere but the scratch fail (read-only or missing); the scratch vanishes with
+  the run. ``/proc/self/mountinfo`` still lists the bound paths (the ones the sandbox sees) and
+  the host's device names: a process may always read its own mount table.
 - new network (only a loopback of its own: no route to the host or anywhere), PID, IPC, UTS
   and (where possible) cgroup namespaces (:data:`.host.NAMESPACE_ARGS`); bwrap's PID 1 reaps,
   and when the run ends the kernel kills every process left in the namespace, including ones
@@ -30,114 +35,69 @@ engine's uid mapped into it.
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from aepo_engine.tools.config import PythonConfig
-from aepo_engine.tools.sandbox.child import SAFE_PATH, python_argv
+from aepo_engine.tools.sandbox.child import python_argv
 from aepo_engine.tools.sandbox.host import NAMESPACE_ARGS, find_bwrap
+from aepo_engine.tools.sandbox.layout import InterpreterLayout, interpreter_layout
 
 SANDBOX_WORKDIR = "/tmp/work"  # inside the bwrap sandbox, on the scratch tmpfs
 SANDBOX_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
-# Top-level host paths that are links into /usr on merged-/usr systems (bound as they are).
+SANDBOX_HOSTNAME = "sandbox"
+# Host facts replaced by empty files (each gets its own descriptor: bwrap reads it to the end).
+MASKED_FILES = ("/proc/cmdline", "/proc/sys/kernel/random/boot_id")
+# Top-level host paths that are links into /usr on merged-/usr systems (recreated as links; the
+# loader's cache names libraries through them).
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
-# The site directories of the interpreter *and* of its base installation: a venv's python finds
-# its base's site-packages too (with --system-site-packages, or by a sys.path edit in the code),
-# so hiding only the venv's would leave the base's packages one import away.
-_LAYOUT_PROBE = r"""
-import json, os, site, sys, sysconfig
-base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
-        "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
-site_dirs = {*site.getsitepackages(), *site.getsitepackages([sys.base_prefix, sys.base_exec_prefix])}
-for paths in (sysconfig.get_paths(), sysconfig.get_paths(vars=base)):
-    site_dirs |= {paths["purelib"], paths["platlib"]}
-print(json.dumps({
-    "executable": sys.executable,
-    "roots": sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                     os.path.dirname(os.path.realpath(sys.executable))}),
-    "site_dirs": sorted(site_dirs),
-}))
-"""
-
-
-@dataclass(frozen=True)
-class InterpreterLayout:
-    """Where an interpreter lives: what to bind so it runs, and its site-packages to hide.
-
-    Args:
-        executable: the interpreter path (as given; symlinks resolve inside the binds).
-        roots: install trees (prefixes, the real executable's directory) to bind read-only.
-        site_dirs: the site directories of the interpreter and of its base installation.
-    """
-
-    executable: str
-    roots: tuple[str, ...]
-    site_dirs: tuple[str, ...]
-
-
-@functools.lru_cache(maxsize=None)
-def interpreter_layout(python: str) -> InterpreterLayout:
-    """Ask ``python`` where it lives (one subprocess per interpreter and engine process).
-
-    Raises:
-        RuntimeError: when ``python`` does not run.
-    """
-    try:
-        proc = subprocess.run([python, "-I", "-c", _LAYOUT_PROBE], capture_output=True,
-                              text=True, timeout=60, env={"PATH": SAFE_PATH})
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"the sandbox interpreter {python!r} does not run: {exc}") from exc
-    if proc.returncode != 0:
-        raise RuntimeError(f"the sandbox interpreter {python!r} failed: {proc.stderr[-300:]}")
-    info = json.loads(proc.stdout)
-    return InterpreterLayout(python, tuple(info["roots"]), tuple(info["site_dirs"]))
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str]:
+def filesystem_args(layout: InterpreterLayout, config: PythonConfig, scratch: str | None = None,
+                    mask_fds: tuple[int, ...] = ()) -> list[str]:
     """bwrap arguments for the sandbox's filesystem (see the module docstring), in mount order.
 
-    The scratch tmpfs is mounted at /tmp *before* the interpreter's trees are bound, so that an
+    Args:
+        layout: what the interpreter needs.
+        config: ``scratch_mb`` (when bwrap makes the scratch) and ``site_packages``.
+        scratch: a host tmpfs to bind at /tmp (:class:`.scratch.Scratch`); None: bwrap mounts one
+            with the size cap only.
+        mask_fds: one empty readable descriptor per :data:`MASKED_FILES` entry.
+
+    The scratch is mounted at /tmp *before* the interpreter's trees are bound, so that an
     interpreter living under /tmp (a venv made in a temporary directory) is bound on top of it
     instead of being hidden by it; the way down to it is then a few read-only directories in
     the scratch.
     """
-    args = ["--ro-bind", "/usr", "/usr"]
+    args: list[str] = []
     for link in _ROOT_LINKS:
         if os.path.islink(link):
             args += ["--symlink", os.readlink(link), link]
-        elif os.path.isdir(link):
-            args += ["--ro-bind", link, link]
     args += ["--perms", "0755", "--dir", "/etc",
              "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     # One tmpfs, one cap: the work dir, /tmp and /dev/shm all draw on it.
-    args += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", "/tmp"]
-    bound, created = ["/usr"], {"/tmp"}
-    for root in sorted(layout.roots, key=len):
-        if os.path.isdir(root) and not any(_under(root, b) for b in bound):
-            # bwrap would copy the host's modes onto the directories above (0700 /root): make
-            # them traversable, with nothing in them but the way down.
-            for parent in reversed(Path(root).parents[:-1]):
-                if str(parent) not in created:
-                    args += ["--perms", "0755", "--dir", str(parent)]
-                    created.add(str(parent))
-            args += ["--ro-bind", root, root]
-            bound.append(root)
-    if not config.site_packages:
-        for site_dir in layout.site_dirs:
-            if os.path.isdir(site_dir) and any(_under(site_dir, b) for b in bound):
-                args += ["--size", "4096", "--tmpfs", site_dir, "--remount-ro", site_dir]
-    args += ["--proc", "/proc", "--dir", "/dev"]
+    if scratch:
+        args += ["--bind", scratch, "/tmp"]
+    else:
+        args += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", "/tmp"]
+    created = {"/", "/tmp", "/etc", *_ROOT_LINKS}
+    for path in layout.binds:
+        # bwrap would copy the host's modes onto the directories above (0700 /root): make them
+        # traversable, with nothing in them but the way down.
+        args += _parents(path, created) + ["--ro-bind", path, path]
+        created.add(path)
+    for path, target in layout.links:
+        if path not in created:
+            args += _parents(path, created) + ["--symlink", target, path]
+            created.add(path)
+    for site_dir in layout.hidden:
+        if not (config.site_packages and site_dir in layout.site_dirs):
+            args += ["--size", "4096", "--tmpfs", site_dir, "--remount-ro", site_dir]
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
+    for fd, path in zip(mask_fds, MASKED_FILES):
+        args += ["--perms", "0444", "--ro-bind-data", str(fd), path]
+    args += ["--dir", "/dev"]
     for device in SANDBOX_DEVICES:
         args += ["--dev-bind", device, device]
     args += ["--symlink", "/proc/self/fd", "/dev/fd"]
@@ -148,19 +108,29 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig) -> list[str
     return args
 
 
-def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int,
-                  seccomp_fd: int) -> list[str]:
+def _parents(path: str, created: set[str]) -> list[str]:
+    """``--dir`` (0755) for each directory above ``path`` not made yet; marks them made."""
+    args = []
+    for parent in reversed(Path(path).parents[:-1]):
+        if str(parent) not in created:
+            args += ["--perms", "0755", "--dir", str(parent)]
+            created.add(str(parent))
+    return args
+
+
+def bwrap_command(config: PythonConfig, uid: int | None, code_fd: int, seccomp_fd: int,
+                  scratch: str | None = None, mask_fds: tuple[int, ...] = ()) -> list[str]:
     """The whole bwrap command line of one run; the code is copied from ``code_fd``, the
-    syscall filter read from ``seccomp_fd``."""
-    layout = interpreter_layout(config.python_executable or sys.executable)
+    syscall filter read from ``seccomp_fd``; ``scratch`` and ``mask_fds`` as in
+    :func:`filesystem_args`."""
+    layout = interpreter_layout(config.python_executable or sys.executable, config.site_packages)
     caps = []
     if os.geteuid() == 0:  # bwrap runs privileged: keep only what the bootstrap's setuid needs
         caps = ["--cap-drop", "ALL"]
         if uid is not None:
             caps += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return [find_bwrap(config.bwrap_path) or config.bwrap_path or "bwrap", *NAMESPACE_ARGS, *caps,
-            *filesystem_args(layout, config),
+            "--hostname", SANDBOX_HOSTNAME, *filesystem_args(layout, config, scratch, mask_fds),
             "--perms", "0644", "--file", str(code_fd), f"{SANDBOX_WORKDIR}/main.py",
             "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--",
             *python_argv(layout.executable, config, uid)]
-

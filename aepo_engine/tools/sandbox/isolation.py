@@ -20,6 +20,7 @@ from aepo_engine.tools.sandbox.bwrap import interpreter_layout
 from aepo_engine.tools.sandbox.host import (OPT_OUT, IsolationUnavailable, find_bwrap, namespace_problem,
                                             not_found_message)
 from aepo_engine.tools.sandbox.run import run_under
+from aepo_engine.tools.sandbox.scratch import inode_cap_available, sweep_stale
 from aepo_engine.tools.sandbox.seccomp import seccomp_problem
 
 
@@ -47,9 +48,12 @@ def isolation_problem(config: PythonConfig) -> str | None:
     if problem:
         return problem
     key = (find_bwrap(config.bwrap_path), config.python_executable or sys.executable,
-           config.site_packages, config.run_as_uid, config.uid_pool_size, config.scratch_mb)
+           config.site_packages, config.run_as_uid, config.uid_pool_size, config.scratch_mb,
+           config.scratch_inodes)
     with _PROBE_LOCK:  # concurrent first calls (a tool runner's threads) probe once
         if key not in _PROBES:
+            if inode_cap_available() and not _PROBES:
+                sweep_stale()  # scratches an engine killed mid-run left mounted
             _PROBES[key] = _probe_problem(key[1], config)
         return _PROBES[key]
 
@@ -61,7 +65,7 @@ _PROBE_LOCK = threading.Lock()
 
 def _probe_problem(python: str, config: PythonConfig) -> str | None:
     try:
-        layout = interpreter_layout(python)
+        layout = interpreter_layout(python, config.site_packages)
     except RuntimeError as exc:
         return str(exc)
     # Generous limits: the probe only checks that the sandbox starts, on a loaded machine too.
@@ -78,7 +82,7 @@ def _probe_problem(python: str, config: PythonConfig) -> str | None:
         cause = f"it did not finish within {probe.timeout_s:g} s"
     elif "execvp" in said or "No such file" in said:
         cause = (f"the interpreter is not reachable inside the sandbox; its install trees "
-                 f"{', '.join(layout.roots)} are bound at their host paths, so this is a layout "
+                 f"{', '.join(layout.binds)} are bound at their host paths, so this is a layout "
                  "this code does not handle (please report it with this message)")
     else:
         cause = f"exit status {outcome.returncode}"
@@ -95,6 +99,11 @@ def check_isolation(config: PythonConfig) -> str:
     """
     if config.isolation == "none":
         return "none"
+    if os.geteuid() == 0 and config.sandbox_uid_base is None:
+        raise IsolationUnavailable(
+            "python.run_as_uid='engine' would run the model's code as uid 0, because the engine "
+            "runs as root (uid 0 may write /proc/sys files a capability does not guard, and owns "
+            "the host's device nodes); use sandbox uids (the default run_as_uid = 61000)")
     problem = isolation_problem(config)
     if problem:
         raise IsolationUnavailable(
@@ -106,8 +115,10 @@ def check_isolation(config: PythonConfig) -> str:
 def describe_limits(config: PythonConfig) -> str:
     """One line for the log: the isolation and which memory/process limits are in force."""
     if config.isolation == "bwrap":
+        inodes = (f"{config.scratch_inodes} files" if inode_cap_available() else
+                  "no file-count cap (needs root)")
         where = (f"bwrap sandbox (own read-only root, no network, own PID space), "
-                 f"{config.scratch_mb} MiB scratch tmpfs for work dir + /tmp + /dev/shm")
+                 f"{config.scratch_mb} MiB scratch tmpfs ({inodes}) for work dir + /tmp + /dev/shm")
     else:
         where = "NO isolation (isolation='none': host filesystem and network visible)"
     uid = ("engine uid" if config.sandbox_uid_base is None or os.geteuid() != 0 else
@@ -117,9 +128,33 @@ def describe_limits(config: PythonConfig) -> str:
                f"{config.nproc} processes per uid")
     if config.cgroup_parent:
         caps = (f"per sandbox (cgroup v2 under {config.cgroup_parent}): memory.max "
-                f"{config.memory_mb} MiB, pids.max {config.nproc}")
+                f"{config.memory_mb} MiB (kernel memory, socket buffers and the scratch "
+                f"included), pids.max {config.nproc}")
     else:
         caps = (f"no per-sandbox cgroup (python.cgroup_parent unset): worst case per call "
-                f"{config.nproc} x {config.memory_mb} MiB")
+                f"{worst_case_mib(config)} MiB ({config.nproc} x {config.memory_mb} MiB address "
+                f"space + the scratch), plus kernel socket buffers, which nothing per call caps "
+                f"(TCP on loopback: about 8 MiB a connection, bounded only by the host-wide "
+                f"net.ipv4.tcp_mem); set python.cgroup_parent to charge it all to the call")
     return f"{where}; {uid}; {rlimits}; {caps}; wall clock {config.timeout_s:g} s"
 
+
+def worst_case_mib(config: PythonConfig) -> int:
+    """Memory one call may hold without a cgroup, MiB, kernel socket buffers aside: every
+    process at its address-space cap, the scratch full, and its file cap reached (each empty file
+    costs about 1.25 KiB of kernel memory: 220,000 held 274 MiB). Without root the scratch is
+    bwrap's tmpfs, whose file cap is the kernel's default, half the machine's pages.
+
+    SysV shared memory, message queues and memory files, which escaped these caps, are refused
+    by the syscall filter (:mod:`.seccomp`).
+    """
+    if config.isolation != "bwrap":
+        return config.nproc * config.memory_mb
+    files = config.scratch_inodes if inode_cap_available() else _default_tmpfs_inodes()
+    return config.nproc * config.memory_mb + config.scratch_mb + -(-files * 5 // 4 // 1024)
+
+
+def _default_tmpfs_inodes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(meminfo.readline().split()[1])  # MemTotal
+    return total_kib // 4 // 2

@@ -131,7 +131,7 @@ def execute(command: list[str], config: PythonConfig, *, cwd: str, env: dict[str
 
 _FATAL_SIGNALS = {int(s) for s in (signal.SIGXCPU, signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT,
                                    signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTERM,
-                                   signal.SIGXFSZ)}
+                                   signal.SIGXFSZ, signal.SIGSYS)}
 
 
 def signal_from_init_status(returncode: int | None) -> int | None:

@@ -14,10 +14,11 @@ import tempfile
 from pathlib import Path
 
 from aepo_engine.tools.config import PythonConfig
-from aepo_engine.tools.sandbox.bwrap import SANDBOX_WORKDIR, bwrap_command
+from aepo_engine.tools.sandbox.bwrap import MASKED_FILES, SANDBOX_WORKDIR, bwrap_command
 from aepo_engine.tools.sandbox.cgroups import CgroupScope, check_cgroup
 from aepo_engine.tools.sandbox.child import python_argv, sandbox_environment, sandbox_interpreter
 from aepo_engine.tools.sandbox.process import SandboxOutcome, execute, signal_from_init_status
+from aepo_engine.tools.sandbox.scratch import Scratch, inode_cap_available
 from aepo_engine.tools.sandbox.seccomp import seccomp_filter
 from aepo_engine.tools.sandbox.uids import UidLease, kill_uid_processes, remove_uid_files
 
@@ -57,16 +58,22 @@ def run_under(code: str, config: PythonConfig, isolation: str) -> SandboxOutcome
 def _run_bwrap(code: str, config: PythonConfig, uid: int | None,
                scope: CgroupScope | None) -> SandboxOutcome:
     # The code reaches the sandbox through an anonymous memory file that bwrap copies into the
-    # scratch tmpfs: nothing of it is written to the host's disk.
-    code_fd, seccomp_fd = _memfd("aepo_main_py", code.encode("utf-8")), \
-        _memfd("aepo_seccomp", seccomp_filter())
+    # scratch tmpfs: nothing of it is written to the host's disk. Each masked host file is read
+    # from an empty descriptor of its own (bwrap reads each to its end).
+    scratch, fds = None, []
     try:
-        command = bwrap_command(config, uid, code_fd, seccomp_fd)
+        scratch = Scratch(config.scratch_mb, config.scratch_inodes) if inode_cap_available() else None
+        fds += [_memfd("aepo_main_py", code.encode("utf-8")), _memfd("aepo_seccomp", seccomp_filter())]
+        fds += [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in MASKED_FILES]
+        command = bwrap_command(config, uid, fds[0], fds[1], scratch.path if scratch else None,
+                                tuple(fds[2:]))
         outcome = execute(command, config, cwd="/", env=sandbox_environment(SANDBOX_WORKDIR),
-                           uid=uid, scope=scope, pass_fds=(code_fd, seccomp_fd))
+                          uid=uid, scope=scope, pass_fds=tuple(fds))
     finally:
-        os.close(code_fd)
-        os.close(seccomp_fd)
+        for fd in fds:
+            os.close(fd)
+        if scratch:
+            scratch.close()
     outcome.returncode = signal_from_init_status(outcome.returncode)
     outcome.isolation = "bwrap"
     return outcome

@@ -5,9 +5,10 @@ When the engine runs as root (the usual container case) each run gets its own ui
 processes, never share one): that is what makes RLIMIT_NPROC bite (the kernel ignores it for
 root) and what lets every leftover process of the uid be killed, and (without isolation) every
 file it left in the world-writable directories be deleted. The switch to the uid happens in the
-bootstrap (:mod:`.child`), before any user code. As root with ``run_as_uid="engine"`` the code
-is uid 0 without any capability: the filesystem, namespaces and syscall filter still hold, but
-RLIMIT_NPROC does not apply.
+bootstrap (:mod:`.child`), before any user code. As root, ``run_as_uid="engine"`` would make the
+code uid 0, which may write ``/proc/sys`` files no capability guards and owns the host's device
+nodes: :func:`.isolation.check_isolation` refuses it under bwrap (``isolation="none"``, for
+trusted code only, still runs as the engine's uid).
 """
 from __future__ import annotations
 

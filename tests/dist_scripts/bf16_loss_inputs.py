@@ -1,0 +1,62 @@
+"""What the loss receives inside a bf16 FSDP2 forward: one on-policy update of a tiny model.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/bf16_loss_inputs.py MODEL_DIR OUT.pt
+
+Every rank records, per micro-batch, the :class:`LossInputs` the worker hands to the FSDP root
+(what the batch holds) and the one the loss received inside the root's forward, and rank r saves
+{"built", "received", "metrics", "counts"} to OUT.pt.rank<r>. ``counts``: the valid tokens of
+each mini-batch, counted on the host (the exact global token count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the batch helper
+
+from test_policy_worker import random_batch, vocab_of  # noqa: E402
+
+from aepo_engine.training import policy  # noqa: E402
+from aepo_engine.training.optim import OptimConfig  # noqa: E402
+
+FIELDS = ("old_logprobs", "advantages", "loss_mask", "global_token_count", "entropy_mean", "entropy_std")
+
+
+def _fields(inputs) -> dict:
+    return {name: getattr(inputs, name).detach().clone() for name in FIELDS}
+
+
+def run(model_dir: str, out: str) -> None:
+    built, received = [], []
+
+    call, loss = policy.PolicyModel.__call__, policy.PolicyModel._loss
+
+    def recorded_call(self, *args, **kwargs):  # the worker's call: what the batch holds
+        if len(args) == 4:
+            built.append(_fields(args[3]))
+        return call(self, *args, **kwargs)
+
+    def recorded_loss(self, hidden, labels, inputs):  # inside the FSDP root's forward
+        received.append(_fields(inputs))
+        return loss(self, hidden, labels, inputs)
+
+    policy.PolicyModel.__call__, policy.PolicyModel._loss = recorded_call, recorded_loss
+    config = policy.PolicyConfig(param_dtype="bfloat16", fsdp="on", ppo_mini_batch_size=8, micro_batch_size=8)
+    worker = policy.PolicyWorker(model_dir, config, OptimConfig(lr=1e-3), total_steps=10)
+    # 8 prompts x 6 trajectories: > 256 valid tokens per mini-batch (bf16 holds integers to 256 exactly)
+    batch = random_batch(vocab_of(model_dir), group_sizes=(6,) * 8, seed=3)
+    logprobs, entropy = worker.compute_logprobs(batch)
+    on_policy = dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy)
+    counts = [int(mini.loss_mask.sum()) for mini in on_policy.mini_batches(8, by="prompts")]
+    metrics = worker.update(on_policy)
+    torch.save({"built": built, "received": received, "metrics": metrics, "counts": counts}, f"{out}.rank{worker.rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])

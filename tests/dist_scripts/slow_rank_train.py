@@ -1,0 +1,24 @@
+"""``python -m aepo_engine.train ARGS`` with rank 1's rollouts delayed by ``AEPO_TEST_ROLLOUT_DELAY_S``
+seconds (before each step's sampling), as a rank whose agentic rollouts take longer than the others'.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/slow_rank_train.py ARGS
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from aepo_engine import train
+
+if int(os.environ.get("RANK", "0")) == 1:
+    delay = float(os.environ["AEPO_TEST_ROLLOUT_DELAY_S"])
+    rollout_and_score = train.Trainer._rollout_and_score
+
+    def slow_rollout_and_score(self, examples, step):
+        time.sleep(delay)
+        return rollout_and_score(self, examples, step)
+
+    train.Trainer._rollout_and_score = slow_rollout_and_score
+
+if __name__ == "__main__":
+    train.main()

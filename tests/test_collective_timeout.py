@@ -1,0 +1,82 @@
+"""The collective timeout (issue 35, point 3): torch's default (10 minutes for NCCL) stopped a run
+whenever one rank's agentic rollouts took 10 minutes longer than another's. The trainer now gives
+``train.collective_timeout_minutes`` to every process group, gathers Python objects on a gloo
+group, reports a rank's wait (``time/wait_for_ranks``) and stops with an error naming the setting
+when a wait gives up.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from runs import TINY, child_env, dist_tests, free_port
+
+from aepo_engine import distributed
+
+SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "slow_rank_train.py"
+
+
+def test_the_timeout_reaches_init_process_group_and_the_object_group(monkeypatch):
+    """On CUDA (recorded fakes of the calls that need it): NCCL gets the timeout, and so does the
+    gloo group that objects and barriers go through."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw.get("backend"), kw)) or "gloo")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index, {})))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for name, value in (("_TIMEOUT", None), ("_TIMEOUT_SETTING", ""), ("_OBJECT_GROUP", None)):
+        monkeypatch.setattr(distributed, name, value)
+    timeout = datetime.timedelta(minutes=7)
+
+    rank, world, device = distributed.init_distributed(timeout, "train.collective_timeout_minutes")
+
+    assert (rank, world, device) == (1, 2, torch.device("cuda", 1))
+    assert calls[0] == ("set_device", 1, {})
+    assert calls[1] == ("init", "nccl", {"timeout": timeout})
+    assert calls[2][:2] == ("new_group", "gloo") and calls[2][2]["timeout"] == timeout
+    assert distributed.collective_timeout() == timeout
+
+
+def _train(run_dir: Path, timeout_minutes: float, delay_s: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPT), *TINY, f"--run_dir={run_dir}",
+               "--train.steps=1", "--checkpoint.every_n_steps=0",
+               f"--train.collective_timeout_minutes={timeout_minutes}"]
+    env = {**child_env(), "AEPO_TEST_ROLLOUT_DELAY_S": str(delay_s),
+           "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{child_env().get('PYTHONPATH', '')}"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@dist_tests
+def test_a_rank_delayed_past_the_timeout_stops_the_run_naming_the_setting(tiny_run, tmp_path):
+    """Two gloo ranks, rank 1's rollouts 40 s late: a 15 s timeout stops the run with an error
+    that names the setting; 5 minutes lets it finish, and rank 0 reports the wait."""
+    for name in ("short", "long"):  # the tiny run's set-up (task, corpus, warm start), reused
+        shutil.copytree(tiny_run / "setup", tmp_path / name / "setup")
+    short = _train(tmp_path / "short", 0.25, 40)
+    output = short.stdout + short.stderr
+    assert short.returncode != 0
+    assert "waited more than 0.25 minutes for the other ranks at the step's rollouts" in output, output[-3000:]
+    assert "raise train.collective_timeout_minutes (now 0.25)" in output
+
+    long = _train(tmp_path / "long", 5, 40)
+    assert long.returncode == 0, (long.stdout + long.stderr)[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "long" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert 30 < row["time/wait_for_ranks"] < 300

@@ -1,0 +1,116 @@
+"""The trainer's step around a sleeping vLLM engine, with recording fakes of the CUDA calls and of
+the engine (issue 35, points 2 and 6): vLLM's sleep-mode pool allocates outside PyTorch's caching
+allocator, so PyTorch's cached blocks must go back to the driver before each wake-up, or the
+update's reserved peak and the woken engine add up (out of memory at the first wake-up on an 80 GB
+GPU); and the weight sync gathers in the engine's dtype, not the fp32 of the master weights.
+
+``Trainer.train_step`` itself runs here (the real batch building, rollout correction, metrics,
+weight-sync loop); only the parts that need a GPU or a model are fakes: the rollouts (fixed
+trajectories), the policy worker (records its calls, yields 3 buckets), the engine (records sleep,
+wake-up and the buckets it takes) and ``torch.cuda.empty_cache`` (records the call).
+"""
+from __future__ import annotations
+
+import torch
+from test_policy_worker import make_traj
+
+from aepo_engine.config import TrainConfig
+from aepo_engine.rollout.scheduler import RolloutStats
+from aepo_engine.train import Trainer
+
+ENGINE_DTYPE = torch.bfloat16
+
+
+class RecordingPolicy:
+    def __init__(self, events):
+        self.events = events
+
+    def compute_logprobs(self, batch):
+        self.events.append("compute_logprobs")
+        return torch.full(batch.labels.shape, -1.0), torch.ones(batch.labels.shape)
+
+    def update(self, batch):
+        self.events.append("update")
+        return {"loss": 0.5}
+
+    def iter_weight_buckets(self, bucket_bytes, dtype=None):
+        for i in range(3):
+            self.events.append(("gather", dtype))
+            yield {f"w{i}": torch.zeros(4, dtype=dtype or torch.float32)}
+
+
+class RecordingEngine:
+    weight_dtype = ENGINE_DTYPE
+
+    def __init__(self, events):
+        self.events = events
+
+    def sleep(self):
+        self.events.append("sleep")
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake_up", tuple(tags)))
+
+    def load_weight_buckets(self, buckets):
+        for bucket in buckets:
+            self.events.append(("load", *[t.dtype for t in bucket.values()]))
+
+
+class Examples:
+    def next_batch(self):
+        return ["q0", "q1"]
+
+
+class Tokenizer:
+    pad_token_id = 0
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+
+class Logger:
+    def dump_samples(self, step, rows):
+        pass
+
+
+def _stats() -> RolloutStats:
+    return RolloutStats(m=[1, 1], h_root=[None, None], h_tool=[None, None], branches=0, branch_decisions=0,
+                        branch_budget_blocked=0, mean_branch_probability=None, tool_calls_executed=0, tool_errors=0,
+                        malformed_calls=0, finish_reasons={"eos": 4}, kinds={"global": 4}, tokens_generated=20,
+                        tool_tokens=0, rounds=1, fresh_global_samples=0, discarded_probes=0, discarded_speculative=0,
+                        discarded_tokens=0, waited_decisions=0)
+
+
+def _rollouts(self, examples, step):
+    trajectories = [make_traj([5, 6, 7], [("model", [8 + i, 9, 10 + k], [-1.0, -2.0, -0.5])], i, k)
+                    for i in range(2) for k in range(2)]
+    return trajectories, [1.0, 0.0, 0.0, 1.0], [True, False, False, True], ["a", None, None, "a"], [_stats()], 0.25
+
+
+def _trainer(events, monkeypatch) -> Trainer:
+    trainer = Trainer.__new__(Trainer)  # the parts a step needs, without building a model
+    trainer.cfg = TrainConfig()
+    trainer.policy, trainer.backend = RecordingPolicy(events), RecordingEngine(events)
+    trainer.sleeps, trainer.sync_dtype = True, ENGINE_DTYPE
+    trainer.sampler, trainer.tokenizer, trainer.logger = Examples(), Tokenizer(), Logger()
+    monkeypatch.setattr(Trainer, "_rollout_and_score", _rollouts)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    return trainer
+
+
+def test_the_step_empties_the_cache_before_each_wake_up_and_gathers_in_the_engine_dtype(monkeypatch):
+    events: list = []
+    metrics = _trainer(events, monkeypatch).train_step(0)
+    gathered_and_loaded = [("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3
+    assert events == ["sleep", "empty_cache", "compute_logprobs", "update",
+                      "empty_cache", ("wake_up", ("weights",)), *gathered_and_loaded,
+                      "empty_cache", ("wake_up", ("kv_cache",))]
+    assert metrics["time/wait_for_ranks"] == 0.25 and metrics["loss/loss"] == 0.5
+
+
+def test_an_engine_that_does_not_sleep_is_not_woken(monkeypatch):
+    events: list = []
+    trainer = _trainer(events, monkeypatch)
+    trainer.sleeps = False
+    trainer.train_step(0)
+    assert events == ["compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3]
