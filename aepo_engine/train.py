@@ -43,6 +43,7 @@ from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, fit_prompts
 from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
+from aepo_engine.evaluation.judge import start_judge
 from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.files import write_text_atomic
@@ -138,7 +139,10 @@ class Trainer:
                                 tensorboard=cfg.logging.tensorboard_enabled(),
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
-        self.judge = self._start_judge() if self.rank == 0 and cfg.eval.judge.url and self.eval_sets else None
+        self.judge = None  # eval.files' LLM judge (rank 0; None when off or its endpoint is down)
+        if self.rank == 0 and self.eval_sets:
+            self.judge, _ = start_judge(cfg.eval.judge, self.run_dir / cfg.logging.dir / "judge_cache.jsonl",
+                                        warn=lambda line: _log(f"[eval] {line}"))
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -323,19 +327,6 @@ class Trainer:
                           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
         return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
-
-    def _start_judge(self) -> Any:
-        """The LLM judge of eval.files, or None (with the reason logged) when its endpoint is down."""
-        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
-        judge_cfg = self.cfg.eval.judge
-        judge = LLMJudge(judge_cfg, judge_cfg.cache_path or self.run_dir / self.cfg.logging.dir / "judge_cache.jsonl")
-        try:
-            judge.check()
-        except JudgeUnreachable as err:
-            _log(f"[eval] error: {err}; evaluating without the judge")
-            return None
-        return judge
 
     # --- checkpoints ------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from .row_inputs import RowInputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The logits dtypes the kernels are compiled and tested for (tests/test_triton_targets.py).
+# The logits dtypes the kernels are compiled and tested for (tests/test_kernels_triton_targets.py).
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -380,7 +380,7 @@ def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str
     ``meta`` included: nothing runs): dlogits into a new buffer and in place (``out`` is the
     logits, whose layout may differ). :mod:`aepo_kernels.triton_targets` compiles these for GPU
     targets, so its signatures are the launchers' own. A new kernel must be added here
-    (tests/test_triton_targets.py checks that every ``*_kernel`` of this module is)."""
+    (tests/test_kernels_triton_targets.py checks that every ``*_kernel`` of this module is)."""
     batch, seq, vocab = logits.shape
     like = lambda dtype=torch.float32: torch.zeros(batch, seq, dtype=dtype, device=logits.device)  # noqa: E731
     labels = like(torch.int64)

@@ -121,7 +121,7 @@ def progress_printer(total: int, label: str, stream: Any = None) -> Callable[[in
 def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
     """Add ``judge`` = {correct, error, cached, raw, source} to each record; answerless samples are
     judged wrong without a request. The gold as the authors' loader reads it (``meta["gold"]``)
-    goes along for the reference judge prompt."""
+    goes along for the authors' judge prompt."""
     asked = [r for r in records if r.get("answer")]
     for record in records:
         if not record.get("answer"):
