@@ -507,6 +507,25 @@ def test_interpreter_in_a_venv_under_tmp():
 
 
 @needs_bwrap
+def test_a_venvs_own_packages_follow_site_packages():
+    # A venv of its own (no --system-site-packages, as the README's install makes one): Linux's
+    # venv links lib64 -> lib, the search for site folders to hide found its site-packages again
+    # through lib64, and the tmpfs hiding that alias hid the venv's own packages with
+    # site_packages=True (the README's suite in the newcomer CI step: "missing numpy").
+    with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
+        python = Path(folder) / "venv" / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(python.parent.parent)],
+                       check=True, capture_output=True, timeout=120)
+        purelib = subprocess.run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        Path(purelib, "aepo_planted.py").write_text("VALUE = 41 + 1\n")
+        code = "try:\n    import aepo_planted\n    print(aepo_planted.VALUE)\nexcept ImportError as e:\n    print('missing', e.name)\n"
+        fields = {"python_executable": str(python)}
+        assert _run(code, site_packages=True, **fields) == "42\n"
+        assert _run(code, **fields) == "missing aepo_planted\n"
+
+
+@needs_bwrap
 def test_engine_running_from_a_venv_under_tmp_runs_the_tool():
     # The case end to end: the engine itself runs from a venv under /tmp.
     with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
