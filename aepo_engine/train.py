@@ -54,9 +54,10 @@ from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, dive
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
-from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_view
+from aepo_engine.tools.formats import build_tool_format, drift_metrics
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
