@@ -17,7 +17,9 @@
 #    suite than today's): about 25 min, too close to CI's 30. The fast tier still holds most of
 #    the tests that failed there for a newcomer's install (the bundled bwrap, the sandbox's uid
 #    leases, the native kernel); tests/test_suite_workers.py runs after it, whole, for its slow
-#    test of the suite's xdist grouping with the newest pytest and xdist.
+#    test of the suite's xdist grouping with the newest pytest and xdist. Measured in the fresh
+#    venv (2026-12-05, 5cbc94b, the shared 2-core VM at load 3-5): fast tier 214 s (1,424 passed,
+#    179 skipped), tests/test_suite_workers.py 14 s (docs/benchmarks.md).
 #
 # AEPO_NEWCOMER_VENV=system makes the venvs with --system-site-packages instead, reusing the
 # dependencies already installed (faster, but it no longer checks that they resolve, nor runs
