@@ -10,6 +10,9 @@ no particular section. It:
   into the field's annotated type (bool, int, float, str, Literal, list/tuple, dict, Optional, unions);
 - rejects unknown keys (in files and overrides), naming the valid keys of that section and a close match,
   or, for a key a section lists in its ``MOVED_KEYS`` ClassVar, the key's new place;
+- loads a renamed key or value under its old name too, with one ``warning:`` line on stderr naming
+  the new one: a section's ``RENAMED_KEYS`` ClassVar ({old key: new key}) and ``RENAMED_VALUES``
+  ({key: {old value: new value}}), so configs, presets and saved runs written before a rename load;
 - builds the structs with ``msgspec.convert``, so types and each struct's ``__post_init__`` cross-field
   checks run; every failure surfaces as one ``ConfigError`` that names the field;
 - dumps a config to TOML with help comments (``dump_config``); loading the dump gives an equal config;
@@ -81,6 +84,7 @@ __all__ = [
     "format_help",
     "load_config",
     "loads_config",
+    "merge_trees",
     "parse_args",
     "read_config_file",
 ]
@@ -276,12 +280,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return _parse_text(path.read_text(encoding="utf-8"), fmt, str(path))
 
 
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``update`` into a copy of ``base`` (tables merge, other values replace)."""
+def merge_trees(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``update`` into a copy of ``base`` (tables merge, other values replace); the
+    one merge of raw config trees (files, presets, a run's saved settings under a command's)."""
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_trees(out[key], value)
         else:
             out[key] = dict(value) if isinstance(value, Mapping) else value
     return out
@@ -318,6 +323,44 @@ def _check_keys(cls: type, raw: Mapping[str, Any], source: str, path: str = "") 
         if section is not None and isinstance(value, Mapping):
             errors += _check_keys(section, value, source, _join(path, key))
     return errors
+
+
+# --- renamed keys and values ----------------------------------------------------------------------
+
+_SAID: set[str] = set()
+
+
+def _say_renamed(message: str) -> None:
+    """One ``warning:`` line per rename and process (a config is often built twice)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"warning: {message}; the old name still works", file=sys.stderr, flush=True)
+
+
+def _renamed_key(cls: type, key: str, path: str) -> str:
+    """``key``, or its new name when ``cls.RENAMED_KEYS`` lists it (said on stderr)."""
+    new = getattr(cls, "RENAMED_KEYS", {}).get(key)
+    if new is None:
+        return key
+    _say_renamed(f"{_join(path, key)!r} is now called {_join(path, new)!r}")
+    return new
+
+
+def _rename(cls: type, raw: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """A copy of ``raw`` with the old names of renamed keys and values replaced by the new ones."""
+    out: dict[str, Any] = {}
+    fields, values = _fields(cls), getattr(cls, "RENAMED_VALUES", {})
+    for old, value in raw.items():
+        key = _renamed_key(cls, old, path) if isinstance(old, str) else old
+        if key != old and key in raw:
+            raise ConfigError(f"{_join(path, old)!r} and {_join(path, key)!r} are one setting ({old!r} is its "
+                              f"old name): set {_join(path, key)!r} only")
+        if isinstance(value, str) and value in values.get(key, {}):
+            _say_renamed(f"{_join(path, key)} = {value!r} is now called {values[key][value]!r}")
+            value = values[key][value]
+        section = _section_class(fields[key].type) if key in fields else None
+        out[key] = _rename(section, value, _join(path, key)) if section and isinstance(value, Mapping) else value
+    return out
 
 
 # --- command-line overrides -----------------------------------------------------------------------
@@ -428,6 +471,7 @@ def _resolve(cls: type, dotted: str) -> tuple[list[str], Any]:
     for i, part in enumerate(parts):
         fields = _fields(current)
         key = part if part in fields else part.replace("-", "_")
+        key = key if key in fields else _renamed_key(current, key, path)
         if key not in fields:
             raise ConfigError(_unknown_key_message(current, part, path, "command-line overrides"))
         keys.append(key)
@@ -487,7 +531,7 @@ def apply_overrides(cls: type, raw: dict[str, Any], argv: Sequence[str]) -> dict
     Returns:
         A new raw tree with the overridden values, already converted to the fields' types.
     """
-    out = _merge({}, raw)
+    out = merge_trees({}, raw)
     for dotted, text in _split_overrides(cls, argv):
         keys, tp = _resolve(cls, dotted)
         try:
@@ -510,6 +554,7 @@ _AT = re.compile(r"^(.*) - at `\$\.?(.*)`$", re.DOTALL)
 
 def _build(cls: type[S], raw: Mapping[str, Any], source: str) -> S:
     """Check for unknown keys, then convert ``raw`` into ``cls`` (types + ``__post_init__`` checks)."""
+    raw = _rename(cls, raw)
     errors = _check_keys(cls, raw, source)
     if errors:
         raise ConfigError("\n".join(errors))
@@ -556,12 +601,13 @@ def load_config(
     raw: dict[str, Any] = {}
     sources = []
     for p in paths:
-        raw = _merge(raw, read_config_file(p))
+        raw = merge_trees(raw, read_config_file(p))
         sources.append(str(p))
     if data:
-        raw = _merge(raw, data)
+        raw = merge_trees(raw, data)
         sources.append("dict")
     source = " + ".join(sources) or "defaults"
+    raw = _rename(cls, raw)
     errors = _check_keys(cls, raw, source)  # report file typos before override errors
     if errors:
         raise ConfigError("\n".join(errors))

@@ -13,6 +13,12 @@ from the run's config. Per GPU (one FSDP2 rank), bytes:
   autograd saves per token in one HF Llama/Qwen decoder layer with a fused attention kernel);
   with activation checkpointing only each layer's input (``T x D x c`` per layer) plus one layer
   recomputed in backward; without, every layer's saved tensors.
+- **rollout trees** (``policy.tree_batches``): ``T`` counts tree nodes, not row tokens (a group's
+  prompt once, then each trajectory's own tokens: without a node budget, the micro-batch's groups
+  times ``max prompt + k x max response``); and the loss's extra ``[T, D]`` (each node's parent's
+  hidden state, gathered, and its gradient), its per-occurrence statistics (``[M]`` fp32 vectors,
+  M the rows' label positions) and, on CUDA, FlexAttention's block mask (``(T / 128)^2`` int32s,
+  negligible).
 - **fused-linear head**: the ``[token_chunk, V]`` logits block (``policy.fused_chunk_bytes``; unset:
   192 MiB on CPU, at most 2 GiB on CUDA, ``aepo_kernels.fused_linear.chunk_bytes_for``), the
   fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient.
@@ -314,11 +320,24 @@ def logprob_block_bytes(vocab: int, tokens: int, budget: int, c: int) -> int:
 
 
 def micro_batch_tokens(cfg: Any) -> int:
-    """Tokens of the largest micro-batch: ``policy.micro_batch_max_tokens``, else
-    ``micro_batch_size`` rows of the longest possible row (prompt + response)."""
-    if cfg.policy.micro_batch_max_tokens is not None:
-        return cfg.policy.micro_batch_max_tokens
-    return cfg.policy.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    """Positions of the largest micro-batch: ``policy.micro_batch_max_tokens``, else
+    ``micro_batch_size`` rows of the longest possible row (prompt + response); with tree batches
+    the nodes of the micro-batch's whole groups (each prompt once)."""
+    policy, prompt, response = cfg.policy, cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens
+    if policy.micro_batch_max_tokens is not None:
+        return policy.micro_batch_max_tokens
+    if policy.trees:
+        groups = max(1, policy.micro_batch_size // cfg.rollout.k)
+        return groups * (prompt + cfg.rollout.k * response)
+    return policy.micro_batch_size * (prompt + response)
+
+
+def micro_batch_rows(cfg: Any) -> int:
+    """Rows of the largest micro-batch (the tree loss's occurrences are their label positions)."""
+    policy = cfg.policy
+    if policy.trees:
+        return max(policy.micro_batch_size // cfg.rollout.k, 1) * cfg.rollout.k
+    return policy.micro_batch_size
 
 
 def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: bool = True,
@@ -370,7 +389,8 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     inputs = shape.layers * tokens * d * c  # each layer's input, what checkpointing keeps
     full = shape.layers * tokens * per_layer
     how = "checkpointed" if ckpt else "not checkpointed"
-    add("act_forward", f"activations at {tokens} micro-batch tokens, end of forward ({how})", inputs if ckpt else full,
+    unit = "tree nodes" if policy.trees else "tokens"
+    add("act_forward", f"activations at {tokens} micro-batch {unit}, end of forward ({how})", inputs if ckpt else full,
         f"{inputs / GIB:.2f} with checkpointing, {full / GIB:.2f} without")
     add("act_backward", f"activations during backward ({how}: " + ("the inputs + one layer recomputed)" if ckpt
         else "all saved)"), inputs + tokens * per_layer if ckpt else full)
@@ -387,6 +407,15 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         add("head_saved", "the head's gradient kept for backward (dlogits)", tokens * v * c)
     add("logprob_pass", "log-prob pass (no grad: hidden states, a logits block and one temporary of its size)",
         2 * tokens * d * c + logprob_block_bytes(v, tokens, budget, c))
+    if policy.trees:
+        row = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+        # a node is read by at most the k rows of its group
+        occurrences = micro_batch_rows(cfg) * row if policy.micro_batch_max_tokens is None else cfg.rollout.k * tokens
+        add("tree", f"tree loss: parents' hidden states gathered + their gradient ({tokens} nodes), "
+            "per-occurrence statistics", 2 * tokens * d * c + 12 * 4 * occurrences,
+            f"{occurrences} occurrences at most")
+    else:
+        add("tree", "tree loss (none: tree_batches off)", 0)
     engine = cuda and backend.kind == "vllm"
     sleeps = engine and backend.sleeps(cuda)
     tp, e = backend.tensor_parallel_size, engine_dtype_bytes(cfg, checkpoint_bytes)
@@ -415,7 +444,7 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     plan.phases = {
         "rollout (engine awake)": [*state, "cache_carried", "vllm_awake"],
         "log-probs (no grad)": [*state, "layers", "root", "logprob_pass", "vllm_idle"],
-        "update: end of forward (the head)": [*state, "grads", "root", "act_forward", "head", "vllm_idle"],
+        "update: end of forward (the head)": [*state, "grads", "root", "act_forward", "head", "tree", "vllm_idle"],
         "update: backward through the layers": [*state, "grads", "root", "layers", "layer_grad", "act_backward",
                                                 "head_saved", "vllm_idle"],
         "update: end of backward (root gradients)": [*state, "grads", "root", "root_grad", "head_saved", "vllm_idle"],

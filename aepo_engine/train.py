@@ -43,6 +43,7 @@ from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, fit_prompts
 from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
+from aepo_engine.evaluation.judge import start_judge
 from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.files import write_text_atomic
@@ -53,9 +54,10 @@ from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, dive
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
-from aepo_engine.tools.formats import build_tool_format, drift_metrics, reward_view
+from aepo_engine.tools.formats import build_tool_format, drift_metrics
 from aepo_engine.tools.sandbox import describe_limits
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.policy import PolicyWorker
@@ -139,7 +141,10 @@ class Trainer:
                                 tensorboard=cfg.logging.tensorboard_enabled(),
                                 wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                 run_name=cfg.logging.run_name or "")
-        self.judge = self._start_judge() if self.rank == 0 and cfg.eval.judge.url and self.eval_sets else None
+        self.judge = None  # eval.files' LLM judge (rank 0; None when off or its endpoint is down)
+        if self.rank == 0 and self.eval_sets:
+            self.judge, _ = start_judge(cfg.eval.judge, self.run_dir / cfg.logging.dir / "judge_cache.jsonl",
+                                        warn=lambda line: _log(f"[eval] {line}"))
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -324,19 +329,6 @@ class Trainer:
                           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
         return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
-
-    def _start_judge(self) -> Any:
-        """The LLM judge of eval.files, or None (with the reason logged) when its endpoint is down."""
-        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
-        judge_cfg = self.cfg.eval.judge
-        judge = LLMJudge(judge_cfg, judge_cfg.cache_path or self.run_dir / self.cfg.logging.dir / "judge_cache.jsonl")
-        try:
-            judge.check()
-        except JudgeUnreachable as err:
-            _log(f"[eval] error: {err}; evaluating without the judge")
-            return None
-        return judge
 
     # --- checkpoints ------------------------------------------------------------------------
 

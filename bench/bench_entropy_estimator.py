@@ -18,12 +18,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 
 import torch
 
+from aepo_engine.provenance import git_commit
 from aepo_engine.rollout.entropy import exact_entropy, topk_entropy_bounds, topk_entropy_estimate
 
 MODES = ("powerlaw", "mid", "upper", "lower", "truncated")
@@ -87,13 +87,6 @@ def estimator_time_us(n: int = 4096, k: int = 20, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64, help="distributions per source")
@@ -107,8 +100,8 @@ def main() -> None:
             rows += measure("tiny-trained" if trained else "tiny-random", logits, temperature)
     for s in (0.8, 1.0, 1.2, 1.5, 2.0):
         rows += measure(f"zipf-s{s}", zipf_logits(s, args.rows))
-    meta = dict(machine=platform.node(), cpu=platform.processor(), torch=torch.__version__, commit=_commit(),
-                estimator_us_4096x20=estimator_time_us())
+    meta = dict(machine=platform.node(), cpu=platform.processor(), torch=torch.__version__,
+                commit=git_commit(__file__), estimator_us_4096x20=estimator_time_us())
     print(f"{'source':14s} {'T':>4s} {'k':>3s} {'mode':>9s} {'H mean':>7s} {'gap':>6s} {'mean|err|':>9s} {'max|err|':>8s} bounds")
     for r in rows:
         print(f"{r['source']:14s} {r['temperature']:4.1f} {r['k']:3d} {r['mode']:>9s} {r['mean_exact']:7.3f} "

@@ -68,7 +68,7 @@ _WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:])
 
 def run_once(model: Path, backend: str, args: argparse.Namespace, out: Path) -> dict:
     command = [sys.executable, "-m", "aepo_engine.eval", "--model", str(model), "--backend", backend,
-               "--data", *args.data, "--data-root", str(SHARED / "eval"), "--k", str(args.k),
+               "--data", *args.data, "--data-root", str(SHARED / "eval"), "--pass-k", str(args.k),
                "--max-questions", str(args.questions), "--out", str(out), "--resume=false",
                "--system-prompt=none", "--rollout.max_response_tokens=512", "--rollout.max_tokens_per_segment=64",
                "--tools.result_max_chars=500",

@@ -62,6 +62,15 @@ class Parts:
     written = 0
 
 
+def _reward_args(trajectory, tool_format, chosen) -> tuple:
+    """What the trainer hands its reward: the response in tags, the reference answers, and the
+    character spans of the engine's tool results (``Trainer._rollout_and_score``)."""
+    from aepo_engine.rollout.trajectory import reward_view
+
+    text, tool_spans = reward_view(trajectory, tool_format)
+    return text, chosen[trajectory.prompt_index].ground_truth, tool_spans
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -91,7 +100,7 @@ def main() -> None:
     from aepo_engine.rollout.scheduler import EntropyBalancedRollout
     from aepo_engine.tasks import prepare_task
     from aepo_engine.tools import ToolRunner, build_tools
-    from aepo_engine.tools.formats import build_tool_format, reward_text
+    from aepo_engine.tools.formats import build_tool_format
     from aepo_engine.training.batch import TokenBatch
     from aepo_engine.training.policy import PolicyWorker
 
@@ -128,7 +137,7 @@ def main() -> None:
 
         result = parts.run(f"step {step}: rollout", lambda: rollout.rollout(prompts, step), derived=throughput)
         trajectories = result.trajectories
-        rewards = [reward_fn(reward_text(t, tool_format), chosen[t.prompt_index].ground_truth).score for t in trajectories]
+        rewards = [reward_fn(*_reward_args(t, tool_format, chosen)).score for t in trajectories]
         advantages = group_advantages(torch.tensor(rewards), torch.tensor([t.prompt_index for t in trajectories]))
         batch = TokenBatch.from_trajectories(trajectories, advantages, tokenizer.pad_token_id or 0)
 

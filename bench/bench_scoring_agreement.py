@@ -1,4 +1,4 @@
-"""How far the engine's scoring and the reference scoring (the authors' rules) agree, and how many
+"""How far the engine's scoring and the authors' rules (``scoring="authors"``) agree, and how many
 deliberately wrong answers each accepts.
 
 Cases are built at run time from the real gold answers of the shared eval sets
@@ -14,7 +14,7 @@ for the reward), each turned into systematic response variants:
   first word only): ``kind = "wrong"``;
 - responses with no answer (truncated inside a box, no tags): ``kind = "none"``.
 
-Every case is scored by ``score_response`` under ``scoring="engine"`` and ``"reference"`` (and the
+Every case is scored by ``score_response`` under ``scoring="engine"`` and ``"authors"`` (and the
 reward cases by ``deep_research`` under both ``rules``). A row per (set, variant) gives the
 agreement of the two modes on the extracted answer, em, f1, acc, math and correct, and how many
 cases each mode counts correct. What this checks, honestly: the reference mode against the
@@ -27,6 +27,8 @@ gives exactly their numbers; nothing of theirs is copied here, the files are imp
     python bench/bench_scoring_agreement.py --questions 10 --reward-rows 20 [--authors-code DIR]
 
 Rows go to ``bench/results/scoring_agreement.jsonl`` (with the machine and the commit).
+In the cases and rows, "reference" is our reproduction of the authors' rules (``scoring="authors"``;
+the keys keep the name the mode had when the first rows were written) and "authors" their own code.
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def eval_cases(questions: int, authors: Authors | None) -> list[dict[str, Any]]:
     from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
-    from aepo_engine.evaluation.reference import reference_task
+    from aepo_engine.evaluation.authors import authors_task
     from aepo_engine.evaluation.scoring import score_response
 
     cases = []
@@ -203,11 +205,11 @@ def eval_cases(questions: int, authors: Authors | None) -> list[dict[str, Any]]:
             variants = eval_variants(golds[i], golds[(i + 1) % len(golds)], e.ground_truth, eval_set.check)
             for variant, kind, response in variants:
                 engine = score_response(response, e.ground_truth, eval_set.check)
-                reference = score_response(response, e.ground_truth, eval_set.check, scoring="reference",
+                reference = score_response(response, e.ground_truth, eval_set.check, scoring="authors",
                                            gold=e.meta["gold"])
                 case = {"set": name, "variant": variant, "kind": kind, "engine": engine, "reference": reference}
                 if authors is not None:
-                    case["authors"] = authors.eval_scores(response, e.meta["gold"], reference_task(eval_set.check))
+                    case["authors"] = authors.eval_scores(response, e.meta["gold"], authors_task(eval_set.check))
                 cases.append(case)
     return cases
 
@@ -226,7 +228,7 @@ def reward_cases(rows_per_set: int, authors: Authors | None) -> list[dict[str, A
             for variant, kind, response in reward_variants(gold, golds[(i + 1) % len(golds)]):
                 case = {"set": name, "variant": variant, "kind": kind,
                         "engine": deep_research(response, gold).score,
-                        "reference": deep_research(response, gold, rules="reference").score}
+                        "reference": deep_research(response, gold, rules="authors").score}
                 if authors is not None:
                     case["authors"] = authors.reward_score(response, gold)
                 cases.append(case)

@@ -25,11 +25,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from aepo_engine.provenance import git_commit
 
 RESULTS = Path(__file__).resolve().parent / "results" / "task_entropy.jsonl"
 
@@ -151,8 +152,7 @@ def main() -> None:
                         help="the warm-started model or the latest RL checkpoint's")
     parser.add_argument("--write", action="store_true", help=f"append the rows to {RESULTS}")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = git_commit(__file__)
     for run_dir in args.run_dirs:
         t0 = time.perf_counter()
         row = measure(run_dir, args.questions, args.model)

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from aepo_engine.provenance import git_commit
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -36,12 +38,7 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "commit": commit,
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "commit": git_commit(__file__),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

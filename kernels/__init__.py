@@ -14,6 +14,9 @@ loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropie
 (clip rules, advantages, aggregation on given log-probs) and ``step_inputs`` (group advantages,
 entropy statistics and normalisers of one optimizer step, in one call).
 
+Rollout trees (``tree_loss``): ``aepo_tree_policy_loss`` / ``fused_linear_aepo_tree_policy_loss``
+take a tree's nodes once and each trajectory token as an ``Occurrences`` entry pointing at its node.
+
 Every entry point checks its inputs (``contract``: dtypes, shapes, labels in range, masks as
 weights >= 0; ``shift_labels`` has no default). Options for other trainers (keywords of both loss
 functions, declared once in ``LossOptions``): ``token_weights`` (IS weights),
@@ -25,6 +28,7 @@ from .api import AEPOLoss, LossOptions, aepo_policy_loss, fused_linear_aepo_poli
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
 from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
 from .logits_ops import BACKENDS, logprob_entropy
+from .tree_loss import Occurrences, aepo_tree_policy_loss, fused_linear_aepo_tree_policy_loss
 from .policy_loss import (
     aggregate,
     apply_token_weights,
@@ -37,7 +41,7 @@ from .policy_loss import (
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "LossOptions",
-    "StepInputs", "aepo_policy_loss",
+    "Occurrences", "StepInputs", "aepo_policy_loss", "aepo_tree_policy_loss", "fused_linear_aepo_tree_policy_loss",
     "aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
     "group_advantages", "logprob_entropy", "policy_loss_from_logprobs", "step_inputs",

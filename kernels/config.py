@@ -26,7 +26,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
 # language, fused into its own row pass. (1) reference.token_loss_reference (the oracle, literal
 # maths, autograd); (2) policy_loss.clipped_token_loss (autograd, for given log-probs);
 # (3) one_pass.token_head (explicit derivatives, compiled torch path); (4) triton_kernels._token_head;
-# (5) token_head in the native C kernel (kernels/native/one_pass_rows.c). The kernels receive a rule
+# (5) token_head in the native C kernel (kernels/csrc/one_pass_rows.c). The kernels receive a rule
 # as its index in this tuple. A new rule goes into all five: tests/test_kernels_clip_rules.py
 # checks every implementation against the reference for every rule listed here.
 CLIP_RULES: tuple[str, ...] = ("ppo", "aepo", "gppo", "cispo")

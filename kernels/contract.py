@@ -2,9 +2,10 @@
 
 Every public function that takes logits or hidden states (:func:`aepo_kernels.aepo_policy_loss`,
 :func:`aepo_kernels.fused_linear_aepo_policy_loss`, :func:`aepo_kernels.logprob_entropy`,
-:func:`aepo_kernels.fused_linear_logprob_entropy`) or per-token log-probs
-(:func:`aepo_kernels.policy_loss_from_logprobs`, which the TRL and verl integrations call) checks
-its arguments here before any work. A refusal names the function, the argument, what was given
+:func:`aepo_kernels.fused_linear_logprob_entropy`, the tree losses of :mod:`aepo_kernels.tree_loss`)
+or per-token log-probs (:func:`aepo_kernels.policy_loss_from_logprobs`, which the TRL and verl
+integrations call) checks its arguments here before any work. A refusal names the function, the
+argument, what was given
 and what is expected, in the caller's own shapes (never the internally flattened ones).
 
 Two kinds of check:

@@ -51,6 +51,7 @@ _ARGTYPES = (
     + [ctypes.c_void_p] * 7  # labels, old, adv, weight, ref, mean_std, rows_out
     + [ctypes.c_int64] * 5  # r0, r1, n_rows, seq_len, vocab
     + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # inv_t, ignore_index, hp, scratch
+    + [ctypes.c_void_p]  # adv_neg: the second advantage column, or NULL
 )
 
 _lock = threading.Lock()
@@ -175,6 +176,7 @@ def native_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t
     keep = [labels.reshape(n_rows).to(torch.int64).contiguous(), flat(inputs.old_logprobs),
             flat(inputs.advantages), flat(inputs.weight), flat(inputs.ref_or_old),
             torch.stack([inputs.entropy_mean.reshape(()), inputs.entropy_std.reshape(())]).to(torch.float32)]
+    adv_neg = None if inputs.advantages_neg is None else flat(inputs.advantages_neg)
     hp = hyper_params(config, inputs.ref_logprobs is not None, torch.float32, "cpu")
     threads = max(1, min(torch.get_num_threads(), n_rows, (n_rows * vocab) // _MIN_ELEMS_PER_THREAD or 1))
     scratch = torch.empty(threads, vocab, dtype=torch.float32) if out.data_ptr() == logits.data_ptr() else None
@@ -183,7 +185,8 @@ def native_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t
     tail = (n_rows, seq, vocab, float(inv_t), ignore_index, hp.data_ptr())
 
     def call(k: int, r0: int, r1: int) -> None:
-        lib.aepo_one_pass_rows(*common, r0, r1, *tail, None if scratch is None else scratch[k].data_ptr())
+        lib.aepo_one_pass_rows(*common, r0, r1, *tail, None if scratch is None else scratch[k].data_ptr(),
+                               None if adv_neg is None else adv_neg.data_ptr())
 
     bounds = [n_rows * k // threads for k in range(threads + 1)]
     if threads == 1:

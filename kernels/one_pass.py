@@ -64,15 +64,18 @@ from .row_inputs import RowInputs
 # The per-token head: values and explicit derivatives.
 
 
-def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
+def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp, adv_neg=None):
     """Per-token loss ``L_t`` and its derivatives, elementwise over any shape.
 
     Args:
         logp, entropy: current log-probs and entropies (values; their dtype is the math dtype).
         old_logp, adv, ref_logp: per-token inputs (``ref_logp`` is ignored when hp says it is
             absent); ent_mean, ent_std: 0-d statistics. hp: the :func:`aepo_kernels.config.hyper_params` vector.
+        adv_neg: optional second advantage column (a folded tree node, :mod:`aepo_kernels.tree_loss`):
+            the policy-gradient term is evaluated at both and summed; KL and entropy bonus once.
     Returns:
-        ``(loss, d_logp, d_entropy, ratio, shaped_adv, kl)`` -- kl is 0 without reference log-probs.
+        ``(loss, d_logp, d_entropy, ratio, shaped_adv, kl)`` -- kl is 0 without reference log-probs;
+        with ``adv_neg``, ``shaped_adv`` is the sum of both shaped columns.
     The derivatives are those autograd finds for :func:`policy_loss.clipped_token_loss` (+ KL and
     entropy bonus), including the log-ratio clamp's zero gradient outside ``[-c, c]``. All four
     clip rules are evaluated and one is selected: cheap per token, and one compiled graph.
@@ -84,6 +87,27 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
     log_ratio = torch.minimum(torch.maximum(diff, -clamp_c), clamp_c)
     in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)  # torch.clamp passes the gradient here
     ratio = log_ratio.exp()
+    loss, d_logp = _pg_head(shaped, logp, ratio, in_clamp, hp)
+    if adv_neg is not None:
+        shaped_neg = adv_neg * (1 + alpha * (entropy - ent_mean) / std)
+        loss_neg, d_neg = _pg_head(shaped_neg, logp, ratio, in_clamp, hp)
+        loss, d_logp, shaped = loss + loss_neg, d_logp + d_neg, shaped + shaped_neg
+    # k3 KL: reported whenever reference log-probs are given, in the loss when kl_coef != 0.
+    zero = torch.zeros_like(ratio)
+    delta = ref_logp - logp
+    e_delta = delta.exp()
+    kl = torch.where(has_ref != 0, e_delta - delta - 1, zero)
+    kl_on = (has_ref != 0) & (kl_coef != 0)
+    loss = torch.where(kl_on, loss + kl_coef * kl, loss)
+    d_logp = torch.where(kl_on, d_logp + kl_coef * (1 - e_delta), d_logp)
+    loss = loss - ent_coef * entropy
+    d_entropy = (-ent_coef).expand_as(loss)
+    return loss, d_logp, d_entropy, ratio, shaped, kl
+
+
+def _pg_head(shaped, logp, ratio, in_clamp, hp):
+    """The policy-gradient term of :func:`token_head` at the shaped advantage ``shaped``: ``(L_pg, dL_pg/dlogp)``."""
+    eps_low, eps_high, dual, _, _, _, _, rule, _ = hp.unbind()
     low, high = 1 - eps_low, 1 + eps_high
     zero = torch.zeros_like(ratio)
     # ppo / aepo / gppo: max(-A r, -A clip(r)), then the dual clip for A < 0.
@@ -109,16 +133,7 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
     is_cispo = rule == 3
     loss = torch.where(is_cispo, -shaped * cispo_weight * logp, loss)
     d_logp = torch.where(is_cispo, -shaped * cispo_weight, d_logp)
-    # k3 KL: reported whenever reference log-probs are given, in the loss when kl_coef != 0.
-    delta = ref_logp - logp
-    e_delta = delta.exp()
-    kl = torch.where(has_ref != 0, e_delta - delta - 1, zero)
-    kl_on = (has_ref != 0) & (kl_coef != 0)
-    loss = torch.where(kl_on, loss + kl_coef * kl, loss)
-    d_logp = torch.where(kl_on, d_logp + kl_coef * (1 - e_delta), d_logp)
-    loss = loss - ent_coef * entropy
-    d_entropy = (-ent_coef).expand_as(loss)
-    return loss, d_logp, d_entropy, ratio, shaped, kl
+    return loss, d_logp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,11 +142,12 @@ def token_head(logp, entropy, old_logp, adv, ref_logp, ent_mean, ent_std, hp):
 # logprob_entropy). Why three functions and not one: docs/benchmarks.md.
 
 
-def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t, tanh_scale=None):
+def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv_t, tanh_scale=None, adv_neg=None):
     """The per-row middle of the pass for a chunk ``z: [R, V]`` with merged stats ``(m, s, t)``:
     returns ``(lse, eu, g_lp, g_h, rows [6, R])``. ``local_labels`` is the target column or -1
     (no target: logp is the constant 0, and the row has no loss and no gradient whatever its
-    weight). ``rows`` stacks ``(logp, H, L_t, ratio, A_t, kl)``."""
+    weight). ``rows`` stacks ``(logp, H, L_t, ratio, A_t, kl)``; ``adv_neg``: the second advantage
+    column or None."""
     acc = m.dtype
     lse, eu = finish_stats(m, s, t)
     valid = local_labels >= 0
@@ -139,7 +155,8 @@ def row_head(z, local_labels, m, s, t, old, adv, weight, ref, mean, std, hp, inv
     logp = torch.where(valid, z_y - lse, torch.zeros_like(lse))
     entropy = lse - eu
     loss, d_logp, d_h, ratio, shaped, kl = token_head(
-        logp, entropy, old.to(acc), adv.to(acc), ref.to(acc), mean.to(acc), std.to(acc), hp)
+        logp, entropy, old.to(acc), adv.to(acc), ref.to(acc), mean.to(acc), std.to(acc), hp,
+        None if adv_neg is None else adv_neg.to(acc))
     weight = torch.where(valid, weight.to(acc), torch.zeros_like(lse))
     g_lp = torch.where(valid, d_logp * weight, torch.zeros_like(d_logp))
     loss = torch.where(valid, loss, torch.zeros_like(loss))
@@ -167,7 +184,7 @@ def torch_one_pass(logits, labels, inputs: RowInputs, config: LossConfig, inv_t:
         stats = fast_chunk_stats(z, inv_t, tanh_scale)
         lse, eu, g_lp, g_h, rows_out[:, b, rows] = fast_row_head(
             z, labels_part, *stats, part.old_logprobs, part.advantages, part.weight, part.ref_or_old,
-            part.entropy_mean, part.entropy_std, hp, inv_t, tanh_scale)
+            part.entropy_mean, part.entropy_std, hp, inv_t, tanh_scale, part.advantages_neg)
         if out is logits:
             fast_chunk_grad_inplace(z, labels_part, lse, eu, g_lp, g_h, inv_t, tanh_scale)
         else:
@@ -298,6 +315,9 @@ one_pass_loss_op.register_autograd(_backward, setup_context=_setup_context)
 def one_pass_loss_traceable(logits, labels, inputs: RowInputs, config: LossConfig, inv_t: float, ignore_index: int,
                             backend: str, tanh_scale: float | None = None):
     """``(loss, rows)`` through :func:`one_pass_loss_op` (what runs under ``torch.compile``)."""
+    if inputs.advantages_neg is not None:
+        raise NotImplementedError("the tree loss's second advantage column is not traced under torch.compile: "
+                                  "call it outside the compiled region")
     ref = inputs.ref_or_old
     loss, rows, _ = one_pass_loss_op(
         logits, labels, inputs.old_logprobs, inputs.advantages, inputs.weight, ref, inputs.entropy_mean,

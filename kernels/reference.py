@@ -124,3 +124,31 @@ def aepo_loss_reference(
         logprobs, entropy, old_logprobs, advantages, loss_mask, config, ref_logprobs=ref_logprobs
     )
     return aggregate_reference(token_loss, loss_mask, config)
+
+
+def tree_loss_reference(
+    node_logits: torch.Tensor,
+    node_labels: torch.Tensor,
+    node_old_logprobs: torch.Tensor,
+    row_nodes: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig = LossConfig(),
+    temperature: float = 1.0,
+    node_ref_logprobs: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """The loss of a rollout tree (:mod:`aepo_kernels.tree_loss`) written as the rows it stands for:
+    row b, position t reads the logits, label and old/reference log-probs of node
+    ``row_nodes[b, t]`` (-1: no target), and :func:`aepo_loss_reference` takes the ``[B, T]`` rows.
+    Nothing is folded: every occurrence is its own row, which is what the fold must equal.
+
+    Args:
+        node_logits: ``[N, V]``; node_labels, node_old_logprobs, node_ref_logprobs: ``[N]``.
+        row_nodes: ``[B, T]`` long; advantages: ``[B]`` or ``[B, T]``; loss_mask: ``[B, T]``.
+    """
+    safe = row_nodes.clamp(min=0)
+    labels = torch.where(row_nodes >= 0, node_labels[safe], torch.full_like(safe, ignore_index))
+    ref = None if node_ref_logprobs is None else node_ref_logprobs[safe]
+    return aepo_loss_reference(node_logits[safe], labels, node_old_logprobs[safe], advantages, loss_mask, config,
+                               temperature, ref_logprobs=ref, ignore_index=ignore_index)

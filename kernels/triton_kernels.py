@@ -27,6 +27,7 @@ available under the interpreter, and one formula on both keeps the tests on the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from .row_inputs import RowInputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The logits dtypes the kernels are compiled and tested for (tests/test_triton_targets.py).
+# The logits dtypes the kernels are compiled and tested for (tests/test_kernels_triton_targets.py).
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -164,14 +165,8 @@ def _logprob_entropy_bwd_kernel(
 
 
 @triton.jit
-def _token_head(logp, entropy, old, adv, ref, mean, std,
-                eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref):
-    """Scalar version of ``one_pass.token_head``: ``(L_t, dL/dlogp, ratio, A_t, kl)``."""
-    std = tl.where(std > 0, std, 1.0)
-    shaped = adv * (1 + alpha * (entropy - mean) / std)
-    diff = logp - old
-    in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)
-    ratio = tl.exp(tl.minimum(tl.maximum(diff, -clamp_c), clamp_c))
+def _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule):
+    """The policy-gradient term at the shaped advantage ``shaped``: ``(L_pg, dL_pg/dlogp)``."""
     low, high = 1 - eps_low, 1 + eps_high
     is_high, is_low = ratio > high, ratio < low
     pg_plain = -shaped * ratio
@@ -191,6 +186,26 @@ def _token_head(logp, entropy, old, adv, ref, mean, std,
     cispo_weight = tl.minimum(tl.maximum(ratio, low), high)
     loss = tl.where(rule == 3, -shaped * cispo_weight * logp, loss)
     d_logp = tl.where(rule == 3, -shaped * cispo_weight, d_logp)
+    return loss, d_logp
+
+
+@triton.jit
+def _shape_and_ratio(logp, entropy, old, adv, mean, std, clamp_c, alpha):
+    """The entropy-aware advantage, the clamped ratio and whether the clamp passes the gradient."""
+    std = tl.where(std > 0, std, 1.0)
+    shaped = adv * (1 + alpha * (entropy - mean) / std)
+    diff = logp - old
+    in_clamp = (diff >= -clamp_c) & (diff <= clamp_c)
+    ratio = tl.exp(tl.minimum(tl.maximum(diff, -clamp_c), clamp_c))
+    return shaped, ratio, in_clamp
+
+
+@triton.jit
+def _token_head(logp, entropy, old, adv, ref, mean, std,
+                eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref):
+    """Scalar version of ``one_pass.token_head``: ``(L_t, dL/dlogp, ratio, A_t, kl)``."""
+    shaped, ratio, in_clamp = _shape_and_ratio(logp, entropy, old, adv, mean, std, clamp_c, alpha)
+    loss, d_logp = _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule)
     delta = ref - logp
     e_delta = tl.exp(delta)
     kl = tl.where(has_ref != 0, e_delta - delta - 1, 0.0)
@@ -200,18 +215,29 @@ def _token_head(logp, entropy, old, adv, ref, mean, std,
     return loss - entropy_coef * entropy, d_logp, ratio, shaped, kl
 
 
-@_SOFTCAP
+@triton.jit
+def _neg_column(logp, entropy, old, adv_neg, mean, std, eps_low, eps_high, dual_clip, clamp_c, alpha, rule):
+    """The second advantage column's policy-gradient term (a folded tree node, ``one_pass.token_head``'s
+    ``adv_neg``): ``(L_pg, dL_pg/dlogp, A_t)``; the ratio as :func:`_token_head` forms it."""
+    shaped, ratio, in_clamp = _shape_and_ratio(logp, entropy, old, adv_neg, mean, std, clamp_c, alpha)
+    loss, d_logp = _pg_head(shaped, logp, ratio, in_clamp, eps_low, eps_high, dual_clip, rule)
+    return loss, d_logp, shaped
+
+
+@triton.heuristics({"SOFTCAP": lambda args: args["tanh_scale"] != 0.0,
+                    "HAS_NEG": lambda args: args["adv_neg_ptr"] is not None})
 @triton.jit(do_not_specialize=["n_rows", "seq_len", "rule", "has_ref"])
 def _aepo_one_pass_kernel(
     logits_ptr, stride_b, stride_t, out_ptr, ostride_b, ostride_t,
     labels_ptr, old_ptr, adv_ptr, weight_ptr, ref_ptr, mean_ptr, std_ptr, rows_ptr,
     n_rows, seq_len, vocab, inv_temperature, tanh_scale, ignore_index,
-    eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref,
-    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr,
+    eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref, adv_neg_ptr,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, HAS_NEG: tl.constexpr,
 ):
     """One program per token row: stats sweep, loss head, gradient sweep (out may alias logits).
 
     Per-token inputs are flat ``[N]`` fp32; ``rows_ptr`` is ``[6, N]``: logp, H, L_t, ratio, A_t, kl.
+    ``adv_neg_ptr``: None, or the second advantage column (``HAS_NEG``; a folded tree node).
     """
     i_row = tl.program_id(0).to(tl.int64)
     i_b, i_t = i_row // seq_len, i_row % seq_len
@@ -228,6 +254,13 @@ def _aepo_one_pass_kernel(
         b_logp, b_entropy, tl.load(old_ptr + i_row), tl.load(adv_ptr + i_row), tl.load(ref_ptr + i_row),
         tl.load(mean_ptr), tl.load(std_ptr),
         eps_low, eps_high, dual_clip, clamp_c, alpha, kl_coef, entropy_coef, rule, has_ref)
+    if HAS_NEG:
+        b_loss_neg, b_dlogp_neg, b_shaped_neg = _neg_column(
+            b_logp, b_entropy, tl.load(old_ptr + i_row), tl.load(adv_neg_ptr + i_row), tl.load(mean_ptr),
+            tl.load(std_ptr), eps_low, eps_high, dual_clip, clamp_c, alpha, rule)
+        b_loss += b_loss_neg
+        b_dlogp += b_dlogp_neg
+        b_shaped += b_shaped_neg
     tl.store(rows_ptr + i_row, b_logp)
     tl.store(rows_ptr + n_rows + i_row, b_entropy)
     tl.store(rows_ptr + 2 * n_rows + i_row, tl.where(valid, b_loss, 0.0))
@@ -344,7 +377,8 @@ def _one_pass_launch(logits, labels, inputs, config, inv_t: float, ignore_index:
             flat(inputs.ref_or_old), inputs.entropy_mean.float().reshape(()), inputs.entropy_std.float().reshape(()),
             rows, n_rows, seq, vocab, inv_t, tanh_scale or 0.0, ignore_index,
             *(float(getattr(config, name)) for name in HYPER_PARAMS),
-            CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None))
+            CLIP_RULES.index(config.clip), int(inputs.ref_logprobs is not None),
+            None if inputs.advantages_neg is None else flat(inputs.advantages_neg))
     return Launch(_aepo_one_pass_kernel, (n_rows,), args, dict(BLOCK_V=block_v, num_warps=num_warps)), rows
 
 
@@ -369,7 +403,8 @@ def triton_one_pass(logits, labels, inputs, config, inv_t: float, ignore_index: 
     returns rows ``[6, B, T]`` fp32 and writes dlogits into ``out`` (may be ``logits``)."""
     _check(logits, labels, out, per_token=dict(
         old_logprobs=inputs.old_logprobs, advantages=inputs.advantages, weight=inputs.weight,
-        ref_logprobs=inputs.ref_logprobs), scalars=dict(entropy_mean=inputs.entropy_mean, entropy_std=inputs.entropy_std))
+        ref_logprobs=inputs.ref_logprobs, advantages_neg=inputs.advantages_neg),
+        scalars=dict(entropy_mean=inputs.entropy_mean, entropy_std=inputs.entropy_std))
     launch, rows = _one_pass_launch(logits, labels, inputs, config, inv_t, ignore_index, out, tanh_scale)
     launch.run()
     return rows
@@ -380,7 +415,7 @@ def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str
     ``meta`` included: nothing runs): dlogits into a new buffer and in place (``out`` is the
     logits, whose layout may differ). :mod:`aepo_kernels.triton_targets` compiles these for GPU
     targets, so its signatures are the launchers' own. A new kernel must be added here
-    (tests/test_triton_targets.py checks that every ``*_kernel`` of this module is)."""
+    (tests/test_kernels_triton_targets.py checks that every ``*_kernel`` of this module is)."""
     batch, seq, vocab = logits.shape
     like = lambda dtype=torch.float32: torch.zeros(batch, seq, dtype=dtype, device=logits.device)  # noqa: E731
     labels = like(torch.int64)
@@ -389,11 +424,14 @@ def example_launches(logits: torch.Tensor, tanh_scale: float | None) -> dict[str
     inputs = RowInputs(like(), like(), like(), scalar, scalar + 1, None)
     new_out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     backward = lambda out: _backward_launch(logits, labels, lse, eu, like(), like(), 1.0, -100, out, tanh_scale)  # noqa: E731
-    one_pass = lambda out: _one_pass_launch(logits, labels, inputs, LossConfig(), 1.0, -100, out, tanh_scale)[0]  # noqa: E731
+    one_pass = lambda out, inputs=inputs: _one_pass_launch(logits, labels, inputs, LossConfig(), 1.0, -100, out,  # noqa: E731
+                                                           tanh_scale)[0]
+    tree_inputs = dataclasses.replace(inputs, advantages_neg=like())  # a folded tree node's two columns
     return {
         "logprob_entropy_fwd": forward,
         "logprob_entropy_bwd": backward(new_out),
         "logprob_entropy_bwd_inplace": backward(logits),
         "aepo_one_pass": one_pass(new_out),
         "aepo_one_pass_inplace": one_pass(logits),
+        "aepo_one_pass_two_columns": one_pass(new_out, tree_inputs),
     }

@@ -343,3 +343,18 @@ def test_gpu_check_on_a_bare_machine_with_the_carried_wheels(tmp_path):
     for name in ("vllm: vllm_generate", "train: train_vllm"):
         assert rows[name]["status"] == "SKIP" and "needs vllm" in rows[name]["detail"], rows[name]
 
+
+def test_the_commit_a_row_records_is_looked_up_in_one_place(tmp_path):
+    """Benchmark rows and the comparison grid's runs get the commit from aepo_engine.provenance,
+    which says "" outside a checkout; no other file asks git for it."""
+    from aepo_engine.provenance import git_commit
+
+    repo = BENCH.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert git_commit() == git_commit(BENCH / "harness.py") == head.stdout.strip() != ""
+    assert git_commit(tmp_path) == ""
+    askers = [str(p.relative_to(repo)) for folder in ("aepo_engine", "bench", "kernels")
+              for p in (repo / folder).rglob("*.py") if "rev-parse" in p.read_text(encoding="utf-8")]
+    assert askers == ["aepo_engine/provenance.py"]

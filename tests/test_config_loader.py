@@ -15,6 +15,7 @@ from aepo_engine.config_loader import (
     format_help,
     load_config,
     loads_config,
+    merge_trees,
     parse_args,
 )
 from aepo_engine.checkpoint import CheckpointConfig
@@ -121,6 +122,18 @@ def test_several_files_merge_in_order(tmp_path):
     (tmp_path / "b.toml").write_text("[optim]\nlr = 3e-5\n")
     cfg = load_config(Top, path=[tmp_path / "a.toml", tmp_path / "b.toml"])
     assert cfg.optim.lr == 3e-5 and cfg.optim.warmup_steps == 3
+
+
+def test_merge_trees_merges_tables_and_replaces_the_rest():
+    """The one deep merge (files, and the eval command's run settings under its own)."""
+    base = {"eval": {"pass_k": [1, 5], "judge": {"url": "http://a/v1", "model": "m"}}, "seed": 1}
+    update = {"eval": {"pass_k": [2], "judge": {"url": "http://b/v1"}}, "tools": {"enabled": ["search"]}}
+    merged = merge_trees(base, update)
+    assert merged == {"eval": {"pass_k": [2], "judge": {"url": "http://b/v1", "model": "m"}}, "seed": 1,
+                      "tools": {"enabled": ["search"]}}
+    assert base["eval"]["judge"]["url"] == "http://a/v1"  # the inputs are not changed
+    merged["tools"]["enabled"] = []
+    assert update["tools"]["enabled"] == ["search"]  # nor shared with the result
 
 
 @pytest.mark.skipif(importlib.util.find_spec("yaml") is None, reason="PyYAML not installed")

@@ -93,8 +93,8 @@ def test_eval_bad_inputs(tmp_path, tiny_model):
         (["--model", str(tmp_path / "missing")], "expected a Hugging Face model folder"),
         (["--model", str(tiny_model), "--data", "no_such_benchmark"], "no_such_benchmark"),
         (["--model", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
-        (["--k", "0"], "every k must be >= 1"),
-        (["--k", "x"], "--eval.k=x"),
+        (["--pass-k", "0"], "every pass_k must be >= 1"),
+        (["--pass-k", "x"], "--eval.pass_k=x"),
         (["--backend.kind=bogus"], "expected one of 'hf', 'vllm'"),
         (["--no_such_option", "1"], "unknown key 'no_such_option'"),
     ]

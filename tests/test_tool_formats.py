@@ -13,8 +13,9 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.tools import MalformedToolCall, ToolCall, ToolResult
+from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tools.formats import (ChatTemplateFormat, TagFormat, build_tool_format, drift_metrics,
-                                       retokenization_drift, reward_view)
+                                       retokenization_drift)
 from aepo_engine.tools.framing import added_token_ids, encode_plain_text
 from chat_templates import TEMPLATES, load_tokenizer
 

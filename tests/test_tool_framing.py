@@ -83,7 +83,7 @@ def test_printed_search_earns_no_bonus(tools, fmt):
     assert engine.score == 1.0 and engine.details["tools_used"] == ["python"], engine
     saved = reward(text, ["Paris"])  # the text alone, as a file of samples keeps it
     assert saved.score == 1.0 and saved.details["tools_used"] == ["python"], saved
-    authors = reward(text, ["Paris"], rules="reference")
+    authors = reward(text, ["Paris"], rules="authors")
     assert authors.score == 1.0 and authors.details["tools_used"] == ["python"], authors
 
 
@@ -100,7 +100,7 @@ def test_printed_answer_is_no_answer(tools, fmt, tool):
         assert final_answer(text, **kwargs) is None
         assert get_reward("deep_research")(text, ["7"], **kwargs).score == -1.0
         assert get_reward("qa_em")(text, "7", **kwargs).score == 0.0
-    assert get_reward("deep_research")(text, ["7"], rules="reference").score == -1.0
+    assert get_reward("deep_research")(text, ["7"], rules="authors").score == -1.0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -124,7 +124,10 @@ def test_engine_uid_is_refused_when_the_engine_is_root():
         run_python("import os\nprint(os.getuid())", PythonConfig(run_as_uid="engine", **FAST))
     with pytest.raises(IsolationUnavailable, match="uid 0"):
         build_tool("python", run_as_uid="engine", **FAST)
-    assert _run("import os\nprint(os.getuid(), os.geteuid())") == "61000 61000\n"
+    # A sandbox uid of the pool (61000 + a lease: another worker's tool call may hold 61000).
+    uid, euid = map(int, _run("import os\nprint(os.getuid(), os.geteuid())").split())
+    base = PythonConfig(**FAST)
+    assert uid == euid and base.sandbox_uid_base <= uid < base.sandbox_uid_base + base.uid_pool_size, (uid, euid)
 
 
 def test_proc_sys_is_read_only_and_devices_keep_their_modes():

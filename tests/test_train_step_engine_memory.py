@@ -15,6 +15,7 @@ import torch
 from test_policy_worker import make_traj
 
 from aepo_engine.config import TrainConfig
+from aepo_engine.data.examples import Example
 from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.train import Trainer
 
@@ -58,7 +59,8 @@ class RecordingEngine:
 
 class Examples:
     def next_batch(self):
-        return ["q0", "q1"]
+        return [Example(index=i, question=f"q{i}", prompt_messages=None, ground_truth=["a"], data_source="t")
+                for i in range(2)]
 
 
 class Tokenizer:
@@ -94,6 +96,11 @@ def _trainer(events, monkeypatch) -> Trainer:
     trainer.sleeps, trainer.sync_dtype = True, ENGINE_DTYPE
     trainer.sampler, trainer.tokenizer, trainer.logger = Examples(), Tokenizer(), Logger()
     monkeypatch.setattr(Trainer, "_rollout_and_score", _rollouts)
+    # The retokenization-drift metric renders the chat template of a real tokenizer (none here);
+    # it records that it saw the step's prompts, which is all this test needs of it.
+    monkeypatch.setattr("aepo_engine.train.drift_metrics",
+                        lambda trajs, chats, fmt: events.append(("drift", len(trajs), len(chats))) or {})
+    trainer.tool_format = None
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     return trainer
 
@@ -104,7 +111,7 @@ def test_the_step_empties_the_cache_before_each_wake_up_and_gathers_in_the_engin
     gathered_and_loaded = [("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3
     assert events == ["sleep", "empty_cache", "compute_logprobs", "update",
                       "empty_cache", ("wake_up", ("weights",)), *gathered_and_loaded,
-                      "empty_cache", ("wake_up", ("kv_cache",))]
+                      "empty_cache", ("wake_up", ("kv_cache",)), ("drift", 4, 2)]
     assert metrics["time/wait_for_ranks"] == 0.25 and metrics["loss/loss"] == 0.5
 
 
@@ -113,4 +120,5 @@ def test_an_engine_that_does_not_sleep_is_not_woken(monkeypatch):
     trainer = _trainer(events, monkeypatch)
     trainer.sleeps = False
     trainer.train_step(0)
-    assert events == ["compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3]
+    assert events == ["compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3,
+                      ("drift", 4, 2)]

@@ -1,11 +1,12 @@
 """Evaluation: benchmarks, sampling with the training rollout's tools, scores, pass@k, an LLM judge,
 reports. The trainer runs this code (:func:`evaluate`, :func:`sample_records`) during training;
-``python -m aepo_engine.eval`` (:mod:`aepo_engine.eval.cli`, a command above the run config, as
-``aepo_engine.train`` is) runs it on a model or a run folder.
+``python -m aepo_engine.eval`` (:mod:`aepo_engine.eval`, the command beside this library as
+``aepo_engine.train`` is beside ``training``, above the run config) runs it on a model or a run
+folder.
 
 Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
 (per-sample scores, pass@k), ``reference`` (the AEPO/ARPO authors' evaluator reproduced, for
-``eval.scoring = "reference"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
+``eval.scoring = "authors"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
 judge), ``report`` (summaries and files). docs/scoring.md
 compares the engine's and the authors' rules.
 """

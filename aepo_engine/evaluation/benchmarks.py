@@ -19,7 +19,7 @@ malformed rows are reported and skipped exactly as in training data):
 
 Each benchmark example keeps its gold as the authors' evaluation loader reads it in
 ``meta["gold"]`` (the raw answer field; for GSM8K the number after ``####`` without commas), which
-``eval.scoring = "reference"`` and the reference judge prompt use.
+``eval.scoring = "authors"`` and the authors' judge prompt use.
 
 Question-only rows get the system prompt of the reference parquet sets (``system_prompt``), so a
 model trained on those sees the format it learned. Chinese sets need nothing special here: token
@@ -34,11 +34,11 @@ from typing import Literal
 import msgspec
 
 from aepo_engine.data import BadRow, DataConfig, Example, load_source, read_source
-from aepo_engine.evaluation.reference import gsm8k_gold
+from aepo_engine.evaluation.authors import gsm8k_gold
 from aepo_engine.rewards.text import reference_answer
 
-__all__ = ["BENCHMARKS", "Benchmark", "EvalSet", "REFERENCE_SYSTEM_PROMPT", "load_eval_source",
-           "resolve_source", "system_message"]
+__all__ = ["AUTHORS_SYSTEM_PROMPT", "BENCHMARKS", "Benchmark", "EvalSet", "load_eval_source", "resolve_source",
+           "system_message"]
 
 AnswerCheck = Literal["qa", "math", "mixed"]
 """How a sample counts as correct: qa = exact match after SQuAD normalisation; math = maths
@@ -47,7 +47,7 @@ equivalence (or exact match); mixed = either (HLE holds both kinds)."""
 # The system prompt of every row of the reference RL parquet sets (rl_datasets/*.parquet), verbatim:
 # "\x08oxed" is a backspace + "oxed", the reference's unescaped "\b" in a Python string. A model
 # trained on those sets learned this exact text, so it is reproduced, not corrected.
-REFERENCE_SYSTEM_PROMPT = (
+AUTHORS_SYSTEM_PROMPT = (
     "You are a helpful assistant that can solve the given question step by step with the help of the wikipedia "
     "search tool and python interpreter tool. Given a question, you need to first think about the reasoning "
     "process in the mind and then provide the answer. During thinking, you can invoke the wikipedia search tool "
@@ -212,7 +212,7 @@ def system_message(system_prompt: str) -> list[dict[str, str]]:
     """The system message ``eval.system_prompt`` names ([] for "none")."""
     if system_prompt == "none":
         return []
-    text = REFERENCE_SYSTEM_PROMPT if system_prompt == "reference" else system_prompt
+    text = AUTHORS_SYSTEM_PROMPT if system_prompt == "authors" else system_prompt
     return [{"role": "system", "content": text}]
 
 

@@ -1,15 +1,17 @@
 """The ``eval`` config section: what to evaluate, how to sample, how to judge.
 
 One section serves both callers: the trainer's in-run evaluation (``eval.files``,
-``eval.every_n_steps``) and ``python -m aepo_engine.eval`` (whose ``--data``, ``--k``, ... are
+``eval.every_n_steps``) and ``python -m aepo_engine.eval`` (whose ``--data``, ``--pass-k``, ... are
 short names of these fields). Defaults live here and nowhere else.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 from aepo_engine.errors import require
-from aepo_engine.rewards.base import RULES
+from aepo_engine.rewards.base import RULES, RULES_RENAMED
 
 __all__ = ["EvalConfig", "JudgeConfig"]
 
@@ -27,10 +29,10 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             429), with exponential backoff; a malformed reply is not retried.
         backoff_s: first backoff; doubles after each retry.
         max_tokens: tokens the judge may write (its verdict is one word); engine prompt only (the
-            reference prompt is sent with the server's default sampling, as the authors sent it).
+            authors' prompt is sent with the server's default sampling, as the authors sent it).
         cache_path: JSONL cache of judgments, keyed by (judge model, the request sent); empty =
             judge_cache.jsonl in the output folder (the trainer: the run's logs).
-        prompt: "engine" (the engine's equivalence prompt, temperature 0) or "reference" (the
+        prompt: "engine" (the engine's equivalence prompt, temperature 0) or "authors" (the
             AEPO/ARPO authors' judge prompt and gold formatting, their string-equivalence shortcut,
             server-default sampling); both parse the verdict strictly (docs/scoring.md).
     """
@@ -44,6 +46,8 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     max_tokens: int = 16
     cache_path: str = ""
     prompt: str = "engine"
+
+    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"prompt": RULES_RENAMED}
 
     def __post_init__(self) -> None:
         require(self.prompt in RULES, f"judge.prompt must be one of {', '.join(RULES)}, got {self.prompt!r}")
@@ -69,18 +73,19 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
             reference data's layout: gaia/, hle/, aime24/, ...); empty: names cannot be used,
             only files (nothing outside the repository is assumed).
         num_questions: questions evaluated per benchmark (the first ones; 0 = all).
-        samples: independent samples per question (n of pass@k); none = the largest k (1 if no k).
-        k: pass@k values reported besides pass@1 (each <= samples); pass@n is always reported.
+        samples: independent samples per question (n of pass@k); none = the largest pass_k (1 if none).
+        pass_k: pass@k values reported besides pass@1 (each <= samples); pass@n is always reported.
+            (Once ``eval.k``; not ``rollout.k``, the trajectories per prompt in training.)
         temperature: sampling temperature of evaluation rollouts.
         top_p: nucleus top-p of evaluation rollouts.
-        system_prompt: system message for question-only benchmarks: "reference" (the tool and
+        system_prompt: system message for question-only benchmarks: "authors" (the tool and
             answer-format instructions of the reference RL parquet sets, so a model trained on them
             is evaluated in the format it learned), "none" (the question alone), or the text itself.
             Rows that carry a chat prompt keep theirs.
         every_n_steps: evaluate during training every n steps (0 = only before and after RL).
         seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws);
             none = derived from the run's root seed (``aepo_engine.seeding``).
-        scoring: "engine" (the engine's answer extraction and scores) or "reference" (the AEPO/ARPO
+        scoring: "engine" (the engine's answer extraction and scores) or "authors" (the AEPO/ARPO
             authors' evaluator reproduced, mistakes included, for numbers comparable with the
             paper's table); both report em, f1, acc (cover match) and math; docs/scoring.md.
         judge: the LLM judge (off by default).
@@ -90,33 +95,37 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     data_root: str = ""
     num_questions: int = 0
     samples: int | None = None
-    k: list[int] = []
+    pass_k: list[int] = []
     temperature: float = 1.0
     top_p: float = 1.0
-    system_prompt: str = "reference"
+    system_prompt: str = "authors"
     every_n_steps: int = 0
     seed: int | None = None
     scoring: str = "engine"
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"k": "pass_k"}
+    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"scoring": RULES_RENAMED, "system_prompt": RULES_RENAMED}
+
     def __post_init__(self) -> None:
         require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")
         require(self.num_questions >= 0, f"num_questions must be >= 0, got {self.num_questions}")
         require(self.samples is None or self.samples >= 1, f"samples must be >= 1, got {self.samples}")
-        require(all(k >= 1 for k in self.k), f"every k must be >= 1, got {self.k}")
-        require(all(k <= self.n_samples for k in self.k),
-                f"k={self.k} asks for pass@k with k > samples={self.n_samples}: pass@k needs at least k samples")
+        require(all(k >= 1 for k in self.pass_k), f"every pass_k must be >= 1, got {self.pass_k}")
+        require(all(k <= self.n_samples for k in self.pass_k),
+                f"pass_k={self.pass_k} asks for pass@k with k > samples={self.n_samples}: "
+                "pass@k needs at least k samples")
         require(self.temperature > 0, "temperature must be > 0 because evaluation samples (no greedy path)")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         require(self.every_n_steps >= 0, f"every_n_steps must be >= 0, got {self.every_n_steps}")
-        require(bool(self.system_prompt.strip()), "system_prompt must be 'reference', 'none' or the text itself")
+        require(bool(self.system_prompt.strip()), "system_prompt must be 'authors', 'none' or the text itself")
 
     @property
     def n_samples(self) -> int:
         """Samples per question: ``samples``, else the largest k, else 1."""
-        return self.samples if self.samples is not None else max(self.k, default=1)
+        return self.samples if self.samples is not None else max(self.pass_k, default=1)
 
     @property
     def pass_ks(self) -> list[int]:
         """The k of every pass@k reported: 1, the asked ones and n, sorted."""
-        return sorted({1, self.n_samples, *self.k})
+        return sorted({1, self.n_samples, *self.pass_k})

@@ -22,9 +22,8 @@ from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.scoring import pass_at_k, score_response
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
-from aepo_engine.rollout.trajectory import Trajectory, decode_response
+from aepo_engine.rollout.trajectory import Trajectory, decode_response, reward_view
 from aepo_engine.seeding import section_seed
-from aepo_engine.tools.formats import reward_view
 
 __all__ = ["eval_rollout_config", "evaluate", "judge_records", "merge_eval_results", "progress_printer", "sample_records",
            "trajectory_record"]
@@ -40,7 +39,7 @@ def eval_rollout_config(rollout_config: RolloutConfig, cfg: EvalConfig) -> Rollo
 
 def trajectory_record(traj: Trajectory, tokenizer: Any, sample: int, tool_format: Any = None) -> dict[str, Any]:
     """The generation side of a sample record: prompt, response (as the reward reads it:
-    ``aepo_engine.tools.formats.reward_view``), where the engine put the tool results in it
+    ``aepo_engine.rollout.trajectory.reward_view``), where the engine put the tool results in it
     (``tool_spans``, what the scores read), tool calls, token counts."""
     response, tool_spans = reward_view(traj, tool_format) if tool_format is not None else decode_response(traj, tokenizer)
     return {
@@ -121,7 +120,7 @@ def progress_printer(total: int, label: str, stream: Any = None) -> Callable[[in
 def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
     """Add ``judge`` = {correct, error, cached, raw, source} to each record; answerless samples are
     judged wrong without a request. The gold as the authors' loader reads it (``meta["gold"]``)
-    goes along for the reference judge prompt."""
+    goes along for the authors' judge prompt."""
     asked = [r for r in records if r.get("answer")]
     for record in records:
         if not record.get("answer"):

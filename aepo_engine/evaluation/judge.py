@@ -4,11 +4,11 @@ chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``ju
 - ``"engine"``: the engine's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
   answer, predicted answer -> "Correct" / "Incorrect"), sent at temperature 0 with
   ``judge.max_tokens``. It is *not* the authors' prompt.
-- ``"reference"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
+- ``"authors"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
   RUC-NLPIR/ARPO, read at commit a95cd08): their prompt text verbatim
-  (:data:`REFERENCE_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
+  (:data:`AUTHORS_JUDGE_PROMPT`, the model input, so it is reproduced, not reworded), the gold as
   their loader reads it (a list shows as its Python text, ``['Frank Lowy']``), the server's default
-  sampling, and their shortcut: when their string equivalence (``eval.reference.is_equiv``) of
+  sampling, and their shortcut: when their string equivalence (``evaluation.authors.is_equiv``) of
   prediction and gold holds, the answer is correct without asking.
 
 Both parse the reply the same strict way (:func:`parse_verdict`); a reply it cannot read is an
@@ -41,12 +41,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from aepo_engine.evaluation.config import JudgeConfig
-from aepo_engine.evaluation.reference import is_equiv
+from aepo_engine.evaluation.authors import is_equiv
 
-__all__ = ["JUDGE_PROMPT", "REFERENCE_JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict"]
+__all__ = ["AUTHORS_JUDGE_PROMPT", "JUDGE_PROMPT", "JudgeUnreachable", "Judgment", "LLMJudge", "parse_verdict",
+           "start_judge"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ Are these answers equivalent? Please respond with "Correct" if they are equivale
 
 # The authors' judge prompt (llm_evaluator_sds.py), verbatim: the judge model's input decides its
 # verdicts, so a comparable number needs the same text.
-REFERENCE_JUDGE_PROMPT = """Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "Correct" if the prediction is correct and "Incorrect" otherwise.
+AUTHORS_JUDGE_PROMPT = """Given a Question and its Golden Answer, verify whether the Predicted Answer is correct. The prediction is correct if it fully aligns with the meaning and key information of the Golden Answer. Respond with "Correct" if the prediction is correct and "Incorrect" otherwise.
 Golden Answer may have multiple options, and matching any one of them is considered correct.
 
 Question: {question}
@@ -93,7 +94,7 @@ class _Transport(Exception):
 class Judgment:
     """One verdict: ``correct`` is None when there is none (``error`` says why).
 
-    ``source`` is "judge" for the model's verdict, "string-equivalence" for the reference prompt's
+    ``source`` is "judge" for the model's verdict, "string-equivalence" for the authors' prompt's
     shortcut (no request).
     """
 
@@ -138,8 +139,8 @@ def labeled_answer(references: Sequence[str]) -> str:
     return str(references[0]) if len(references) == 1 else "any of: " + " | ".join(map(str, references))
 
 
-def reference_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
-    """The reference prompt's golden answer: the gold as the authors' loader reads it (a list is
+def authors_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
+    """The authors' prompt's golden answer: the gold as the authors' loader reads it (a list is
     shown as its Python text by ``str.format``), else the one reference, else the list."""
     if gold is not None:
         return gold
@@ -230,9 +231,9 @@ class LLMJudge:
 
     def _request(self, question: str, references: Sequence[str], prediction: str, gold: Any) -> dict:
         """The chat request for one item under ``judge.prompt`` (module docstring)."""
-        if self.cfg.prompt == "reference":
-            prompt = REFERENCE_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
-                                                   labeled_answer=reference_labeled_answer(references, gold))
+        if self.cfg.prompt == "authors":
+            prompt = AUTHORS_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
+                                                 labeled_answer=authors_labeled_answer(references, gold))
             return {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
         prompt = JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer(references),
                                      predicted_answer=prediction)
@@ -246,13 +247,13 @@ class LLMJudge:
             question: the question text.
             references: the reference answers.
             prediction: the sample's answer.
-            gold: the gold as the authors' loader reads it (reference prompt only; None = from
+            gold: the gold as the authors' loader reads it (the authors' prompt only; None = from
                 ``references``).
 
         Returns:
             The :class:`Judgment`.
         """
-        if self.cfg.prompt == "reference" and is_equiv(prediction, reference_labeled_answer(references, gold)):
+        if self.cfg.prompt == "authors" and is_equiv(prediction, authors_labeled_answer(references, gold)):
             return Judgment(True, source="string-equivalence")
         body = self._request(question, references, prediction, gold)
         key = hashlib.sha256(json.dumps(body, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
@@ -291,3 +292,27 @@ class LLMJudge:
             return []
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="aepo-judge") as pool:
             return list(pool.map(lambda item: self.judge(*item), items))
+
+
+def start_judge(cfg: JudgeConfig, cache_path: str | Path, warn: Callable[[str], None]
+                ) -> tuple[LLMJudge | None, str | None]:
+    """The judge of a run or of the eval command, checked to answer.
+
+    Args:
+        cfg: the judge section; an empty ``cfg.url`` means no judge.
+        cache_path: the judge cache when ``cfg.cache_path`` is empty (the caller's output folder).
+        warn: called with one line when the endpoint does not answer.
+
+    Returns:
+        ``(judge, None)``; ``(None, None)`` when the judge is off; ``(None, why)`` when it is
+        unreachable: the other scores still count, so the caller goes on without it.
+    """
+    if not cfg.url:
+        return None, None
+    judge = LLMJudge(cfg, cfg.cache_path or cache_path)
+    try:
+        judge.check()
+    except JudgeUnreachable as err:
+        warn(f"error: {err}; going on without the judge")
+        return None, str(err)
+    return judge, None

@@ -4,7 +4,7 @@ Columns (one row per dataset, over its questions and their n samples each):
 ``questions``, ``samples`` (n), ``pass@k`` for every reported k (unbiased estimator; pass@1 is the
 mean accuracy over samples; what "correct" means per set and scoring mode is in docs/scoring.md),
 ``em`` / ``f1`` / ``acc`` (cover match) / ``math`` (maths equivalence; mean over samples; the
-paper's number is ``f1`` on QA sets and ``math`` on maths sets under ``eval.scoring = "reference"``),
+paper's number is ``f1`` on QA sets and ``math`` on maths sets under ``eval.scoring = "authors"``),
 ``judge`` (share judged correct among samples with a verdict), ``judge_errors`` (samples without
 one) and ``judge_pass@k`` (pass@k with the judge's verdict as "correct", a sample without a verdict
 counting as wrong), ``calls/<tool>`` (mean calls per sample) and

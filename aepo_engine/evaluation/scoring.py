@@ -18,7 +18,7 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
   ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
   answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
-``"reference"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.reference`):
+``"authors"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
 sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
 
@@ -32,7 +32,7 @@ import re
 from math import comb
 from typing import Any, Sequence
 
-from aepo_engine.evaluation.reference import reference_metrics, reference_prediction, reference_task
+from aepo_engine.evaluation.authors import authors_metrics, authors_prediction, authors_task
 from aepo_engine.rewards.base import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal
@@ -124,12 +124,12 @@ def _engine_scores(response: str, references: list[str], check: str,
     return scores
 
 
-def _reference_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
+def _authors_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
     if gold is None:  # no gold as their loader reads it: one reference is their string form
         gold = references[0] if len(references) == 1 else references
-    task = reference_task(check)
-    answer = reference_prediction(response)
-    scores: dict[str, Any] = {"answer": answer, **reference_metrics(answer, gold, task)}
+    task = authors_task(check)
+    answer = authors_prediction(response)
+    scores: dict[str, Any] = {"answer": answer, **authors_metrics(answer, gold, task)}
     scores["correct"] = bool(scores["math"] if task == "math" else scores["em"])
     return scores
 
@@ -143,8 +143,8 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         references: the ground-truth answers (already cut to the answer part); a bare string or
             number is one reference; an empty list scores 0 everywhere.
         check: "qa", "math" or "mixed".
-        scoring: "engine" or "reference" (``eval.scoring``).
-        gold: for "reference", the gold as the authors' loader reads it (a string, an int, or a
+        scoring: "engine" or "authors" (``eval.scoring``).
+        gold: for "authors", the gold as the authors' loader reads it (a string, an int, or a
             list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
             reference as a string, or the list of several.
         tool_spans: where the engine put the tool results (``decode_response``); the engine's
@@ -159,8 +159,8 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         raise ValueError(f"unknown scoring {scoring!r}: use {', '.join(RULES)}")
     refs = _references(references)
     form = check_format(response, tool_spans)
-    if scoring == "reference":
-        scores = _reference_scores(response, refs, check, gold)
+    if scoring == "authors":
+        scores = _authors_scores(response, refs, check, gold)
     else:
         scores = _engine_scores(response, refs, check, tool_spans)
     return {**scores, "format_ok": form.error is None, "format_error": form.error}

@@ -23,11 +23,11 @@ from typing import Any, Callable
 from aepo_engine.config import TrainConfig
 from aepo_engine.config_loader import ConfigError, loads_config
 from aepo_engine.experiments.grid import RunSpec, setup_differences, setup_of
+from aepo_engine.provenance import git_commit
 from aepo_engine.tasks import SyntheticSetupConfig
 from aepo_engine.tasks.synthetic_setup import SETUP_FILE, build_in_child
 
-__all__ = ["SetupBusy", "build_setup", "git_commit", "is_finished", "link_setup", "run_grid", "run_training",
-           "setup_dir"]
+__all__ = ["SetupBusy", "build_setup", "is_finished", "link_setup", "run_grid", "run_training", "setup_dir"]
 
 SETUP_RETRY_S = 30.0  # how often a set-up another process is building is looked at again
 RUN_INFO = "compare_run.json"
@@ -163,15 +163,6 @@ def _log(message: str) -> None:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def git_commit() -> str:
-    """The commit of the code running the grid (empty outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except OSError:
-        return ""
 
 
 def run_grid(out: Path, specs: list[RunSpec], configs: dict[RunSpec, TrainConfig], jobs: int,

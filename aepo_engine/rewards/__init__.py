@@ -1,7 +1,7 @@
 """Reward functions, looked up by name: ``get_reward("deep_research")(response, ground_truth)``.
 
-Registered: ``deep_research`` (docs/algorithm.md §3; ``rules="reference"`` is the AEPO/ARPO
-authors' reward, :mod:`.reference`), ``qa_em``, ``qa_f1`` and ``math``. Importing this package
+Registered: ``deep_research`` (docs/algorithm.md §3; ``rules="authors"`` is the AEPO/ARPO
+authors' reward, :mod:`.authors`), ``qa_em``, ``qa_f1`` and ``math``. Importing this package
 registers all of them; a new reward is a function decorated with ``@register_reward("name")`` in
 a module imported here. docs/scoring.md compares the engine's and the authors' rules.
 """

@@ -16,12 +16,14 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import msgspec
 
-__all__ = ["RULES", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward", "get_reward",
-           "list_rewards", "as_references"]
+from aepo_engine.plugins import import_user_code
+
+__all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward",
+           "get_reward", "list_rewards", "as_references"]
 
 
 @dataclass(frozen=True)
@@ -89,25 +91,35 @@ def list_rewards() -> list[str]:
 
 
 # Whose scoring rules apply: the engine's own, or the AEPO/ARPO authors' code reproduced
-# ("reference"; docs/scoring.md lists every difference). Shared by reward.rules, eval.scoring and
-# eval.judge.prompt.
-RULES = ("engine", "reference")
+# ("authors"; docs/scoring.md lists every difference). Shared by reward.rules, eval.scoring and
+# eval.judge.prompt. RULES_RENAMED: their old names, still loaded from configs with a warning
+# (config_loader, a section's RENAMED_VALUES).
+RULES = ("engine", "authors")
+RULES_RENAMED = {"reference": "authors"}
 
 
 class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Reward function.
 
     Attributes:
-        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math.
+        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math, or one
+            that ``path`` registers.
+        path: a reward of your own outside the package: a .py file (absolute or relative to the
+            working directory) or an importable module, imported before ``name`` is looked up; its
+            ``@register_reward("name")`` functions join the registry (verl's
+            custom_reward_function.path); empty = the built-in rewards only.
         options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
-        rules: "engine" (the engine's reward rules) or "reference" (the AEPO/ARPO authors' reward
+        rules: "engine" (the engine's reward rules) or "authors" (the AEPO/ARPO authors' reward
             reproduced: <think> required, tags counted anywhere, the bonus for closing tool tags
             anywhere; deep_research only; see docs/scoring.md).
     """
 
     name: str = "deep_research"
+    path: str = ""
     options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
     rules: str = "engine"
+
+    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"rules": RULES_RENAMED}
 
     def __post_init__(self) -> None:
         if self.rules not in RULES:
@@ -122,9 +134,11 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
 
     Raises:
         ValueError: an unknown reward name, an option the reward does not take, or
-            ``rules = "reference"`` for a reward that has no reference version (checked here, not at
+            ``rules = "authors"`` for a reward that has no authors' version (checked here, not at
             the first scored response).
     """
+    if cfg.path:
+        import_user_code(cfg.path, "reward.path")
     try:
         reward = get_reward(cfg.name)
     except KeyError as err:
@@ -139,7 +153,7 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
     if "rules" in inspect.signature(reward).parameters:
         options["rules"] = cfg.rules
     elif cfg.rules != "engine":
-        raise ValueError(f"reward.rules = {cfg.rules!r} needs a reward with a reference version (deep_research); "
+        raise ValueError(f"reward.rules = {cfg.rules!r} needs a reward with an authors' version (deep_research); "
                          f"{cfg.name!r} has none: the authors trained with deep_research only")
     takes_spans = "tool_spans" in inspect.signature(reward).parameters
 

@@ -1,6 +1,6 @@
 """The ``deep_research`` reward of the AEPO reference runs (docs/algorithm.md §3), under the engine's rules
-(``rules="engine"``, the default, below) or the authors' (``rules="reference"``,
-:mod:`aepo_engine.rewards.reference`; the differences are listed in docs/scoring.md).
+(``rules="engine"``, the default, below) or the authors' (``rules="authors"``,
+:mod:`aepo_engine.rewards.authors`; the differences are listed in docs/scoring.md).
 
     score = format_penalty (-1)            if the response is malformed
           = F1 + tool_bonus (0.1)          if F1 > 0 and both <search> and <python> were used
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import RULES, RewardResult, as_references, register_reward
-from .reference import reference_reward
+from .authors import authors_reward
 from .text import ToolSpans, exact_match, extract_boxed, reference_answer, token_f1
 
 __all__ = ["deep_research", "check_format", "FormatCheck"]
@@ -196,8 +196,8 @@ def deep_research(
         tool_bonus: added when F1 > 0 and both search and python were used.
         think_opened_in_prompt: the chat template already wrote ``<think>`` into the prompt
             (Qwen3 thinking mode), so the response starts inside the think block.
-        rules: "engine" (module docstring) or "reference" (the authors' reward,
-            :mod:`aepo_engine.rewards.reference`); ``reward.rules`` in the config.
+        rules: "engine" (module docstring) or "authors" (the authors' reward,
+            :mod:`aepo_engine.rewards.authors`); ``reward.rules`` in the config.
         tool_spans: where the engine put the tool results (module docstring); the authors' rules
             read the text as theirs did and do not use it.
 
@@ -214,8 +214,8 @@ def deep_research(
         response = "<think>" + response
         if tool_spans is not None:
             tool_spans = [(start + len("<think>"), end + len("<think>")) for start, end in tool_spans]
-    if rules == "reference":
-        return reference_reward(response, as_references(ground_truth), format_penalty, tool_bonus)
+    if rules == "authors":
+        return authors_reward(response, as_references(ground_truth), format_penalty, tool_bonus)
     check = check_format(response, tool_spans)
     answer = extract_boxed(check.answer) if check.answer is not None else None
     error = check.error or (None if answer is not None else "no \\boxed{} in <answer>")

@@ -11,7 +11,7 @@ its parent, the tool step it branched at and the consecutive-branch count of its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence
 
 TrajectoryKind = Literal["probe", "global", "branch"]
 """probe: the pre-monitoring trajectory kept as a sample; global: sampled from the bare prompt;
@@ -204,6 +204,42 @@ def decode_response(traj: Trajectory, tokenizer) -> tuple[str, list[tuple[int, i
             spans.append((pos, pos + len(piece)))
         parts.append(piece)
         pos += len(piece)
+    return "".join(parts), spans
+
+
+def reward_view(trajectory: Trajectory, tool_format: Any) -> tuple[str, list[tuple[int, int]]]:
+    """The response as the reward reads it, in the tag format whatever the trajectory's format,
+    with the character spans of the tool results in it (:func:`decode_response`'s contract:
+    rewards read results where the engine put them).
+
+    Tags (``tools.formats.TagFormat``): :func:`decode_response`. Chat template: each call
+    rewritten as ``<tool> payload</tool>`` followed by its result as the tag format's result
+    block, so the task's reward (format checks, tool bonus, answer) applies unchanged. A
+    trajectory that ended on a malformed call ends with an unclosed call tag, which the reward
+    penalizes as it does a broken tag call.
+    """
+    from aepo_engine.tools.formats import TagFormat, trajectory_turns
+    from aepo_engine.tools.framing import format_tool_result
+
+    if isinstance(tool_format, TagFormat):
+        return decode_response(trajectory, tool_format.tokenizer)
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for turn in trajectory_turns(trajectory, tool_format):
+        text, call = turn["text"], turn.get("call")
+        if call is None:
+            parts.append(text)
+            pos += len(text)
+            continue
+        start = tool_format.call_start(text)
+        head = text[:max(start, 0)] + f"<{call.tool}> {call.payload}</{call.tool}>"
+        block = format_tool_result(turn["result"], tool_format.tool_names)
+        parts += [head, block]
+        spans.append((pos + len(head), pos + len(head) + len(block)))
+        pos += len(head) + len(block)
+    if trajectory.finish_reason == "malformed":
+        parts.append(f" <{tool_format.tool_names[0] if tool_format.tool_names else 'search'}>")
     return "".join(parts), spans
 
 

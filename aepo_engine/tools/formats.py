@@ -38,11 +38,11 @@ import re
 from typing import Any, Literal, Protocol, Sequence
 
 from aepo_engine.tools.base import MalformedToolCall, ToolCall
-from aepo_engine.tools.framing import encode_plain_text, encode_tool_result, format_tool_result
+from aepo_engine.tools.framing import encode_plain_text, encode_tool_result
 from aepo_engine.tools.parsing import find_tool_call
 
 __all__ = ["ChatTemplateFormat", "TOOL_ARGUMENTS", "TagFormat", "ToolFormat", "build_tool_format", "encode_in_context",
-           "drift_metrics", "retokenization_drift", "reward_view", "tool_schemas", "trajectory_turns"]
+           "drift_metrics", "retokenization_drift", "tool_schemas", "trajectory_turns"]
 
 ToolFormatName = Literal["tags", "chat_template"]
 
@@ -421,45 +421,6 @@ def retokenization_drift(trajectory: Any, messages: list[dict[str, str]], tool_f
     trained = list(trajectory.prompt_ids) + list(trajectory.response_ids)
     span = rendered[:len(trained)]
     return sum(a != b for a, b in zip(trained, span)) + abs(len(trained) - len(span))
-
-
-# ---------------------------------------------------------------------------------------------
-# What the reward reads
-
-
-def reward_view(trajectory: Any, tool_format: Any) -> tuple[str, list[tuple[int, int]]]:
-    """The response as the reward reads it, in the tag format whatever the trajectory's format,
-    with the character spans of the tool results in it (``rollout.trajectory.decode_response``'s
-    contract: rewards read results where the engine put them).
-
-    Tags: :func:`~aepo_engine.rollout.trajectory.decode_response`. Chat template: each call
-    rewritten as ``<tool> payload</tool>`` followed by its result as the tag format's result
-    block, so the task's reward (format checks, tool bonus, answer) applies unchanged. A
-    trajectory that ended on a malformed call ends with an unclosed call tag, which the reward
-    penalizes as it does a broken tag call.
-    """
-    from aepo_engine.rollout.trajectory import decode_response
-
-    if isinstance(tool_format, TagFormat):
-        return decode_response(trajectory, tool_format.tokenizer)
-    parts: list[str] = []
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for turn in trajectory_turns(trajectory, tool_format):
-        text, call = turn["text"], turn.get("call")
-        if call is None:
-            parts.append(text)
-            pos += len(text)
-            continue
-        start = tool_format.call_start(text)
-        head = text[:max(start, 0)] + f"<{call.tool}> {call.payload}</{call.tool}>"
-        block = format_tool_result(turn["result"], tool_format.tool_names)
-        parts += [head, block]
-        spans.append((pos + len(head), pos + len(head) + len(block)))
-        pos += len(head) + len(block)
-    if trajectory.finish_reason == "malformed":
-        parts.append(f" <{tool_format.tool_names[0] if tool_format.tool_names else 'search'}>")
-    return "".join(parts), spans
 
 
 def drift_metrics(trajectories: Sequence[Any], prompt_messages: Sequence[list[dict[str, str]]],

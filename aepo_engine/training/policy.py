@@ -60,22 +60,27 @@ from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
 from aepo_engine.errors import require
-from aepo_engine.training import counterfactual
+from aepo_engine.training import counterfactual, tree_attention
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.optim import OptimConfig, build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
+from aepo_engine.training.tree import (TreeInputs, TreeMicroBatch, logprob_keys, shard_groups, tree_micro_batches,
+                                      update_keys)
 from aepo_kernels import (
     LossConfig,
+    Occurrences,
     aepo_policy_loss,
+    aepo_tree_policy_loss,
     apply_token_weights,
     entropy_moments,
     entropy_stats_from_moments,
     fused_linear_aepo_policy_loss,
+    fused_linear_aepo_tree_policy_loss,
     fused_linear_logprob_entropy,
     logprob_entropy,
 )
 
-__all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker"]
+__all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker", "TreeLossInputs"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per-call statistics of the loss that are token means (re-weighted by tokens).
@@ -140,6 +145,14 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and AEPO's clip and with the entropy-aware advantage on and off, from the log-probs and
             entropies the loss already computed (``training.counterfactual``; no model pass). Needs
             the batch's old-policy entropies (``compute_logprobs``); without them it is skipped.
+        tree_batches: "on": the log-prob pass and the update run on each prompt group's rollout
+            tree (``training.tree``): every shared prefix (the prompt, a branch's inherited tokens)
+            is one set of positions, attended to through the tree attention
+            (``training.tree_attention``; it replaces attn_implementation and pack_sequences), and
+            the loss folds each node's occurrences (``aepo_kernels.tree_loss``); the same gradients
+            as the rows. Ranks get whole groups; micro-batches are whole groups, up to
+            micro_batch_max_tokens tree nodes (or micro_batch_size rows). "off": one row per
+            trajectory. Measured, and what is left out: docs/trees.md.
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -159,6 +172,12 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attn_implementation: Literal["sdpa", "eager", "varlen", "flash_attention_2"] = "sdpa"
     pack_sequences: Literal["auto", "on", "off"] = "auto"
     counterfactual_stats: bool = True
+    tree_batches: Literal["on", "off"] = "off"
+
+    @property
+    def trees(self) -> bool:
+        """Whether the passes run on rollout trees (``tree_batches`` resolved)."""
+        return self.tree_batches == "on"
 
     @property
     def packs(self) -> bool:
@@ -214,6 +233,23 @@ class LossInputs:
                                    stats_masks=masks)
 
 
+@dataclasses.dataclass
+class TreeLossInputs:
+    """What the tree loss needs besides the nodes' hidden states (:mod:`aepo_kernels.tree_loss`):
+    per node ``[N]`` the old (and reference) log-probs, per occurrence (label position) where it
+    reads and its advantage / mask / statistics masks, and the mini-batch's normaliser and
+    statistics as for :class:`LossInputs`."""
+
+    old_logprobs: Tensor  # [N]
+    ref_logprobs: Tensor | None  # [N]
+    occurrences: Occurrences  # [M] each
+    global_token_count: Tensor
+    entropy_mean: Tensor | None = None
+    entropy_std: Tensor | None = None
+    stats_masks: dict[str, Tensor] | None = None  # name -> [M]
+    token_rows: bool = False  # also return per-occurrence log-probs and entropies
+
+
 class PolicyModel(nn.Module):
     """An HF causal LM returning per-token ``(logprobs, entropy)`` of ``labels``, or, given
     :class:`LossInputs`, the AEPO loss and its statistics (the FSDP root).
@@ -233,9 +269,14 @@ class PolicyModel(nn.Module):
     def decoder(self) -> nn.Module:
         return getattr(self.hf, self.hf.base_model_prefix)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, loss_inputs: LossInputs | None = None):
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, loss_inputs: LossInputs | None = None,
+                tree: TreeInputs | None = None):
         """Args: ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]``
-        (0 logp at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``."""
+        (0 logp at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``. With ``tree``
+        the other tensors are ignored (pass None) and the forest is the batch: ``(logprobs,
+        entropy)`` ``[N]`` per node, or with :class:`TreeLossInputs` the tree loss."""
+        if tree is not None:
+            return self._tree_forward(tree, loss_inputs)
         if not self.pack:
             hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
             if loss_inputs is not None:
@@ -252,6 +293,31 @@ class PolicyModel(nn.Module):
         logprobs, entropy = self._head(hidden, labels[real][None])  # [1, T] each
         return (logprobs.new_zeros(real.shape).masked_scatter(real, logprobs[0]),
                 entropy.new_zeros(real.shape).masked_scatter(real, entropy[0]))
+
+    def _loss_kwargs(self, inputs: LossInputs | TreeLossInputs) -> dict:
+        """The loss functions' keyword options (both layouts carry these fields)."""
+        return dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
+                    global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
+                    entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks, return_token_loss=inputs.token_rows)
+
+    def _tree_forward(self, tree: TreeInputs, inputs: TreeLossInputs | None):
+        """The forest's nodes as one sequence (depths as position ids, the tree mask); node n's
+        loss row is its token predicted from its parent's hidden state."""
+        hidden = self.decoder(input_ids=tree.tokens, position_ids=tree.depth, attention_mask=None, use_cache=False,
+                              tree_mask=tree.mask).last_hidden_state  # [1, N, D]
+        hidden = hidden[0, tree.parent.clamp(min=0)]  # [N, D]; a root's row has no label
+        if inputs is None:
+            logprobs, entropy = self._head(hidden[None], tree.labels[None])
+            return logprobs[0], entropy[0]
+        head = self.hf.get_output_embeddings()
+        hidden = _in_compute_dtype(hidden)
+        kwargs = self._loss_kwargs(inputs)
+        args = (tree.labels, inputs.old_logprobs, inputs.occurrences)
+        if self.fused:
+            return fused_linear_aepo_tree_policy_loss(hidden, head.weight, *args, bias=head.bias,
+                                                      chunk_bytes=self.chunk_bytes, shift_labels=False, **kwargs)
+        # logits [N, V]; node row n predicts labels[n] (the tree loss refuses shift_labels=True)
+        return aepo_tree_policy_loss(head(hidden), *args, inplace_backward=True, shift_labels=False, **kwargs)
 
     def _head(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         head = self.hf.get_output_embeddings()  # hidden: [B, L, D]; head.weight: [V, D]
@@ -271,10 +337,7 @@ class PolicyModel(nn.Module):
         """The one-pass AEPO loss of ``hidden [B, L, D]`` (gradient computed during this call)."""
         head = self.hf.get_output_embeddings()
         hidden = _in_compute_dtype(hidden)
-        kwargs = dict(config=self.loss_config, temperature=self.temperature, ref_logprobs=inputs.ref_logprobs,
-                      global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
-                      entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks,
-                      return_token_loss=inputs.token_rows)
+        kwargs = self._loss_kwargs(inputs)
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
@@ -282,6 +345,14 @@ class PolicyModel(nn.Module):
         # The head's output is used by nothing else: its buffer can take the gradient.
         logits = head(hidden)  # [B, L, V]
         return aepo_policy_loss(logits, *args, inplace_backward=True, shift_labels=False, **kwargs)
+
+
+def _positions(part: TokenBatch | TreeMicroBatch, packed: bool) -> tuple[int, int]:
+    """``(positions the model computes, non-padding row positions)`` of a micro-batch (host ints)."""
+    if isinstance(part, TreeMicroBatch):
+        return part.forest.num_nodes, int(part.rows.lengths.sum())
+    real = int(part.lengths.sum())
+    return (real if packed else part.input_ids.numel()), real
 
 
 def _in_compute_dtype(hidden: Tensor) -> Tensor:
@@ -326,6 +397,8 @@ class PolicyWorker:
         on_meta = self.use_fsdp and config.sharded_load
         load = build_meta_model if on_meta else load_hf_model
         self.model = load(model_path, config.attn_implementation)
+        if config.trees:
+            self.model.set_attn_implementation(tree_attention.register())
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
@@ -373,6 +446,34 @@ class PolicyWorker:
         with self._autocast():
             return self.policy(micro.input_ids, micro.attention_mask, micro.labels)  # [b, l] x2
 
+    def _tree_forward(self, micro: TreeMicroBatch) -> tuple[Tensor, Tensor]:
+        """``(logprobs, entropy)`` ``[b, l]`` of a tree micro-batch already on ``self.device``: the
+        nodes' values at every label position that reads them."""
+        with self._autocast():
+            logprobs, entropy = self.policy(None, None, None, tree=micro.model_inputs())  # [N] x2
+        return micro.to_rows(logprobs), micro.to_rows(entropy)
+
+    def _shard(self, batch: TokenBatch) -> TokenBatch:
+        """This rank's rows of a global batch: strided rows, or whole groups with tree batches."""
+        if self.config.trees:
+            return shard_groups(batch, self.rank, self.world_size)[0]
+        return batch.shard(self.rank, self.world_size)
+
+    def _parts(self, local: TokenBatch, keys=update_keys) -> tuple[list, int]:
+        """This rank's micro-batches (rows, or :class:`TreeMicroBatch` with tree batches, forests
+        keyed by ``keys``), padded with masked-out ones to the same count on every rank."""
+        if not self.config.trees:
+            return self._micro_batches(local)
+        cfg = self.config
+        by_nodes = cfg.micro_batch_max_tokens
+        parts = tree_micro_batches(local, keys, by_nodes, cfg.micro_batch_size if by_nodes is None else None)
+        real = len(parts)
+        if self.world_size > 1:
+            count = torch.tensor([real], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            parts += [TreeMicroBatch.build(local.rows([0]).masked_out(), keys)] * (int(count) - real)
+        return parts, real
+
     def _micro_batches(self, local: TokenBatch) -> tuple[list[TokenBatch], int]:
         """This rank's micro-batches, padded with masked-out ones to the same count on every rank
         (FSDP collectives run per forward/backward); returns ``(micro_batches, real_count)``."""
@@ -406,23 +507,42 @@ class PolicyWorker:
         """
         self.policy.eval()
         width = batch.input_ids.shape[1]
-        local = batch.shard(self.rank, self.world_size)
-        parts, real = self._micro_batches(local)
-        outs = [self._forward(micro.to(self.device)) for micro in parts][:real]
+        local = self._shard(batch)
+        parts, real = self._parts(local, keys=logprob_keys)
+        forward = lambda m: self._tree_forward(m) if self.config.trees else self._forward(m)  # noqa: E731
+        outs = [forward(micro.to(self.device)) for micro in parts][:real]
         pad = lambda t: nn.functional.pad(t.float(), (0, width - t.shape[1]))  # noqa: E731
         local_out = torch.stack([torch.cat([pad(o[i]) for o in outs]) for i in (0, 1)])  # [2, b, L]
-        logprobs, entropy = self._gather_rows(local_out, batch.num_rows).cpu().unbind(0)
+        gather = self._gather_groups if self.config.trees else self._gather_rows
+        logprobs, entropy = gather(local_out, batch).cpu().unbind(0)
         # no label, no prediction: padding and the last token hold whatever the batch layout gave
         return logprobs, entropy * (batch.labels != IGNORE_INDEX)
 
-    def _gather_rows(self, local: Tensor, num_rows: int) -> Tensor:
+    def _gather_rows(self, local: Tensor, batch: TokenBatch) -> Tensor:
         """Undo :meth:`TokenBatch.shard` (strided rows): ``[2, b, L]`` per rank -> ``[2, B, L]``."""
+        num_rows = batch.num_rows
         if self.world_size == 1:
             return local[:, :num_rows]
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local.contiguous())
         stacked = torch.stack(gathered, dim=2)  # [2, b, W, L]: row j of rank r is global j * W + r
         return stacked.flatten(1, 2)[:, :num_rows]
+
+    def _gather_groups(self, local: Tensor, batch: TokenBatch) -> Tensor:
+        """Undo :func:`shard_groups`: ``[2, b_r, L]`` per rank -> ``[2, B, L]`` (every rank knows
+        every rank's rows: the split depends on the global batch only)."""
+        if self.world_size == 1:
+            return local
+        index = [shard_groups(batch, r, self.world_size)[1] for r in range(self.world_size)]
+        most = max(len(i) for i in index)
+        padded = nn.functional.pad(local, (0, 0, 0, most - local.shape[1]))
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded.contiguous())
+        out = local.new_zeros(2, batch.num_rows, local.shape[2])
+        for rows, part in zip(index, gathered):
+            if rows != [-1]:
+                out[:, rows] = part[:, : len(rows)]
+        return out
 
     # --- update ---------------------------------------------------------------------------------
 
@@ -457,10 +577,12 @@ class PolicyWorker:
 
     def _summarise(self, records: list[dict[str, float]], seconds: float) -> dict[str, float]:
         done = [r for r in records if not r["skipped"]] or records
-        not_averaged = ("tokens", "skipped", "split", "counterfactual")
+        not_averaged = ("tokens", "skipped", "split", "counterfactual", "positions", "row_positions")
         out = {key: sum(r[key] for r in done) / len(done) for key in done[0] if key not in not_averaged}
         out["grad_norm_max"] = max(r["grad_norm"] for r in records)
         out["tokens"] = sum(r["tokens"] for r in records)
+        out["positions"] = sum(r["positions"] for r in records)
+        out["position_ratio"] = out["positions"] / max(1.0, sum(r["row_positions"] for r in records))
         out["skipped_steps"] = float(sum(r["skipped"] for r in records))
         out["optimizer_steps"] = len(records) - out["skipped_steps"]
         out["lr"] = self.scheduler.get_last_lr()[0]
@@ -476,8 +598,8 @@ class PolicyWorker:
 
     def _train_step(self, mini: TokenBatch) -> dict[str, float]:
         """One optimizer step on a global mini-batch; one host sync at the end."""
-        local = mini.shard(self.rank, self.world_size)
-        parts, _ = self._micro_batches(local)
+        local = self._shard(mini)
+        parts, real = self._parts(local)
         moments = self._entropy_moments(local, parts)  # [3] global (sum H, sum H^2, count)
         stats_kwargs = {}
         if self.config.entropy_stats_scope == "global":
@@ -489,10 +611,14 @@ class PolicyWorker:
                            dtype=torch.float64, device=self.device)
         for micro in parts:
             sums += self._micro_step(micro, count, stats_kwargs)
-        self._all_reduce(sums)
+        positions = torch.tensor([sum(_positions(p, self.policy.pack)[i] for p in parts[:real]) for i in (0, 1)],
+                                 dtype=torch.float64, device=self.device)
+        sums = self._all_reduce(torch.cat([sums, positions]))
         grad_norm = self._reduce_and_clip()
         values = torch.cat([sums, grad_norm.reshape(1).double()]).tolist()  # the one host sync
         record = self._finish_step(math.isfinite(values[-1]))
+        record.update(positions=values[-3], row_positions=values[-2])
+        values = values[:-3] + values[-1:]
         record.update(loss=values[0], grad_norm=values[-1], tokens=values[1])
         for i, key in enumerate(TOKEN_MEAN_STATS):
             if key != "kl" or mini.ref_logprobs is not None:
@@ -506,19 +632,24 @@ class PolicyWorker:
                                for j, origin in enumerate(TOKEN_ORIGINS)}
         return record
 
-    def _micro_step(self, micro: TokenBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
+    def _micro_step(self, micro: TokenBatch | TreeMicroBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
         """Forward + backward of one micro-batch; returns its ``[2 + K]`` metric sums (detached)."""
         micro = micro.to(self.device)
-        advantages = _weighted_advantages(micro)
+        rows = micro.rows if isinstance(micro, TreeMicroBatch) else micro
+        advantages = _weighted_advantages(rows)
         if advantages.dim() == 1:
-            advantages = advantages[:, None].expand_as(micro.old_logprobs)
-        masks = None if micro.token_origin is None else {
-            name: micro.token_origin == value for name, value in TOKEN_ORIGINS.items()}
+            advantages = advantages[:, None].expand_as(rows.old_logprobs)
+        masks = None if rows.token_origin is None else {
+            name: rows.token_origin == value for name, value in TOKEN_ORIGINS.items()}
         cf = self._cf_threshold is not None
-        inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count,
-                            **stats_kwargs, stats_masks=masks, token_rows=cf)
-        with self._autocast():
-            loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
+        if isinstance(micro, TreeMicroBatch):
+            loss, stats, token_rows = self._tree_loss(micro, advantages, masks, count, stats_kwargs, cf)
+        else:
+            inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count,
+                                **stats_kwargs, stats_masks=masks, token_rows=cf)
+            with self._autocast():
+                loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
+            token_rows = self._token_rows(micro, stats) if cf else None
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
         weighted = [stats[k].double() * tokens if k in stats else tokens.new_zeros(()) for k in TOKEN_MEAN_STATS]
@@ -526,15 +657,37 @@ class PolicyWorker:
             part = stats[f"num_tokens/{name}"].double()
             weighted += [part, *(stats[f"{k}/{name}"].double() * part for k in SPLIT_STATS)]
         out = torch.stack([loss.detach().double(), tokens, *weighted])
-        return torch.cat([out, self._counterfactual_sums(micro, advantages, masks, stats, stats_kwargs)]) if cf else out
+        if not cf:
+            return out
+        return torch.cat([out, self._counterfactual_sums(rows, advantages, masks, *token_rows, stats_kwargs)])
 
-    def _counterfactual_sums(self, micro: TokenBatch, advantages: Tensor, masks: dict | None, stats: dict,
-                             stats_kwargs: dict) -> Tensor:
-        """:func:`counterfactual.token_sums` of a micro-batch from the per-token rows its loss returned."""
+    def _tree_loss(self, micro: TreeMicroBatch, advantages: Tensor, masks: dict | None, count: Tensor,
+                   stats_kwargs: dict, token_rows: bool):
+        """The tree loss of a micro-batch on the device: ``(loss, stats, (logp, entropy) [b, l] or None)``."""
+        rows, occurs = micro.rows, micro.occurrence  # occurs: [b, l] label positions
+        occurrences = Occurrences(micro.forest.label_node[occurs], advantages[occurs], rows.loss_mask[occurs])
+        ref = None if rows.ref_logprobs is None else micro.node_values(rows.ref_logprobs)
+        inputs = TreeLossInputs(micro.node_values(rows.old_logprobs), ref, occurrences, count, **stats_kwargs,
+                                stats_masks=None if masks is None else {k: m[occurs] for k, m in masks.items()},
+                                token_rows=token_rows)
+        with self._autocast():
+            loss, stats = self.policy(None, None, None, inputs, tree=micro.model_inputs())
+        if not token_rows:
+            return loss, stats, None
+        scatter = lambda t: t.new_zeros(occurs.shape).masked_scatter(occurs, t)  # noqa: E731  [M] -> [b, l]
+        return loss, stats, (scatter(stats["token_logprobs"]), scatter(stats["token_entropy"]))
+
+    def _token_rows(self, micro: TokenBatch, stats: dict) -> tuple[Tensor, Tensor]:
+        """The loss's per-token log-probs and entropies as ``[b, l]`` (unpacked when packed)."""
         logp, entropy = stats["token_logprobs"], stats["token_entropy"]
         if self.policy.pack:  # the loss saw the real tokens as one [1, T] row
             real = micro.attention_mask.bool()
             logp, entropy = (t.new_zeros(real.shape).masked_scatter(real, t[0]) for t in (logp, entropy))
+        return logp, entropy
+
+    def _counterfactual_sums(self, micro: TokenBatch, advantages: Tensor, masks: dict | None, logp: Tensor,
+                             entropy: Tensor, stats_kwargs: dict) -> Tensor:
+        """:func:`counterfactual.token_sums` of a micro-batch from the per-token rows its loss returned."""
         if stats_kwargs:
             mean, std = stats_kwargs["entropy_mean"], stats_kwargs["entropy_std"]
         else:  # micro_batch scope: the loss took this micro-batch's own statistics
@@ -542,7 +695,7 @@ class PolicyWorker:
         return counterfactual.token_sums(logp, entropy, micro.old_logprobs, advantages, micro.loss_mask,
                                          micro.entropy, self._cf_threshold, masks, self.config.loss, mean, std)
 
-    def _entropy_moments(self, local: TokenBatch, parts: list[TokenBatch]) -> Tensor:
+    def _entropy_moments(self, local: TokenBatch, parts: list) -> Tensor:
         """Global ``(sum H, sum H^2, count)`` of the mini-batch's valid tokens (one all-reduce)."""
         if self.config.entropy_stats_scope == "micro_batch":
             entropy = torch.zeros_like(local.loss_mask)  # only the count is used
@@ -551,7 +704,10 @@ class PolicyWorker:
         else:
             with torch.no_grad():
                 parts = [m.to(self.device) for m in parts]
-                moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask) for m in parts)
+                if self.config.trees:
+                    moments = sum(entropy_moments(self._tree_forward(m)[1], m.rows.loss_mask) for m in parts)
+                else:
+                    moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask) for m in parts)
             return self._all_reduce(moments)
         return self._all_reduce(entropy_moments(entropy.to(self.device), local.loss_mask.to(self.device)))
 

@@ -57,15 +57,9 @@ typedef struct {
 static inline float minf(float a, float b) { return a < b ? a : b; }
 static inline float maxf(float a, float b) { return a > b ? a : b; }
 
-/* The per-token head: returns L_t; writes dL/dlogp, the ratio, A_t and the k3 KL. */
-static float token_head(float logp, float entropy, float old, float adv, float ref, float mean, float std,
-                        const hyper_t *h, float *d_logp, float *ratio_out, float *shaped_out, float *kl_out) {
+/* The policy-gradient term at the shaped advantage `shaped`: returns L_pg, writes dL_pg/dlogp. */
+static float pg_head(float shaped, float logp, float ratio, int in_clamp, const hyper_t *h, float *d_out) {
     const int rule = (int)h->rule;
-    const float sd = std > 0 ? std : 1.0f;
-    const float shaped = adv * (1 + h->alpha * (entropy - mean) / sd);
-    const float diff = logp - old;
-    const int in_clamp = diff >= -h->clamp_c && diff <= h->clamp_c;
-    const float ratio = expf(minf(maxf(diff, -h->clamp_c), h->clamp_c));
     const float low = 1 - h->eps_low, high = 1 + h->eps_high;
     const int is_high = ratio > high, is_low = ratio < low;
     const float pg_plain = -shaped * ratio;
@@ -86,6 +80,29 @@ static float token_head(float logp, float entropy, float old, float adv, float r
         const float w = minf(maxf(ratio, low), high);
         loss = -shaped * w * logp;
         d = -shaped * w;
+    }
+    *d_out = d;
+    return loss;
+}
+
+/* The per-token head: returns L_t; writes dL/dlogp, the ratio, A_t and the k3 KL. With a second
+ * advantage column (adv_neg non-NULL: a folded rollout-tree node, aepo_kernels/tree_loss.py) the
+ * policy-gradient term is evaluated at both columns and summed (A_t: the sum); KL and entropy once. */
+static float token_head(float logp, float entropy, float old, float adv, const float *adv_neg, float ref, float mean,
+                        float std, const hyper_t *h, float *d_logp, float *ratio_out, float *shaped_out, float *kl_out) {
+    const float sd = std > 0 ? std : 1.0f;
+    float shaped = adv * (1 + h->alpha * (entropy - mean) / sd);
+    const float diff = logp - old;
+    const int in_clamp = diff >= -h->clamp_c && diff <= h->clamp_c;
+    const float ratio = expf(minf(maxf(diff, -h->clamp_c), h->clamp_c));
+    float d;
+    float loss = pg_head(shaped, logp, ratio, in_clamp, h, &d);
+    if (adv_neg != NULL) {
+        const float shaped_neg = *adv_neg * (1 + h->alpha * (entropy - mean) / sd);
+        float d_neg;
+        loss += pg_head(shaped_neg, logp, ratio, in_clamp, h, &d_neg);
+        d += d_neg;
+        shaped += shaped_neg;
     }
     float kl = 0.0f;
     if (h->has_ref != 0) {
@@ -129,13 +146,14 @@ static void prefault_output(const float *logits, float *out, int64_t ostride_b, 
 /* Rows [r0, r1) of n_rows = batch * seq_len rows. logits/out: row i = (b, t) = (i / seq_len,
  * i % seq_len) at b * stride_b + t * stride_t (elements; unit stride along the vocab); `out` may
  * equal `logits`. Per-token inputs: flat [n_rows] (labels int64, the rest fp32); rows_out:
- * [6, n_rows] = logp, H, L_t, ratio, A_t, kl. scratch: `vocab` floats owned by this call. */
+ * [6, n_rows] = logp, H, L_t, ratio, A_t, kl. scratch: `vocab` floats owned by this call.
+ * adv_neg: NULL, or the second advantage column [n_rows] (see token_head). */
 void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
                         float *out, int64_t ostride_b, int64_t ostride_t,
                         const int64_t *labels, const float *old, const float *adv, const float *weight,
                         const float *ref, const float *mean_std, float *rows_out,
                         int64_t r0, int64_t r1, int64_t n_rows, int64_t seq_len, int64_t vocab,
-                        float inv_t, int64_t ignore_index, const float *hp, float *scratch) {
+                        float inv_t, int64_t ignore_index, const float *hp, float *scratch, const float *adv_neg) {
     hyper_t h;
     memcpy(&h, hp, sizeof h);
     const float mean = mean_std[0], std = mean_std[1];
@@ -164,7 +182,8 @@ void aepo_one_pass_rows(const float *logits, int64_t stride_b, int64_t stride_t,
         const int valid = y != ignore_index && y >= 0 && y < vocab;
         const float logp = valid ? z[y] * inv_t - lse : 0.0f;
         float d_logp, ratio, shaped, kl;
-        const float loss = token_head(logp, entropy, old[i], adv[i], ref[i], mean, std, &h, &d_logp, &ratio, &shaped, &kl);
+        const float loss = token_head(logp, entropy, old[i], adv[i], adv_neg ? adv_neg + i : NULL, ref[i], mean, std,
+                                      &h, &d_logp, &ratio, &shaped, &kl);
         rows_out[i] = logp;
         rows_out[n_rows + i] = entropy;
         rows_out[2 * n_rows + i] = valid ? loss : 0.0f; /* no target: no loss, no gradient */

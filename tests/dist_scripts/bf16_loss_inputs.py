@@ -1,11 +1,13 @@
 """What the loss receives inside a bf16 FSDP2 forward: one on-policy update of a tiny model.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/bf16_loss_inputs.py MODEL_DIR OUT.pt
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/bf16_loss_inputs.py MODEL_DIR OUT.pt [rows|trees]
 
 Every rank records, per micro-batch, the :class:`LossInputs` the worker hands to the FSDP root
 (what the batch holds) and the one the loss received inside the root's forward, and rank r saves
 {"built", "received", "metrics", "counts"} to OUT.pt.rank<r>. ``counts``: the valid tokens of
-each mini-batch, counted on the host (the exact global token count).
+each mini-batch, counted on the host (the exact global token count). ``trees``: the same with
+``policy.tree_batches=on`` (the :class:`TreeLossInputs` reach the tree loss; the occurrences'
+advantages and mask are recorded beside the per-node old log-probs).
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ FIELDS = ("old_logprobs", "advantages", "loss_mask", "global_token_count", "entr
 
 
 def _fields(inputs) -> dict:
-    return {name: getattr(inputs, name).detach().clone() for name in FIELDS}
+    occ = getattr(inputs, "occurrences", None)  # a TreeLossInputs: per-occurrence advantages and mask
+    return {name: getattr(occ if occ is not None and name in ("advantages", "loss_mask") else inputs,
+                          name).detach().clone() for name in FIELDS}
 
 
-def run(model_dir: str, out: str) -> None:
+def run(model_dir: str, out: str, layout: str = "rows") -> None:
     built, received = [], []
 
-    call, loss = policy.PolicyModel.__call__, policy.PolicyModel._loss
+    call, loss, tree_forward = policy.PolicyModel.__call__, policy.PolicyModel._loss, policy.PolicyModel._tree_forward
 
     def recorded_call(self, *args, **kwargs):  # the worker's call: what the batch holds
         if len(args) == 4:
@@ -44,8 +48,15 @@ def run(model_dir: str, out: str) -> None:
         received.append(_fields(inputs))
         return loss(self, hidden, labels, inputs)
 
+    def recorded_tree(self, tree, inputs):  # the tree path's loss, inside the root's forward
+        if inputs is not None:
+            received.append(_fields(inputs))
+        return tree_forward(self, tree, inputs)
+
     policy.PolicyModel.__call__, policy.PolicyModel._loss = recorded_call, recorded_loss
-    config = policy.PolicyConfig(param_dtype="bfloat16", fsdp="on", ppo_mini_batch_size=8, micro_batch_size=8)
+    policy.PolicyModel._tree_forward = recorded_tree
+    config = policy.PolicyConfig(param_dtype="bfloat16", fsdp="on", ppo_mini_batch_size=8, micro_batch_size=8,
+                                 tree_batches="on" if layout == "trees" else "off")
     worker = policy.PolicyWorker(model_dir, config, OptimConfig(lr=1e-3), total_steps=10)
     # 8 prompts x 6 trajectories: > 256 valid tokens per mini-batch (bf16 holds integers to 256 exactly)
     batch = random_batch(vocab_of(model_dir), group_sizes=(6,) * 8, seed=3)
@@ -59,4 +70,4 @@ def run(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2])
+    run(*sys.argv[1:4])

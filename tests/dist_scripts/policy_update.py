@@ -9,6 +9,8 @@ CheckpointManager checkpoint (sharded train state + HF export) goes to OUT.pt_ck
 5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
 ranks get masked-out filler rows); with ``--max-tokens`` the micro-batches are cut by a token
 budget, so ranks run different numbers of real micro-batches (padded to the same count).
+``--tree-batches on``: the rollout-tree layout (policy.tree_batches) on the hand-made tries of
+tests/test_tree_batches.py (ranks get whole groups; 4 groups, mini-batches of 2).
 """
 from __future__ import annotations
 
@@ -46,13 +48,18 @@ class GatherRecorder(TorchDispatchMode):
 
 
 def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "auto",
-        activation_checkpointing: bool = False) -> None:
+        activation_checkpointing: bool = False, tree_batches: str = "off", hand_made: bool = False) -> None:
     """Build the worker, compute log-probs, update once, save the results on rank 0."""
     config = PolicyConfig(param_dtype="float32", ppo_mini_batch_size=2, micro_batch_size=2,
                           micro_batch_max_tokens=max_tokens, fsdp=fsdp,
-                          activation_checkpointing=activation_checkpointing)
+                          activation_checkpointing=activation_checkpointing, tree_batches=tree_batches)
     worker = PolicyWorker(model_dir, config, OPTIM, total_steps=10)
-    batch = random_batch(vocab_of(model_dir), group_sizes=(2, 3, 1, 2, 3), seed=1)
+    if hand_made or tree_batches == "on":
+        from test_tree_batches import hand_made_batch
+
+        batch = hand_made_batch(seed=1)
+    else:
+        batch = random_batch(vocab_of(model_dir), group_sizes=(2, 3, 1, 2, 3), seed=1)
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
     state = worker.full_state_dict()
@@ -90,5 +97,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--fsdp", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--tree-batches", default="off", choices=["on", "off"])
     args = parser.parse_args()
-    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing)
+    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing, args.tree_batches)

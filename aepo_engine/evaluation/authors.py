@@ -1,4 +1,4 @@
-"""The authors' evaluation metrics, reproduced: ``eval.scoring = "reference"``.
+"""The authors' evaluation metrics, reproduced: ``eval.scoring = "authors"``.
 
 Written from our reading of the AEPO/ARPO authors' public evaluation code (github.com/RUC-NLPIR/ARPO,
 read at commit a95cd08: ``evaluation/src/utils.py`` (answer extraction), ``data_loader.py``
@@ -7,7 +7,7 @@ read at commit a95cd08: ``evaluation/src/utils.py`` (answer extraction), ``data_
 ``evaluate_passk.sh`` (which sets are "math" and which "qa")), in our own code. It is checked
 against our reading, not against their code run side by side.
 
-1. The prediction (:func:`reference_prediction`), from the whole response *with* tool results:
+1. The prediction (:func:`authors_prediction`), from the whole response *with* tool results:
    the text between the last ``</answer>`` and the ``<answer>`` before it; if that is non-empty,
    its last ``\\boxed`` (else ``\\fbox``) with braces counted from there (an unclosed one runs to
    the end), unwrapped when it is exactly ``\\boxed{...}``, and then unwrapped once more when
@@ -46,15 +46,15 @@ import re
 from collections import Counter
 from typing import Any
 
-__all__ = ["gsm8k_gold", "is_equiv", "reference_metrics", "reference_normalize", "reference_prediction",
-           "reference_task", "strip_math_string"]
+__all__ = ["authors_metrics", "authors_normalize", "authors_prediction", "authors_task", "gsm8k_gold", "is_equiv",
+           "strip_math_string"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
 _FALLBACK_LINES = 5
 
 
-def reference_task(check: str) -> str:
+def authors_task(check: str) -> str:
     """Their task of a set with answer check ``check``: "math" for maths sets, else "qa" (HLE too)."""
     return "math" if check == "math" else "qa"
 
@@ -93,7 +93,7 @@ def _unbox(box: str) -> str:
     return box
 
 
-def reference_prediction(response: str) -> str:
+def authors_prediction(response: str) -> str:
     """Their prediction of a response (module docstring, rule 1).
 
     Args:
@@ -203,7 +203,7 @@ def is_equiv(first: Any, second: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Metrics.
 
-def reference_normalize(text: Any, remove_articles: bool = False) -> str:
+def authors_normalize(text: Any, remove_articles: bool = False) -> str:
     """Their normalisation (module docstring, rule 3); non-strings are read as ``str()``."""
     text = str(text).lower().strip()
     if remove_articles:
@@ -235,27 +235,27 @@ def _qa_golds(gold: Any) -> list[Any]:
     return [gold]  # an int: theirs raises here; compared as its decimal string
 
 
-def reference_metrics(prediction: str, gold: Any, task: str) -> dict[str, float]:
+def authors_metrics(prediction: str, gold: Any, task: str) -> dict[str, float]:
     """Their ``em``, ``acc``, ``f1`` and ``math`` (math_equal) of one prediction.
 
     Args:
-        prediction: :func:`reference_prediction` of the response.
+        prediction: :func:`authors_prediction` of the response.
         gold: the gold as their loader reads it (a string, an int, or a list of strings).
-        task: "math" or "qa" (:func:`reference_task`).
+        task: "math" or "qa" (:func:`authors_task`).
 
     Returns:
         ``{em, acc, f1, math}``; all 0 for an empty prediction.
     """
     if task not in ("math", "qa"):
-        raise ValueError(f"unknown reference task {task!r}: use math or qa")
+        raise ValueError(f"unknown authors' task {task!r}: use math or qa")
     zero = {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
     if not prediction:
         return zero
     if task == "math":
-        return _pair(reference_normalize(prediction), reference_normalize(gold))
-    pred = reference_normalize(prediction, remove_articles=True)
+        return _pair(authors_normalize(prediction), authors_normalize(gold))
+    pred = authors_normalize(prediction, remove_articles=True)
     scores = dict(zero)
     for item in _qa_golds(gold):
-        for key, value in _pair(pred, reference_normalize(item, remove_articles=True)).items():
+        for key, value in _pair(pred, authors_normalize(item, remove_articles=True)).items():
             scores[key] = max(scores[key], value)
     return scores

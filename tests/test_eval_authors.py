@@ -1,4 +1,4 @@
-"""The reference mode: the AEPO/ARPO authors' evaluator and reward as we read their code
+"""The authors' rules: the AEPO/ARPO authors' evaluator and reward as we read their code
 (RUC-NLPIR/ARPO, commit a95cd08), checked on hand-worked cases, their known mistakes included,
 and on the real gold answers of the shared eval sets."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, load_eval_source
-from aepo_engine.evaluation.reference import (gsm8k_gold, is_equiv, reference_metrics, reference_prediction,
-                                              strip_math_string)
+from aepo_engine.evaluation.authors import (authors_metrics, authors_prediction, gsm8k_gold, is_equiv,
+                                            strip_math_string)
 from aepo_engine.evaluation.scoring import score_response
 from aepo_engine.rewards import RewardConfig, build_reward_fn, get_reward
 
@@ -17,7 +17,7 @@ deep_research = get_reward("deep_research")
 
 
 def ref(response: str, golds, check: str = "qa", gold=None) -> dict:
-    return score_response(response, golds, check, scoring="reference", gold=gold)
+    return score_response(response, golds, check, scoring="authors", gold=gold)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,13 +37,13 @@ def ref(response: str, golds, check: str = "qa", gold=None) -> dict:
     ("<search>q</search><result><answer>\\boxed{Lyon}</answer></result>", "Lyon"),  # tool results count
 ])
 def test_prediction(response, expected):
-    assert reference_prediction(response) == expected
+    assert authors_prediction(response) == expected
 
 
 def test_empty_prediction_falls_back_to_the_last_five_lines():
     response = "l1\n\nl2\nl3\nl4\nl5\nl6\n<answer></answer>"
-    assert reference_prediction(response) == "l3\nl4\nl5\nl6\n<answer></answer>"
-    assert reference_prediction("   ") == ""
+    assert authors_prediction(response) == "l3\nl4\nl5\nl6\n<answer></answer>"
+    assert authors_prediction("   ") == ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,35 +82,35 @@ def test_clean_up_failures_compare_the_raw_strings():
 def test_qa_metrics_hand_worked():
     # Punctuation is kept: "frank lowy." vs "frank lowy": em 0; acc 1 (substring);
     # tokens [frank, lowy.] vs [frank, lowy]: common 1, P = R = 1/2, F1 = 0.5.
-    m = reference_metrics("Frank Lowy.", ["Frank Lowy"], "qa")
+    m = authors_metrics("Frank Lowy.", ["Frank Lowy"], "qa")
     assert (m["em"], m["acc"], m["f1"]) == (0.0, 1.0, 0.5)
     # articles dropped, case folded: exact
-    assert reference_metrics("The Frank Lowy", ["frank lowy"], "qa")["em"] == 1.0
+    assert authors_metrics("The Frank Lowy", ["frank lowy"], "qa")["em"] == 1.0
     # no yes/no rule in their eval F1: [not, yes] vs [yes] -> P = 1/2, R = 1, F1 = 2/3
-    assert reference_metrics("not yes", ["yes"], "qa")["f1"] == pytest.approx(2 / 3)
+    assert authors_metrics("not yes", ["yes"], "qa")["f1"] == pytest.approx(2 / 3)
     # whitespace tokens only: a Chinese answer is one token
-    assert reference_metrics("肖亮", ["肖亮老师"], "qa")["f1"] == 0.0
+    assert authors_metrics("肖亮", ["肖亮老师"], "qa")["f1"] == 0.0
     # an empty gold is in every prediction
-    assert reference_metrics("anything", [""], "qa")["acc"] == 1.0
-    assert reference_metrics("", ["x"], "qa") == {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
+    assert authors_metrics("anything", [""], "qa")["acc"] == 1.0
+    assert authors_metrics("", ["x"], "qa") == {"em": 0.0, "acc": 0.0, "f1": 0.0, "math": 0.0}
 
 
 def test_bracketed_string_gold_is_split_on_commas():
     # HLE's gold "[11,19,22]" (a string) becomes three golds: "19" is an exact match.
-    assert reference_metrics("19", "[11,19,22]", "qa")["em"] == 1.0
-    assert reference_metrics("19", ["[11,19,22]"], "qa")["em"] == 0.0  # a list is not split
-    assert reference_metrics("'a'", "['a', 'b']", "qa")["em"] == 1.0  # quotes are kept
+    assert authors_metrics("19", "[11,19,22]", "qa")["em"] == 1.0
+    assert authors_metrics("19", ["[11,19,22]"], "qa")["em"] == 0.0  # a list is not split
+    assert authors_metrics("'a'", "['a', 'b']", "qa")["em"] == 1.0  # quotes are kept
 
 
 def test_math_metrics_and_correct():
-    m = reference_metrics("x = 5", 5, "math")  # an int gold is read as "5"
+    m = authors_metrics("x = 5", 5, "math")  # an int gold is read as "5"
     assert (m["em"], m["acc"], m["math"]) == (0.0, 1.0, 1.0)
     s = ref("<answer>\\boxed{x = 5}</answer>", ["5"], "math", gold=5)
     assert s["correct"] and s["em"] == 0.0  # "correct" on maths sets is math_equal
     s = ref("<answer>\\boxed{Paris, France}</answer>", ["Paris"], "qa")
     assert not s["correct"] and s["acc"] == 1.0  # ... and em on QA sets
-    with pytest.raises(ValueError, match="unknown reference task"):
-        reference_metrics("x", "x", "mixed")
+    with pytest.raises(ValueError, match="unknown authors' task"):
+        authors_metrics("x", "x", "mixed")
 
 
 def test_mixed_sets_are_qa_sets_for_them():
@@ -126,36 +126,36 @@ def test_gsm8k_gold_loses_its_commas_but_the_prediction_keeps_them(tmp_path):
     (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps(row) + "\n")
     (example,) = load_eval_source("gsm8k", tmp_path).examples
     assert example.ground_truth == ["1,000"] and example.meta["gold"] == "1000"
-    for answer, engine_ok, reference_ok in (("1000", True, True), ("1,000", True, False)):
+    for answer, engine_ok, authors_ok in (("1000", True, True), ("1,000", True, False)):
         response = f"<answer>\\boxed{{{answer}}}</answer>"
         assert score_response(response, example.ground_truth, "math")["correct"] == engine_ok
-        assert ref(response, example.ground_truth, "math", gold=example.meta["gold"])["correct"] == reference_ok
+        assert ref(response, example.ground_truth, "math", gold=example.meta["gold"])["correct"] == authors_ok
 
 
 def test_real_golds_against_themselves(shared_data):
     """Each gold boxed in an answer block: the engine accepts all of them (but one HLE gold with
-    unbalanced braces, which cannot be boxed); the reference rejects exactly its own mistakes:
+    unbalanced braces, which cannot be boxed); the authors' rules reject exactly their own mistakes:
     HLE golds split on commas (4), MATH500 golds whose \\text{} is unwrapped on the prediction side
     only (8), GSM8K golds with thousands commas, which only the gold loses (14)."""
-    expected_reference_misses = {"hle": 4, "math500": 8, "gsm8k": 14}
+    expected_authors_misses = {"hle": 4, "math500": 8, "gsm8k": 14}
     for name in BENCHMARKS:
         if name == "math":
             continue  # not in the shared data
         s = load_eval_source(name, shared_data / "eval")
-        engine = reference = 0
+        engine = authors = 0
         for e in s.examples:
             answer = e.ground_truth[-1]
             if answer.count("{") != answer.count("}"):
                 continue
             response = f"<think>t</think><answer>\\boxed{{{answer}}}</answer>"
             engine += not score_response(response, e.ground_truth, s.check)["correct"]
-            reference += not ref(response, e.ground_truth, s.check, gold=e.meta["gold"])["correct"]
+            authors += not ref(response, e.ground_truth, s.check, gold=e.meta["gold"])["correct"]
         assert engine == 0, name
-        assert reference == expected_reference_misses.get(name, 0), name
+        assert authors == expected_authors_misses.get(name, 0), name
 
 
 # ---------------------------------------------------------------------------------------------
-# The reward (reward.rules = "reference").
+# The reward (reward.rules = "authors").
 
 def dr(answer: str, tools=("search", "python"), think: str = "<think>plan</think>") -> str:
     calls = "".join(f"<{t}>q</{t}> <result>\nout\n</result>" for t in tools)
@@ -163,15 +163,15 @@ def dr(answer: str, tools=("search", "python"), think: str = "<think>plan</think
 
 
 def rr(response: str, gt, **options):
-    return deep_research(response, gt, rules="reference", **options)
+    return deep_research(response, gt, rules="authors", **options)
 
 
-def test_reference_reward_agrees_on_plain_responses():
+def test_authors_reward_agrees_on_plain_responses():
     cases = ((dr("Eiffel Tower"), "the Eiffel Tower"), (dr("the eiffel tower", ("search",)), "Eiffel Tower in Paris"),
              (dr("London"), "Paris"), (dr("New York", ()), ["NYC", "New York City"]))
     for response, gt in cases:
-        engine, reference = deep_research(response, gt), rr(response, gt)
-        assert engine.score == pytest.approx(reference.score) and engine.correct == reference.correct
+        engine, authors = deep_research(response, gt), rr(response, gt)
+        assert engine.score == pytest.approx(authors.score) and engine.correct == authors.correct
 
 
 @pytest.mark.parametrize("response,reason", [
@@ -187,12 +187,12 @@ def test_reference_reward_agrees_on_plain_responses():
     ("<think>t</think><answer>{a} \\boxed{Paris</answer>", "find box error"),  # unclosed box
     ("<think>t</think><answer>\\boxed{a} \\boxed</answer>", "find box error"),  # the last \boxed has no brace
 ])
-def test_reference_reward_format_errors(response, reason):
+def test_authors_reward_format_errors(response, reason):
     result = rr(response, "Paris")
     assert result.score == -1.0 and not result.correct and reason in result.details["format_error"]
 
 
-def test_reference_reward_rules_hand_worked():
+def test_authors_reward_rules_hand_worked():
     # the bonus counts closing tags anywhere, a page quoting "</python>" too: F1 1 + 0.1; the engine
     # counts completed calls (search only here): 1.0
     quoted = "<think>t</think><search>q</search> <result>page: </python></result><answer>\\boxed{Paris}</answer>"
@@ -206,7 +206,7 @@ def test_reference_reward_rules_hand_worked():
     assert rr(boxed_text, "Frank Lowy").score == pytest.approx(0.5)
     assert deep_research(boxed_text, "Frank Lowy").score == 1.0  # the engine unwraps it
     # the yes/no rule, in both
-    for rules in ("engine", "reference"):
+    for rules in ("engine", "authors"):
         assert deep_research(dr("not yes", ()), "yes", rules=rules).score == 0.0
         assert deep_research(dr("yes", ()), "yes", rules=rules).score == 1.0
     # integer ground truth, options and the think opened by the chat template
@@ -219,32 +219,59 @@ def test_reference_reward_rules_hand_worked():
 
 
 def test_reward_rules_config():
-    fn = build_reward_fn(RewardConfig(rules="reference"))
+    fn = build_reward_fn(RewardConfig(rules="authors"))
     assert fn("<answer>\\boxed{Paris}</answer>", ["Paris"]).score == -1.0  # no <think>: theirs is malformed
     assert build_reward_fn(RewardConfig())("<answer>\\boxed{Paris}</answer>", ["Paris"]).score == 1.0
-    with pytest.raises(ValueError, match="reward.rules must be one of engine, reference"):
+    with pytest.raises(ValueError, match="reward.rules must be one of engine, authors"):
         RewardConfig(rules="paper")
     with pytest.raises(ValueError, match="reward.options.rules"):
-        RewardConfig(options={"rules": "reference"})
+        RewardConfig(options={"rules": "authors"})
     with pytest.raises(ValueError, match="deep_research"):
-        build_reward_fn(RewardConfig(name="qa_f1", rules="reference"))
+        build_reward_fn(RewardConfig(name="qa_f1", rules="authors"))
     assert build_reward_fn(RewardConfig(name="qa_f1"))("<answer>Paris</answer>", "Paris").score == 1.0
 
 
 def test_config_fields_load_dump_and_reject():
     from aepo_engine.config import TrainConfig, load_train_config
     from aepo_engine.config_loader import ConfigError, dump_config, loads_config
-    from aepo_engine.eval.cli import expand_aliases
+    from aepo_engine.eval import expand_aliases
 
     default = load_train_config([])
     assert (default.reward.rules, default.eval.scoring, default.eval.judge.prompt) == ("engine",) * 3
-    cfg = load_train_config(["--reward.rules=reference", "--eval.scoring=reference", "--eval.judge.prompt=reference"])
-    assert (cfg.reward.rules, cfg.eval.scoring, cfg.eval.judge.prompt) == ("reference",) * 3
+    cfg = load_train_config(["--reward.rules=authors", "--eval.scoring=authors", "--eval.judge.prompt=authors"])
+    assert (cfg.reward.rules, cfg.eval.scoring, cfg.eval.judge.prompt) == ("authors",) * 3
     assert loads_config(TrainConfig, dump_config(cfg)) == cfg  # the run's config.toml round trip
-    for override, message in (("--reward.rules=paper", "reward.rules must be one of engine, reference"),
-                              ("--eval.scoring=paper", "eval.scoring must be one of engine, reference"),
-                              ("--eval.judge.prompt=paper", "judge.prompt must be one of engine, reference")):
+    for override, message in (("--reward.rules=paper", "reward.rules must be one of engine, authors"),
+                              ("--eval.scoring=paper", "eval.scoring must be one of engine, authors"),
+                              ("--eval.judge.prompt=paper", "judge.prompt must be one of engine, authors")):
         with pytest.raises(ConfigError, match=message):
             load_train_config([override])
-    assert expand_aliases(["--scoring", "reference", "--judge-prompt=reference"]) == [
-        "--eval.scoring=reference", "--eval.judge.prompt=reference"]
+    assert expand_aliases(["--scoring", "authors", "--judge-prompt=authors"]) == [
+        "--eval.scoring=authors", "--eval.judge.prompt=authors"]
+
+
+def test_old_name_reference_still_loads_with_a_warning_naming_authors(tmp_path, capsys):
+    """The authors' rules were once named "reference" (that word now means the kernels' fp32
+    oracle): a config, a saved run's config.toml or an override with the old value loads as
+    "authors", and stderr says the new name once per setting."""
+    from aepo_engine import config_loader
+    from aepo_engine.config import TrainConfig, load_train_config
+    from aepo_engine.config_loader import ConfigError, load_config, loads_config
+
+    config_loader._SAID.clear()
+    path = tmp_path / "old.toml"
+    path.write_text('[reward]\nrules = "reference"\n[eval]\nscoring = "reference"\nsystem_prompt = "reference"\n'
+                    '[eval.judge]\nprompt = "reference"\n')
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.reward.rules, cfg.eval.scoring, cfg.eval.judge.prompt, cfg.eval.system_prompt) == ("authors",) * 4
+    err = capsys.readouterr().err
+    for setting in ("reward.rules", "eval.scoring", "eval.judge.prompt", "eval.system_prompt"):
+        assert err.count(f"warning: {setting} = 'reference' is now called 'authors'") == 1, err
+    assert loads_config(TrainConfig, path.read_text()) == cfg  # a saved run's config.toml
+    assert capsys.readouterr().err == ""  # said once per process
+    assert load_train_config(["--eval.scoring=reference"]).eval.scoring == "authors"  # an override too
+    with pytest.raises(ConfigError, match="eval.scoring must be one of engine, authors, got 'paper'"):
+        load_train_config(["--eval.scoring=paper"])
+    # Python callers get the new name only: the old one is a config file's courtesy.
+    with pytest.raises(ValueError, match="unknown reward rules"):
+        deep_research("<think>t</think><answer>\\boxed{x}</answer>", "x", rules="reference")

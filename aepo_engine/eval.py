@@ -1,6 +1,6 @@
 """``python -m aepo_engine.eval``: pass@k of a model on benchmarks, with the training rollout's tools.
 
-    python -m aepo_engine.eval --model DIR --data gaia hle aime24 --k 5 \\
+    python -m aepo_engine.eval --model DIR --data gaia hle aime24 --pass-k 5 \\
         --data-root /data/arpo/eval --backend vllm --judge-url http://127.0.0.1:8001/v1
 
 ``--model`` is a Hugging Face model folder, a checkpoint (``step_XXXXXX/`` with ``hf_model/``) or a
@@ -10,8 +10,9 @@ the latest embedded-default run (``runs/aepo-default``) on its held-out set.
 
 Options are the fields of :class:`EvalCommandConfig` (``-h`` lists them), from ``--config FILE``
 (TOML/YAML/JSON) and ``--section.key=value`` overrides, plus the short names in ``ALIASES``
-(``--data a b`` and ``--k 1 5`` take several values). ``--dry-run`` checks everything (model,
-data rows, judge endpoint) without generating; ``--list`` lists the benchmarks.
+(``--data a b`` and ``--pass-k 1 5`` take several values). ``--dry-run`` prints the resolved config and
+checks everything (model folder, data rows, the tools' back-ends and sandbox, the backend's
+package, the judge endpoint) without generating; ``--list`` lists the benchmarks.
 
 Output folder (``--out``): ``samples.jsonl`` (one record per sample: prompt, response, tool calls
 with results and latencies, scores, judge verdict), ``summary.{md,csv,json}``, ``judge_cache.jsonl``
@@ -33,13 +34,16 @@ from typing import Any, Sequence
 import msgspec
 
 from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
-from aepo_engine.config_loader import ConfigError, format_help, load_config, pop_option, read_config_file
+from aepo_engine.config_loader import (ConfigError, dump_config, format_help, load_config, merge_trees, pop_option,
+                                      read_config_file)
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.evaluation.core import judge_records, sample_records
+from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge, start_judge
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
 from aepo_engine.files import write_text_atomic
+from aepo_engine.rewards.base import RULES_RENAMED
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed
@@ -84,17 +88,18 @@ class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
 
 # Short command-line names -> config keys. "many" options take several space-separated values.
 ALIASES: dict[str, str] = {
-    "--data": "eval.files", "--data-root": "eval.data_root", "--k": "eval.k", "--samples": "eval.samples",
+    "--data": "eval.files", "--data-root": "eval.data_root", "--pass-k": "eval.pass_k", "--samples": "eval.samples",
     "--temperature": "eval.temperature", "--top-p": "eval.top_p", "--max-questions": "eval.num_questions",
     "--system-prompt": "eval.system_prompt", "--judge-url": "eval.judge.url", "--judge-model": "eval.judge.model",
     "--out": "output_dir", "--output-dir": "output_dir", "--backend": "backend.kind",
     "--scoring": "eval.scoring", "--judge-prompt": "eval.judge.prompt",
+    "--k": "eval.k",  # the old name of --pass-k: the loader says the new one (EvalConfig.RENAMED_KEYS)
 }
-_MANY = {"--data", "--k"}
+_MANY = {"--data", "--pass-k", "--k"}
 
 
 def expand_aliases(argv: Sequence[str]) -> list[str]:
-    """Rewrite ``--data a b`` / ``--k=5`` style short options into ``--eval.files=a,b`` overrides."""
+    """Rewrite ``--data a b`` / ``--pass-k=5`` style short options into ``--eval.files=a,b`` overrides."""
     out, i, argv = [], 0, list(argv)
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -196,13 +201,6 @@ def _default_run_dir() -> Path:
 
 # --- config ----------------------------------------------------------------------------------------
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSource]:
     """The command's config and model: run settings (if the model is a run's) < --config files <
     overrides.
@@ -213,7 +211,7 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
     files, overrides = pop_option(expand_aliases(argv), "--config")
     raw: dict[str, Any] = {}
     for f in files:
-        raw = _merge(raw, read_config_file(f))
+        raw = merge_trees(raw, read_config_file(f))
     probe = load_config(EvalCommandConfig, data=raw, overrides=overrides)
     spec = probe.model
     if not spec:
@@ -228,7 +226,7 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
         base |= {name: msgspec.to_builtins(getattr(run, name)) for name in ("backend", "rollout", "tools", "eval")}
         # The run's held-out set is what its folder is evaluated on unless --data names others.
         base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("every_n_steps", "files")}
-    cfg = load_config(EvalCommandConfig, data=_merge(base, raw), overrides=overrides)
+    cfg = load_config(EvalCommandConfig, data=merge_trees(base, raw), overrides=overrides)
     return cfg, source
 
 
@@ -280,6 +278,9 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
 
 # Fingerprint keys added after output folders were first written, with the value those folders had.
 _FINGERPRINT_SINCE = {"scoring": "engine", "judge_prompt": "engine"}
+# Fingerprint keys whose values were renamed since (the authors' rules were "reference"): an old
+# folder's value is read under its new name, as the config loader reads an old config.
+_FINGERPRINT_RENAMED = {key: RULES_RENAMED for key in ("scoring", "judge_prompt", "system_prompt")}
 
 
 def _fingerprint(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
@@ -327,6 +328,7 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
         (out / SAMPLES_FILE).unlink(missing_ok=True)
     elif run_file.is_file() and (out / SAMPLES_FILE).is_file():
         before = {**_FINGERPRINT_SINCE, **json.loads(run_file.read_text())}
+        before.update({k: names.get(before.get(k), before.get(k)) for k, names in _FINGERPRINT_RENAMED.items()})
         changed = sorted(k for k in fingerprint.keys() | before.keys() if fingerprint.get(k) != before.get(k))
         if changed:
             raise ConfigError(f"{out} holds an evaluation with other settings ({', '.join(changed)} differ): "
@@ -337,27 +339,16 @@ def prepare_output(cfg: EvalCommandConfig, source: ModelSource, out: Path) -> li
 
 # --- running ---------------------------------------------------------------------------------------
 
+def _skipped_line(eval_set: EvalSet) -> str:
+    rows = "; ".join(str(b) for b in eval_set.skipped[:5])
+    more = f" (and {len(eval_set.skipped) - 5} more)" if len(eval_set.skipped) > 5 else ""
+    return f"{eval_set.name}: skipped {len(eval_set.skipped)} rows: {rows}{more}"
+
+
 def _print_skipped(sets: list[EvalSet]) -> None:
     for s in sets:
         if s.skipped:
-            rows = "; ".join(str(b) for b in s.skipped[:5])
-            more = f" (and {len(s.skipped) - 5} more)" if len(s.skipped) > 5 else ""
-            print(f"[data] {s.name}: skipped {len(s.skipped)} rows: {rows}{more}", file=sys.stderr)
-
-
-def _start_judge(cfg: EvalCommandConfig, out: Path) -> tuple[Any, str | None]:
-    """The judge, or (None, why not) when it is off or unreachable (the other scores still count)."""
-    if not cfg.eval.judge.url:
-        return None, None
-    from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
-    judge = LLMJudge(cfg.eval.judge, cfg.eval.judge.cache_path or out / "judge_cache.jsonl")
-    try:
-        judge.check()
-    except JudgeUnreachable as err:
-        print(f"error: {err}; continuing without the judge", file=sys.stderr)
-        return None, str(err)
-    return judge, None
+            print(f"[data] {_skipped_line(s)}", file=sys.stderr)
 
 
 def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
@@ -381,7 +372,8 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     tool_format = build_tool_format(plan.tools.format, tokenizer, plan.tools.enabled)
     # The backend first: a vLLM engine must start before the search index loads numba.
     backend = build_backend(cfg.backend, str(source.model_dir), tokenizer, seed=section_seed(cfg.eval.seed, "eval.seed"))
-    judge, judge_error = _start_judge(cfg, out)
+    judge, judge_error = start_judge(cfg.eval.judge, out / "judge_cache.jsonl",
+                                     warn=lambda line: print(line, file=sys.stderr))
     judge_info = None if judge is None else {"model": judge.model, "prompt": cfg.eval.judge.prompt, "url": judge.base}
     print(f"[eval] {provenance({'scoring': cfg.eval.scoring, 'judge': judge_info})}", flush=True)
     bar = ProgressBar(total, start=len(done), unit="questions")
@@ -422,28 +414,35 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
 
 
 def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
-    """Check the model, the data (rows kept / skipped) and the judge without generating."""
-    print(f"[dry-run] model {source.model_dir}" + (f" (run {source.run_dir})" if source.run_dir else ""))
-    problems = []
+    """Check what the command would use without generating: the model folder, the data (rows kept
+    and skipped), the tools it runs (the trainer's dry-run checks), the backend's package and the
+    judge. Prints the resolved config (stdout) and the findings (stderr); returns 0 or 2."""
+    from aepo_engine.dry_run import DryRunReport, check_backend, check_model_dir, check_tools
+
+    report = DryRunReport()
+    report.notes.append(f"model {source.model_dir}" + (f" (run {source.run_dir})" if source.run_dir else ""))
+    check_model_dir(source.model_dir, report, field="--model")
     try:
         plan = build_plan(cfg, source)
-        for s in plan.sets:
-            print(f"[dry-run] {s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows skipped, "
-                  f"answers checked as {s.check} under {cfg.eval.scoring} scoring")
-        _print_skipped(plan.sets)
     except ConfigError as err:
-        problems.append(str(err))
+        report.problems.append(str(err))
+    else:
+        for s in plan.sets:
+            report.notes.append(f"{s.name}: {len(s.examples)} questions from {s.source}, {len(s.skipped)} rows "
+                                f"skipped, answers checked as {s.check} under {cfg.eval.scoring} scoring")
+            if s.skipped:
+                report.notes.append(_skipped_line(s))
+        check_tools(plan.tools, report)
+    check_backend(cfg.backend, report)
     if cfg.eval.judge.url:
-        from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge
-
         try:
-            print(f"[dry-run] judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")
+            report.notes.append(f"judge {cfg.eval.judge.url}: model {LLMJudge(cfg.eval.judge, os.devnull).check()}")
         except JudgeUnreachable as err:
-            problems.append(str(err))
-    print(f"[dry-run] output folder {output_dir(cfg, source)}")
-    for problem in problems:
-        print(f"problem: {problem}", file=sys.stderr)
-    return 2 if problems else 0
+            report.problems.append(str(err))
+    report.notes.append(f"output folder {output_dir(cfg, source)}")
+    sys.stdout.write(dump_config(cfg))
+    sys.stdout.flush()
+    return report.write(sys.stderr)
 
 
 def list_benchmarks(data_root: str) -> str:
@@ -465,8 +464,8 @@ def main(argv: list[str]) -> dict[str, Any] | None:
     flags = {a for a in argv if a in ("--dry-run", "--list", "-h", "--help")}
     argv = [a for a in argv if a not in flags]
     if flags & {"-h", "--help"}:
-        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items())
-        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--k K ...] "
+        aliases = ", ".join(f"{k} -> --{v}" for k, v in ALIASES.items() if k != "--k")
+        print(format_help(EvalCommandConfig, PROG, usage="[--model DIR] [--data NAME|FILE ...] [--pass-k K ...] "
                           "[--config FILE ...] [--section.key=value ...] [--dry-run] [--list] [--debug]")
               + f"\n\nshort options: {aliases}")
         return None
@@ -481,3 +480,7 @@ def main(argv: list[str]) -> dict[str, Any] | None:
     if result["judge_error"]:
         raise SystemExit(3)
     return result
+
+
+if __name__ == "__main__":
+    main()

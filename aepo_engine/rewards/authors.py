@@ -1,11 +1,11 @@
-"""The authors' training reward, reproduced: ``deep_research(..., rules="reference")``.
+"""The authors' training reward, reproduced: ``deep_research(..., rules="authors")``.
 
 Written from our reading of the AEPO/ARPO authors' public code (github.com/RUC-NLPIR/ARPO, read at
 commit a95cd08: ``ARPO/verl_arpo_entropy/verl/utils/reward_score/deep_research.py``), in our own
 code. It is checked against our reading, not against their code run side by side. The rules, all
 on the raw response text (tool results included, as their verl rollout hands it over):
 
-1. Format (``reference_format_error``), in this order:
+1. Format (``authors_format_error``), in this order:
    - ``<think>`` and ``</think>`` occur equally often, and at least once;
    - ``<answer>`` and ``</answer>`` occur exactly once each, *anywhere*: a web page that quotes
      ``<answer>`` inside a ``<result>`` makes the response malformed;
@@ -46,21 +46,21 @@ from typing import Sequence
 
 from .base import RewardResult
 
-__all__ = ["reference_answer_part", "reference_f1", "reference_format_error", "reference_normalize",
-           "reference_reward", "reference_unbox"]
+__all__ = ["authors_answer_part", "authors_f1", "authors_format_error", "authors_normalize",
+           "authors_reward", "authors_unbox"]
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _YES_NO = ("yes", "no", "noanswer")
 
 
-def reference_normalize(text: str) -> str:
+def authors_normalize(text: str) -> str:
     """Their reward's SQuAD normalisation: lowercase, ASCII punctuation, articles, whitespace."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def reference_f1(prediction: str, references: Sequence[str]) -> float:
+def authors_f1(prediction: str, references: Sequence[str]) -> float:
     """Their reward's F1: the best token F1 over the references, yes/no/noanswer all-or-nothing.
 
     Args:
@@ -70,10 +70,10 @@ def reference_f1(prediction: str, references: Sequence[str]) -> float:
     Returns:
         F1 in [0, 1].
     """
-    pred = reference_normalize(prediction)
+    pred = authors_normalize(prediction)
     best = 0.0
     for reference in references:
-        ref = reference_normalize(reference)
+        ref = authors_normalize(reference)
         if (pred in _YES_NO or ref in _YES_NO) and pred != ref:
             continue
         common = sum((Counter(pred.split()) & Counter(ref.split())).values())
@@ -98,7 +98,7 @@ def _calls_in_order(text: str, tag: str) -> str | None:
     return None
 
 
-def reference_format_error(text: str) -> str | None:
+def authors_format_error(text: str) -> str | None:
     """Their format check (module docstring, rule 1): None when well formed, else the reason."""
     if text.count("<think>") != text.count("</think>"):
         return "<think> </think> not paired"
@@ -119,7 +119,7 @@ def reference_format_error(text: str) -> str | None:
     return None
 
 
-def reference_answer_part(text: str) -> str | None:
+def authors_answer_part(text: str) -> str | None:
     """The text of the first ``<answer>...</answer>`` block of the stripped text, or None."""
     text = text.strip()
     start = text.find("<answer>")
@@ -127,7 +127,7 @@ def reference_answer_part(text: str) -> str | None:
     return text[start + len("<answer>"):end] if end != -1 else None
 
 
-def reference_unbox(block: str) -> str:
+def authors_unbox(block: str) -> str:
     """The answer inside their last box of ``block`` (module docstring, rule 2).
 
     Raises:
@@ -151,8 +151,8 @@ def reference_unbox(block: str) -> str:
     raise ValueError("unclosed \\boxed")
 
 
-def reference_reward(response: str, references: Sequence[str], format_penalty: float,
-                     tool_bonus: float) -> RewardResult:
+def authors_reward(response: str, references: Sequence[str], format_penalty: float,
+                   tool_bonus: float) -> RewardResult:
     """Their ``compute_score`` (module docstring) as a :class:`RewardResult`.
 
     Args:
@@ -165,19 +165,19 @@ def reference_reward(response: str, references: Sequence[str], format_penalty: f
     Returns:
         ``details`` = ``{format_error}`` when malformed, else ``{answer, f1, em, tools_used}``.
     """
-    error = reference_format_error(response)
-    block = reference_answer_part(response) if error is None else None
+    error = authors_format_error(response)
+    block = authors_answer_part(response) if error is None else None
     if error is None and block is None:
         error = "cannot extract answer"
     if error is None:
         try:
-            answer = reference_unbox(block)
+            answer = authors_unbox(block)
         except ValueError as err:
             error = f"find box error: {err}"
     if error is not None:
         return RewardResult(format_penalty, False, {"format_error": error})
-    f1 = reference_f1(answer, references)
-    em = any(reference_normalize(answer) == reference_normalize(ref) for ref in references)
+    f1 = authors_f1(answer, references)
+    em = any(authors_normalize(answer) == authors_normalize(ref) for ref in references)
     tools = sorted(tag for tag in ("python", "search") if f"</{tag}>" in response)
     bonus = tool_bonus if f1 > 0 and len(tools) == 2 else 0.0
     return RewardResult(f1 + bonus, em, {"answer": answer, "f1": f1, "em": float(em), "tools_used": tools})
