@@ -46,7 +46,10 @@ setup(
         # The CPU machine set-up: torch pinned to the local CPU build, triton for the
         # interpreter-mode kernel tests (triton 3.7.1 pairs with torch 2.13).
         "cpu": ["torch==2.13.0", "triton==3.7.1"],
-        "dev": ["pytest", "pytest-benchmark", "pytest-xdist>=3.6"],  # xdist: pytest.ini runs the suite on workers
+        # xdist: pytest.ini runs the suite on workers. tests/conftest.py reads pytest's record of a
+        # test's fixtures and extends xdist's loadgroup scheduler (both private): tested with pytest
+        # 8.4.2, 9.0.3, 9.2.0 and xdist 3.6.1, 3.8.0; the next major versions may change them.
+        "dev": ["pytest>=8.4,<10", "pytest-benchmark", "pytest-xdist>=3.6,<4"],
         # Peers of bench/bench_aepo_loss.py (install beside the pinned torch:
         # pip install -e ".[bench]" -c <(echo torch==2.13.0)).
         "bench": ["liger-kernel", "pytest-benchmark"],

@@ -82,6 +82,12 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             samples its own agentic rollouts (tool calls, HTTP search) and rank 0 alone writes
             checkpoint exports and asks the judge, so a rank may wait long for a slower one:
             hours, not torch's 10-minute NCCL default. Lower it to find a hung rank sooner.
+        torch_threads: CPU threads of torch's intra-op pool in this process
+            (``torch.set_num_threads``, set before the warm start, the policy and the HF backend
+            are built); 0 leaves torch's default (one per core). On a CPU shared with other jobs,
+            1 avoids the threads of one matmul waiting on each other: SmolLM2-135M decode on this
+            2-core machine at load 14 ran 5x faster in wall time and used 7x less CPU time with 1
+            thread than with 2 (bench/results/smollm2_trials.jsonl, docs/experiments.md).
     """
 
     steps: int | None = None
@@ -90,6 +96,7 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1
     collective_timeout_minutes: float = 180.0
+    torch_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 0:
@@ -98,6 +105,8 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             raise ValueError("epochs and prompts_per_step must be >= 1")
         if not self.collective_timeout_minutes > 0:
             raise ValueError(f"collective_timeout_minutes must be > 0, got {self.collective_timeout_minutes}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0 (0 = torch's default), got {self.torch_threads}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (policy versions), got {self.max_staleness}")
 

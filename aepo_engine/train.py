@@ -98,6 +98,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
+        apply_torch_threads(cfg.train.torch_threads)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed(
             datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes")
@@ -496,6 +497,13 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
         **premonitoring_metrics(m_values, [h for s in stats for h in s.h_root], [h for s in stats for h in s.h_tool]),
     }
+
+
+def apply_torch_threads(threads: int) -> None:
+    """``train.torch_threads``: size torch's intra-op pool (0 leaves torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
+        _log(f"[cpu] torch threads: {torch.get_num_threads()}")
 
 
 def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:

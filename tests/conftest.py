@@ -12,10 +12,15 @@ The suite runs on pytest-xdist workers (pytest.ini: ``-n auto --dist loadgroup``
 in one process). :func:`pytest_xdist_auto_num_workers` sizes them to the machine, and
 :func:`pytest_collection_modifyitems` keeps the tests that share an expensive fixture (a module's
 vLLM engine report, the session's finished tiny run) on one worker, so that fixture is still made
-once, and hands out the ``slow`` tests first, so the longest ones do not start last.
+once, and hands out the ``slow`` tests first, so the longest ones do not start last. The groups
+reach xdist's scheduler through a file of their own (:func:`pytest_xdist_make_scheduler`), not
+through the test ids xdist's loadgroup rewrites, which pytest 9.2 no longer lets it do.
 """
 import functools
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # On an xdist worker (pytest.ini), each worker and everything it starts get their share of the
@@ -136,6 +141,81 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# --- The groups' way to xdist's scheduler -----------------------------------------------------
+# xdist's loadgroup has each worker append "@group" to a grouped test's id (item._nodeid), and
+# its scheduler reads the group back from the ids the workers send. pytest 9.2 keeps node ids in
+# another attribute, so that write is silently lost: every test is scheduled on its own and a
+# shared fixture is built once per worker (pytest-xdist issue #1386, open in xdist 3.8.0). Here
+# each worker writes {test id: group} to a file the controller named, before it sends its ids,
+# and the scheduler the controller makes for ``--dist loadgroup`` reads it: no test id is touched,
+# with any pytest. The group is xdist's (its marks' names, sorted, joined by "_").
+
+_GROUPS_FILE = "aepo_xdist_groups_file"  # the key in xdist's workerinput
+_GROUPS_DIR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """On the controller, for each worker it starts: the file that worker writes its groups to."""
+    stash = node.config.stash
+    if _GROUPS_DIR not in stash:
+        stash[_GROUPS_DIR] = tempfile.mkdtemp(prefix="aepo_xdist_groups_")
+    node.workerinput[_GROUPS_FILE] = os.path.join(stash[_GROUPS_DIR], f"{node.gateway.id}.json")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _GROUPS_DIR in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook sends the ids to the controller
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker: write the group of each grouped test, under the id the controller gets."""
+    path = getattr(session.config, "workerinput", {}).get(_GROUPS_FILE)
+    if path is None:
+        return
+    groups = {}
+    for item in session.items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if names:
+            groups[item.nodeid] = "_".join(sorted(names))
+    Path(path).write_text(json.dumps(groups))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (pytest.ini): xdist's loadgroup scheduling with the groups the workers
+    wrote; any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return _group_scheduling()(config, log)
+
+
+@functools.cache
+def _group_scheduling() -> type:
+    """xdist's LoadGroupScheduling taking each test's group from the file its worker wrote
+    (imported here: the verl venv's pytest runs this conftest without xdist)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroupScheduling(LoadGroupScheduling):
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            self.groups: dict[str, str] = {}
+
+        def add_node_collection(self, node, collection) -> None:
+            path = node.workerinput.get(_GROUPS_FILE)
+            if path is not None and os.path.exists(path):
+                self.groups.update(json.loads(Path(path).read_text()))
+            super().add_node_collection(node, collection)
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = self.groups.get(nodeid)
+            return group if group is not None else super()._split_scope(nodeid)
+
+    return FileGroupScheduling
 
 
 @pytest.fixture(scope="session")

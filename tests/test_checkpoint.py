@@ -388,6 +388,13 @@ _FSDP_WORKER = textwrap.dedent("""
     if dist.get_rank() == 0:
         print("LEFT", sorted(p.name for p in manager.root.iterdir()), flush=True)
     dist.destroy_process_group()
+    # The end, without the interpreter's exit: after fully_shard, torch keeps the gloo group alive
+    # past destroy_process_group (its threads still run), so a normal exit tears it down while the
+    # interpreter finalizes and the other rank exits; under the full suite rank 1 once aborted
+    # there ("terminate called without an active exception"), as torch's gloo threads can at
+    # interpreter finalization (pytorch/pytorch PR 179291, abandoned). Everything is written and printed.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 

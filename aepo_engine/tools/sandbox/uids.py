@@ -16,17 +16,22 @@ import fcntl
 import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# Where the uid locks live: a fixed path, not tempfile.gettempdir(). The uids are the machine's,
+# so every engine process must see the same locks whatever its TMPDIR; with the locks under each
+# one's TMPDIR (a batch system sets one per job) two processes leased the same uid and each
+# one's clean-up SIGKILLed the other's running code and deleted its files.
+UID_LOCK_PARENT = "/tmp"
+
 
 class UidLease:
     """Exclusive use of one sandbox uid, held through an flock on a per-uid lock file."""
 
     def __init__(self, base: int, pool_size: int) -> None:
-        lock_dir = Path(tempfile.gettempdir()) / f"aepo_sandbox_uids_{os.geteuid()}"
+        lock_dir = Path(UID_LOCK_PARENT) / f"aepo_sandbox_uids_{os.geteuid()}"
         lock_dir.mkdir(mode=0o700, exist_ok=True)
         info = os.lstat(lock_dir)
         if info.st_uid != os.geteuid() or not os.path.isdir(lock_dir) or os.path.islink(lock_dir):
