@@ -53,18 +53,6 @@ def _run_scenarios(model_dir: str, out_path: str) -> dict:
     stop = backend.tokenizer.decode(first["token_ids"][5:6])
     report["stop_string_used"] = stop
     report["stopped"] = _dump(backend.generate([GenRequest(reqs[0].prompt_ids, 48, (stop,), seed=10, temperature=0.8)]))
-    # 2b. abort: the engine stepped by hand, cut after a few steps (a weight update in asynchronous
-    # training): each request returns the tokens it had, which are its uncut run's first tokens
-    class CutAfter:
-        def __init__(self, n):
-            self.n, self.checks = n, 0
-
-        def is_set(self):
-            self.checks += 1
-            return self.checks > self.n
-
-    report["cut"] = _dump(backend.generate(reqs, abort=CutAfter(6)))
-    report["uncut_with_abort"] = _dump(backend.generate(reqs, abort=CutAfter(10**9)))
     # 3. top_p < 1
     report["top_p"] = _dump(backend.generate([GenRequest(tuple(prompts[1]), 32, seed=7, temperature=1.0, top_p=0.5)]))
     # 4. throughput: 16 requests x 128 tokens (also the EOS check: some of them end at EOS)
@@ -156,20 +144,6 @@ def test_stop_string(run):
     assert out["finish_reason"] == "stop" and out["stop_string"] == rep["stop_string_used"]
     assert 1 <= len(out["token_ids"]) <= 6
     assert out["token_ids"] == full["token_ids"][: len(out["token_ids"])]  # same seed, same prefix
-
-
-def test_abort_returns_each_requests_first_tokens(run):
-    _, rep = run
-    assert all(o["finish_reason"] == "abort" for o in rep["cut"])
-    assert any(cut["token_ids"] for cut in rep["cut"])
-    for cut, full in zip(rep["cut"], rep["plain"]):
-        assert len(cut["token_ids"]) < len(full["token_ids"])  # a few engine steps, not the whole call
-        assert cut["token_ids"] == full["token_ids"][: len(cut["token_ids"])]  # same seed, same prefix
-        torch.testing.assert_close(torch.tensor(cut["logprobs"]), torch.tensor(full["logprobs"][: len(cut["logprobs"])]),
-                                   atol=1e-5, rtol=0)
-    # stepped by hand to the end, the outputs are LLM.generate's
-    assert [o["token_ids"] for o in rep["uncut_with_abort"]] == [o["token_ids"] for o in rep["plain"]]
-    assert [o["finish_reason"] for o in rep["uncut_with_abort"]] == [o["finish_reason"] for o in rep["plain"]]
 
 
 def test_top_p_and_eos(run):

@@ -71,8 +71,10 @@ def test_cpu_memory_plan_terms():
     assert plan.held["autocast's bfloat16 weight copies"] == 2 * p
     assert plan.held["rollout backend weights (bfloat16)"] == 2 * p
     assert plan.held["prefix store (until the weight sync)"] == int(0.5 * GIB)  # capped by kv_cache_gib
-    # 64 rows of 768 + 160 tokens, 30 layers x (K, V) x 192 wide x 2 bytes
-    assert plan.rollout["decode cache (a batch's keys and values)"] == 64 * 928 * 30 * 2 * 192 * 2
+    # 64 rows of the preset's prompt + response tokens, 30 layers x (K, V) x 192 wide x 2 bytes
+    row = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    assert row == 768 + 128
+    assert plan.rollout["decode cache (a batch's keys and values)"] == 64 * row * 30 * 2 * 192 * 2
     assert plan.peak == sum(plan.held.values()) + max(sum(plan.rollout.values()), sum(plan.update.values()))
     fp32 = plan_cpu_memory(load_train_config(["--preset", "smollm2", "--model.path=/m", "--backend.dtype=float32",
                                               "--policy.param_dtype=float32"]), shape)

@@ -95,6 +95,7 @@ def _trainer(events, monkeypatch) -> Trainer:
     trainer.policy, trainer.backend = RecordingPolicy(events), RecordingEngine(events)
     trainer.sleeps, trainer.sync_dtype = True, ENGINE_DTYPE
     trainer.sampler, trainer.tokenizer, trainer.logger = Examples(), Tokenizer(), Logger()
+    trainer.correction = trainer.cfg.rollout_correction.resolved(stale_tokens=trainer.cfg.train.stale_tokens)
     monkeypatch.setattr(Trainer, "_rollout_and_score", _rollouts)
     # The retokenization-drift metric renders the chat template of a real tokenizer (none here);
     # it records that it saw the step's prompts, which is all this test needs of it.
@@ -109,9 +110,11 @@ def test_the_step_empties_the_cache_before_each_wake_up_and_gathers_in_the_engin
     events: list = []
     metrics = _trainer(events, monkeypatch).train_step(0)
     gathered_and_loaded = [("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3
-    assert events == ["sleep", "empty_cache", "compute_logprobs", "update",
-                      "empty_cache", ("wake_up", ("weights",)), *gathered_and_loaded,
-                      "empty_cache", ("wake_up", ("kv_cache",)), ("drift", 4, 2)]
+    assert events.count(("drift", 4, 2)) == 1  # the step's metrics saw its 4 trajectories and 2 chats
+    assert [e for e in events if e[0] != "drift"] == [
+        "sleep", "empty_cache", "compute_logprobs", "update",
+        "empty_cache", ("wake_up", ("weights",)), *gathered_and_loaded,
+        "empty_cache", ("wake_up", ("kv_cache",))]
     assert metrics["time/wait_for_ranks"] == 0.25 and metrics["loss/loss"] == 0.5
 
 
@@ -120,5 +123,5 @@ def test_an_engine_that_does_not_sleep_is_not_woken(monkeypatch):
     trainer = _trainer(events, monkeypatch)
     trainer.sleeps = False
     trainer.train_step(0)
-    assert events == ["compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3,
-                      ("drift", 4, 2)]
+    assert [e for e in events if e[0] != "drift"] == [
+        "compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3]

