@@ -48,9 +48,8 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
-import msgspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -62,8 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from aepo_engine import distributed
-from aepo_engine.errors import require
 from aepo_engine.faults import fault_point
+from aepo_engine.sections import CheckpointConfig  # re-exported: its old home
 from aepo_engine.files import (CHECKSUM, TMP_TAG, file_checksum, format_bytes, free_bytes, fsync_dir, fsync_tree,
                                out_of_space, storage_error, tree_bytes, write_text_atomic)
 
@@ -72,55 +71,6 @@ __all__ = [
     "HF_EXPORT", "LoadedCheckpoint", "capture_rng_state", "checkpoint_footprint", "find_latest", "list_checkpoints",
     "model_dtype", "restore_rng_state", "resume_candidates", "space_problem", "verify_checkpoint",
 ]
-
-# --- config ---------------------------------------------------------------------------------------
-class CheckpointConfig(msgspec.Struct, kw_only=True):
-    """Checkpoint saving and resuming.
-
-    Attributes:
-        dir: Directory holding step_XXXXXX/ checkpoints and the `latest` marker.
-        every_n_steps: Save every N optimizer steps; 0 = only at the end of training.
-        keep_last: Keep this many most recent checkpoints (the one `latest` names is never deleted,
-            and a checkpoint found damaged does not count).
-        resume: "auto" resumes from the newest intact checkpoint in dir if there is one (a damaged
-            one is skipped with a warning), "never" starts fresh, any other value is the path of a
-            step_XXXXXX directory (or of a checkpoint dir: its newest intact one) to resume from.
-        save_at_end: Save a final checkpoint when training finishes.
-        export_hf: Write the model as a Hugging Face directory (safetensors in the model's own
-            dtype, config, tokenizer; loadable with from_pretrained) into the final checkpoint; the
-            training state is saved either way.
-        hf_export_every: Also export every N steps' checkpoint (a checkpoint step that is a
-            multiple of N); 0 = only the final one (each export is the model's size again on disk).
-        on_save_error: What a checkpoint that cannot be written (a full disk) does: "stop" ends
-            the run with one error line (the intact checkpoint a resume will use named), "warn"
-            says so and trains on, trying again at the next checkpoint.
-    """
-
-    dir: str = "checkpoints"
-    every_n_steps: int = 50
-    keep_last: int = 3
-    resume: str = "auto"
-    save_at_end: bool = True
-    export_hf: bool = True
-    hf_export_every: int = 0
-    on_save_error: Literal["stop", "warn"] = "stop"
-
-    def __post_init__(self) -> None:
-        require(bool(self.dir.strip()), "dir must be a non-empty path")
-        require(self.every_n_steps >= 0, f"every_n_steps must be >= 0 (0 = only at the end), got {self.every_n_steps}")
-        require(self.keep_last >= 1,
-                f"keep_last must be >= 1 because resuming needs at least one checkpoint, got {self.keep_last}")
-        require(bool(self.resume.strip()), 'resume must be "auto", "never" or a checkpoint path')
-        require(self.every_n_steps > 0 or self.save_at_end,
-                "every_n_steps=0 and save_at_end=false would never save a checkpoint; enable one of them")
-        require(self.hf_export_every >= 0,
-                f"hf_export_every must be >= 0 (0 = only the final checkpoint), got {self.hf_export_every}")
-
-    def exports_hf(self, step: int, final: bool) -> bool:
-        """Whether the checkpoint of ``step`` (the run's last step when ``final``) gets an HF export."""
-        every = self.hf_export_every
-        return self.export_hf and (final or (every > 0 and step % every == 0))
-
 
 # --- errors ---------------------------------------------------------------------------------------
 

@@ -1,8 +1,20 @@
 """The whole run's configuration: one typed tree, one default per field, presets as files.
 
-Each section is owned by the module that uses it (``RolloutConfig`` by the rollout, ``ToolsConfig``
-by the tools, ``LossConfig`` by the kernels, ``DataConfig`` by ``data``, ...); this module composes
-them, adds the run loop, derives the sub-seeds from the root seed, lists the cross-section
+Where a section lives (one rule): in the ``config.py`` of the package whose code reads it --
+``rollout/config.py`` (``RolloutConfig``), ``rollout/backends/config.py`` (``BackendConfig``),
+``tools/config.py``, ``rewards/config.py``, ``data/config.py``, ``models/config.py``,
+``tasks/config.py``, ``evaluation/config.py``, ``training/config.py`` (``PolicyConfig``,
+``OptimConfig``, ``RolloutCorrectionConfig``) and the kernels' ``aepo_kernels/config.py``
+(``LossConfig``, the ``policy.loss`` section). The top-level modules are no package: the sections of
+checkpoint.py, metrics.py and sft.py share ``aepo_engine/sections.py``; the run's own (``TrainConfig``,
+its loop ``TrainLoopConfig``) are here. A section module imports only the standard library, msgspec,
+``aepo_engine.errors`` and other section modules, and a package's ``__init__`` loads its torch
+modules on first use (``aepo_engine.lazy``), so ``import aepo_engine.config`` -- reading, checking
+and dumping the defaults -- loads neither torch nor transformers nor vLLM
+(``tests/test_config_sections.py`` checks it in a fresh interpreter). The old homes re-export their
+section (``from aepo_engine.training.policy import PolicyConfig`` still works).
+
+This module composes the sections, adds the run loop, derives the sub-seeds from the root seed, lists the cross-section
 problems of a config, and knows the presets. Loading, command-line overrides
 (``--section.key=value``), unknown-key errors and TOML dumps are the generic machinery of
 :mod:`aepo_engine.config_loader`.
@@ -23,21 +35,19 @@ from typing import Any, Literal, Sequence
 
 import msgspec
 
-from aepo_engine.checkpoint import CheckpointConfig
 from aepo_engine.config_loader import ConfigError, load_config, pop_option
-from aepo_engine.data import DataConfig
+from aepo_engine.data.config import DataConfig
 from aepo_engine.evaluation.config import EvalConfig
-from aepo_engine.metrics import LoggingConfig
-from aepo_engine.models import ModelConfig
-from aepo_engine.rewards import RewardConfig
-from aepo_engine.rollout.backends import BackendConfig
+from aepo_engine.models.config import ModelConfig
+from aepo_engine.rewards.config import RewardConfig
+from aepo_engine.rollout.backends.config import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.sections import CheckpointConfig, LoggingConfig
 from aepo_engine.seeding import SEED_OFFSETS
 from aepo_engine.tasks.config import TaskConfig
-from aepo_engine.tools import ToolsConfig, registered_tools
-from aepo_engine.training.optim import OptimConfig
-from aepo_engine.training.policy import PolicyConfig
-from aepo_engine.training.rollout_correction import RolloutCorrectionConfig
+from aepo_engine.tools import registered_tools
+from aepo_engine.tools.config import ToolsConfig
+from aepo_engine.training.config import OptimConfig, PolicyConfig, RolloutCorrectionConfig
 
 __all__ = ["DEFAULT_PRESET", "PRESETS_DIR", "ResolvedArgs", "TrainConfig", "TrainLoopConfig", "config_problems",
            "list_presets", "load_train_config", "preset_path", "split_train_args"]

@@ -43,7 +43,7 @@ from aepo_engine.evaluation.core import judge_records, sample_records
 from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge, start_judge
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
 from aepo_engine.files import write_text_atomic
-from aepo_engine.rewards.base import RULES_RENAMED
+from aepo_engine.rewards.config import RULES_RENAMED
 from aepo_engine.rollout.backends import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.seeding import section_seed

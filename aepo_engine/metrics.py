@@ -9,79 +9,15 @@ Deliberately left out: a live dashboard; metrics from non-zero ranks (the traine
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
-import msgspec
-
-from aepo_engine.errors import require
+from aepo_engine.sections import LoggingConfig  # re-exported: its old home
 from aepo_engine.files import write_text_atomic
-
-
-class LoggingConfig(msgspec.Struct, kw_only=True):
-    """Metrics logging, sample trajectories and plots.
-
-    Attributes:
-        dir: Directory for metrics.jsonl, samples/ (per-step sample dumps), TensorBoard events.
-        jsonl: Append every step's metrics as one JSON line to dir/metrics.jsonl.
-        tensorboard: "auto" logs to TensorBoard if the tensorboard package is installed, "on" requires
-            it, "off" never.
-        wandb: Log to Weights & Biases (needs the wandb package and a login).
-        wandb_project: W&B project name.
-        run_name: Run name for W&B and TensorBoard; none = a timestamp.
-        print_every_n_steps: Print a one-line metrics summary every N steps; 0 = never.
-        sample_trajectories: Trajectories per step written to dir/samples/step_N.jsonl (full text,
-            rewards, tool calls, lineage) for inspection: the step's first ones; 0 = none.
-        sample_trees: Prompts per step whose whole rollout tree (all k trajectories, with branch
-            points, head entropies and branch decisions) goes to dir/samples/step_N.jsonl besides
-            sample_trajectories: the step's first prompts; what ``python -m
-            aepo_engine.experiments.trees`` draws. 0 = none.
-        high_entropy_threshold: Entropy (nats) above which a response token counts as
-            high-entropy in the per-step ``entropy/high_frac`` metric.
-        plots_at_end: Draw reward/entropy/length curves from metrics.jsonl when training ends (needs
-            matplotlib; skipped with a warning if missing).
-    """
-
-    dir: str = "logs"
-    jsonl: bool = True
-    tensorboard: Literal["auto", "on", "off"] = "auto"
-    wandb: bool = False
-    wandb_project: str = "aepo"
-    run_name: str | None = None
-    print_every_n_steps: int = 1
-    sample_trajectories: int = 2
-    sample_trees: int = 2
-    high_entropy_threshold: float = 1.0
-    plots_at_end: bool = True
-
-    def __post_init__(self) -> None:
-        require(bool(self.dir.strip()), "dir must be a non-empty path")
-        require(not self.wandb or bool(self.wandb_project.strip()), "wandb=true needs a wandb_project")
-        require(self.print_every_n_steps >= 0, f"print_every_n_steps must be >= 0, got {self.print_every_n_steps}")
-        require(self.sample_trajectories >= 0, f"sample_trajectories must be >= 0, got {self.sample_trajectories}")
-        require(self.sample_trees >= 0, f"sample_trees must be >= 0, got {self.sample_trees}")
-        require(self.high_entropy_threshold >= 0, f"high_entropy_threshold must be >= 0 nats, got "
-                f"{self.high_entropy_threshold}")
-
-    def tensorboard_enabled(self) -> bool:
-        """Resolve ``tensorboard`` against what is installed.
-
-        Returns:
-            Whether to write TensorBoard events.
-
-        Raises:
-            RuntimeError: tensorboard="on" but the package is missing.
-        """
-        installed = importlib.util.find_spec("tensorboard") is not None
-        if self.tensorboard == "on" and not installed:
-            raise RuntimeError("logging.tensorboard='on' but tensorboard is not installed: "
-                               "pip install tensorboard, or set it to 'auto'")
-        return self.tensorboard != "off" and installed
 
 
 PLOT_GROUPS = {

@@ -16,61 +16,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from aepo_engine.data import encode_chat_prompt
-from aepo_engine.errors import require
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools.base import ToolCall
 from aepo_engine.tools.parsing import find_tool_call
-from aepo_engine.training.optim import OptimConfig, scheduled_lr
+from aepo_engine.sections import SFTConfig  # re-exported: its old home
+from aepo_engine.training.optim import scheduled_lr
 
 # A tool result as the rollout appends it; everything it matches is the tools' text, not the model's.
 _TOOL_RESULT = re.compile(r" ?<result>.*?</result>", re.DOTALL)
-
-
-class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
-    """Supervised warm-start settings: the optimizer fields of :class:`OptimConfig` (AdamW and
-    its schedule, the same keys and checks) plus the warm start's own.
-
-    The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
-    4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md).
-
-    Attributes:
-        lr: peak AdamW learning rate; tiny freshly initialized models take large rates.
-        betas: AdamW (beta1, beta2); beta2 0.95 for the short, noisy warm start.
-        warmup_steps: linear warm-up from 0 to lr, in [0, steps].
-        schedule: after warm-up: "cosine" decays to lr * min_lr_ratio by the last step, "constant" keeps lr.
-        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
-        compute_dtype: "bfloat16" runs forward and backward under CPU/GPU autocast (the weights
-            and optimizer stay float32): ~4x less CPU time per matmul where the CPU has AMX.
-        steps: optimizer steps.
-        batch_size: sequences per step (padded to the longest in the batch).
-        max_length: longer examples are rejected (truncation would cut off the answer).
-        seed: fixes the example order; the model's init is the caller's. none = derived from the run's root seed (``aepo_engine.seeding``).
-    """
-
-    # The warm start's defaults where they differ from the RL run's optimizer (OptimConfig);
-    # weight_decay, grad_clip and eps are OptimConfig's.
-    lr: float = 1e-2
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 20
-    schedule: Literal["constant", "cosine"] = "cosine"
-    min_lr_ratio: float = 0.1
-    steps: int = 400
-    batch_size: int = 16
-    max_length: int = 512
-    seed: int | None = None
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
-        require(self.warmup_steps <= self.steps,
-                "warmup_steps must lie in [0, steps] because the schedule decays after it")
 
 
 @dataclass(frozen=True)

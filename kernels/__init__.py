@@ -23,21 +23,42 @@ functions, declared once in ``LossOptions``): ``token_weights`` (IS weights),
 ``return_token_loss``, ``shift_labels`` (HF labels convention), ``ignore_index``,
 ``logit_scale`` / ``softcap`` (the model's logit map, e.g. Gemma-2's soft cap).
 """
-from .advantages import StepInputs, group_advantages, step_inputs
-from .api import AEPOLoss, LossOptions, aepo_policy_loss, fused_linear_aepo_policy_loss
+from typing import TYPE_CHECKING
+
 from .config import AGGREGATIONS, CLIP_RULES, LossConfig
-from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
-from .logits_ops import BACKENDS, logprob_entropy
-from .tree_loss import Occurrences, aepo_tree_policy_loss, fused_linear_aepo_tree_policy_loss
-from .policy_loss import (
-    aggregate,
-    apply_token_weights,
-    clipped_token_loss,
-    entropy_aware_advantages,
-    entropy_moments,
-    entropy_stats_from_moments,
-    policy_loss_from_logprobs,
-)
+
+# The kernels load on first use (``aepo_kernels.X`` or ``from aepo_kernels import X``), so reading
+# ``LossConfig`` (the engine's ``loss`` config section) imports no torch. name -> its module.
+_LAZY = {
+    "StepInputs": "advantages", "group_advantages": "advantages", "step_inputs": "advantages",
+    "AEPOLoss": "api", "LossOptions": "api", "aepo_policy_loss": "api", "fused_linear_aepo_policy_loss": "api",
+    "DEFAULT_CHUNK_BYTES": "fused_linear", "fused_linear_logprob_entropy": "fused_linear",
+    "BACKENDS": "logits_ops", "logprob_entropy": "logits_ops",
+    "Occurrences": "tree_loss", "aepo_tree_policy_loss": "tree_loss",
+    "fused_linear_aepo_tree_policy_loss": "tree_loss",
+    **dict.fromkeys(("aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages",
+                     "entropy_moments", "entropy_stats_from_moments", "policy_loss_from_logprobs"), "policy_loss"),
+}
+
+if TYPE_CHECKING:  # what the names are, for readers and type checkers
+    from .advantages import StepInputs, group_advantages, step_inputs
+    from .api import AEPOLoss, LossOptions, aepo_policy_loss, fused_linear_aepo_policy_loss
+    from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
+    from .logits_ops import BACKENDS, logprob_entropy
+    from .tree_loss import Occurrences, aepo_tree_policy_loss, fused_linear_aepo_tree_policy_loss
+    from .policy_loss import (aggregate, apply_token_weights, clipped_token_loss, entropy_aware_advantages,
+                              entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
+
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "LossOptions",

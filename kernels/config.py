@@ -5,7 +5,9 @@ the entropy bonus and the aggregation. Every value is a runtime argument of plai
 Triton launch (never a ``tl.constexpr``), so changing an epsilon never recompiles anything.
 
 This is a plain dataclass so ``aepo_kernels`` depends on torch (and triton) only; msgspec decodes
-it directly, so the engine's config embeds it as its ``loss`` section with no second copy.
+it directly, so the engine's config embeds it as its ``loss`` section with no second copy. The
+module itself imports no torch (:func:`hyper_params` does, when called): the engine reads its
+config's defaults without loading torch (``aepo_kernels/__init__.py`` loads the kernels on first use).
 
 Beside it, the one order every backend reads the hyper-parameters in (:data:`HYPER_PARAMS`,
 :func:`hyper_params`): the torch path's vector, the Triton kernel's scalar arguments and the C
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ClipRule = Literal["ppo", "aepo", "gppo", "cispo"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -104,6 +107,8 @@ def hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device) 
         ``[9]``: :data:`HYPER_PARAMS`, the clip rule's index in :data:`CLIP_RULES`, and 1/0 for has_ref;
         the same tensor for the same arguments (callers read it, never write it).
     """
+    import torch  # here, not at the top: the loss section is read by configs that never load torch
+
     return _hyper_params(config, bool(has_ref), dtype, torch.device(device))
 
 
@@ -111,6 +116,8 @@ def hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device) 
 def _hyper_params(config: LossConfig, has_ref: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """:func:`hyper_params`, made once per (config, has_ref, dtype, device) and shared read-only: a
     loss call on a GPU then copies nothing from the host (a pageable copy waits for the stream)."""
+    import torch
+
     values = [float(getattr(config, name)) for name in HYPER_PARAMS]
     with torch.inference_mode(False):  # a normal tensor even when first asked for under inference_mode
         return torch.tensor([*values, CLIP_RULES.index(config.clip), float(has_ref)], dtype=dtype, device=device)

@@ -379,12 +379,12 @@ def test_config_flag_without_path_is_a_config_error():
 
 
 def test_tensorboard_auto_on_off(monkeypatch):
-    import aepo_engine.metrics as metrics
+    import aepo_engine.sections as sections
 
-    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sections.importlib.util, "find_spec", lambda name: None)
     assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is False
     assert LoggingConfig(tensorboard="off").tensorboard_enabled() is False
     with pytest.raises(RuntimeError, match="pip install tensorboard"):
         LoggingConfig(tensorboard="on").tensorboard_enabled()
-    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(sections.importlib.util, "find_spec", lambda name: object())
     assert LoggingConfig(tensorboard="auto").tensorboard_enabled() is True

@@ -5,14 +5,23 @@ reports. The trainer runs this code (:func:`evaluate`, :func:`sample_records`) d
 folder.
 
 Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
-(per-sample scores, pass@k), ``reference`` (the AEPO/ARPO authors' evaluator reproduced, for
+(per-sample scores, pass@k), ``authors`` (the AEPO/ARPO authors' evaluator reproduced, for
 ``eval.scoring = "authors"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
 judge), ``report`` (summaries and files). docs/scoring.md
 compares the engine's and the authors' rules.
 """
+from typing import TYPE_CHECKING
+
 from aepo_engine.evaluation.config import EvalConfig, JudgeConfig
-from aepo_engine.evaluation.core import evaluate, merge_eval_results, sample_records
-from aepo_engine.evaluation.scoring import pass_at_k, score_response
+from aepo_engine.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from aepo_engine.evaluation.core import evaluate, merge_eval_results, sample_records
+    from aepo_engine.evaluation.scoring import pass_at_k, score_response
+
+# core (sampling) imports torch: loaded on first use, so the ``eval`` section reads without it.
+__getattr__ = lazy_exports(__name__, {"evaluate": ".core", "merge_eval_results": ".core", "sample_records": ".core",
+                                      "pass_at_k": ".scoring", "score_response": ".scoring"})
 
 __all__ = ["EvalConfig", "JudgeConfig", "evaluate", "merge_eval_results", "pass_at_k", "sample_records",
            "score_response"]

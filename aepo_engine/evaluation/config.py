@@ -11,7 +11,7 @@ from typing import ClassVar
 import msgspec
 
 from aepo_engine.errors import require
-from aepo_engine.rewards.base import RULES, RULES_RENAMED
+from aepo_engine.rewards.config import RULES, RULES_RENAMED
 
 __all__ = ["EvalConfig", "JudgeConfig"]
 

@@ -33,7 +33,7 @@ from math import comb
 from typing import Any, Sequence
 
 from aepo_engine.evaluation.authors import authors_metrics, authors_prediction, authors_task
-from aepo_engine.rewards.base import RULES
+from aepo_engine.rewards.config import RULES
 from aepo_engine.rewards.deep_research import check_format
 from aepo_engine.rewards.math_answer import math_equal
 from aepo_engine.rewards.text import (ToolSpans, cover_match, exact_match, final_answer, strip_latex_wrappers,

@@ -16,11 +16,10 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol
-
-import msgspec
+from typing import Any, Callable, Protocol
 
 from aepo_engine.plugins import import_user_code
+from aepo_engine.rewards.config import RULES, RULES_RENAMED, RewardConfig  # re-exported: their old home
 
 __all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward",
            "get_reward", "list_rewards", "as_references"]
@@ -88,44 +87,6 @@ def get_reward(name: str) -> RewardFn:
 def list_rewards() -> list[str]:
     """Names of all registered reward functions, sorted."""
     return sorted(_REGISTRY)
-
-
-# Whose scoring rules apply: the engine's own, or the AEPO/ARPO authors' code reproduced
-# ("authors"; docs/scoring.md lists every difference). Shared by reward.rules, eval.scoring and
-# eval.judge.prompt. RULES_RENAMED: their old names, still loaded from configs with a warning
-# (config_loader, a section's RENAMED_VALUES).
-RULES = ("engine", "authors")
-RULES_RENAMED = {"reference": "authors"}
-
-
-class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Reward function.
-
-    Attributes:
-        name: a registered reward (aepo_engine.rewards): deep_research, qa_em, qa_f1, math, or one
-            that ``path`` registers.
-        path: a reward of your own outside the package: a .py file (absolute or relative to the
-            working directory) or an importable module, imported before ``name`` is looked up; its
-            ``@register_reward("name")`` functions join the registry (verl's
-            custom_reward_function.path); empty = the built-in rewards only.
-        options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
-        rules: "engine" (the engine's reward rules) or "authors" (the AEPO/ARPO authors' reward
-            reproduced: <think> required, tags counted anywhere, the bonus for closing tool tags
-            anywhere; deep_research only; see docs/scoring.md).
-    """
-
-    name: str = "deep_research"
-    path: str = ""
-    options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
-    rules: str = "engine"
-
-    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"rules": RULES_RENAMED}
-
-    def __post_init__(self) -> None:
-        if self.rules not in RULES:
-            raise ValueError(f"reward.rules must be one of {', '.join(RULES)}, got {self.rules!r}")
-        if "rules" in self.options:
-            raise ValueError("set reward.rules, not reward.options.rules (one place for one setting)")
 
 
 def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:

@@ -106,13 +106,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
-import msgspec
-
 from aepo_engine.seeding import section_seed
+from aepo_engine.tasks.config import COLORS, NamesakeListing, SyntheticTaskConfig  # re-exported: their old home
 from aepo_engine.tools.framing import format_tool_result
 
 QuestionKind = Literal["lookup", "two_hop", "arithmetic", "namesake"]
-NamesakeListing = Literal["name_first", "value_first"]
 ToolFn = Callable[[str, str], str]
 
 # Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
@@ -123,89 +121,8 @@ PERSON_ATTRIBUTES = ("age", "score", "color", "city")
 DISAMBIGUATING_ATTRIBUTES = ("city", "color")  # differ within a namesake group
 CITY_ATTRIBUTES = ("size", "mayor")
 NUMERIC_ATTRIBUTES = ("age", "score")  # arithmetic combines two of these
-COLORS = ("red", "blue", "green", "gold", "gray", "pink", "black", "white")
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
-
-
-class SyntheticTaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Size and mix of the generated task.
-
-    Attributes:
-        seed: fixes the world, the questions, the split and the demonstrations. none = derived from the run's root seed (``aepo_engine.seeding``).
-        num_people: people in the world (4 fact documents each).
-        num_cities: cities (2 fact documents each); every person lives in one.
-        num_train: questions for warm-start demonstrations and RL prompts.
-        num_heldout: evaluation questions, disjoint from the train questions.
-        lookup_weight: relative frequency of one-search look-up questions.
-        two_hop_weight: relative frequency of two-hop questions (the city of a person, then its size or mayor).
-        arithmetic_weight: relative frequency of arithmetic questions (two searches, then python).
-        demo_guess_rate: share of warm-start demonstrations in which the teacher answers at once
-            with a guess instead of using tools (see ``make_demonstrations``): the imperfect cold
-            start that RL has to improve on. 0 = a perfect teacher.
-        namesake_weight: relative frequency of namesake questions ("the age of the Zorva whose
-            city is Tarunu": a search lists every Zorva, the model picks one, then searches it;
-            see the module docstring). 0 (the embedded default) = no namesakes in the world,
-            corpus or questions at all.
-        namesake_groups: groups of namesakes (people sharing a first name) when namesake_weight > 0;
-            each person has 4 fact documents.
-        namesakes_per_group: people per group, in [2, min(num_cities, 8)]: the candidates one
-            search lists (set tools.search.topk to at least this, or the list is cut).
-        demo_wrong_pick_rate: share of the (non-guessed) namesake demonstrations in which the
-            teacher picks a wrong candidate from the search results and follows it through: the
-            imperfect post-tool decision that RL has to improve on. 0 = a perfect teacher.
-        namesake_listing: how a namesake's city and colour documents read, i.e. the pages the
-            first search lists. "name_first" (the default, the ``namesakes`` preset):
-            "Zorva Tika city Tarunu." - the surname to copy comes *before* the value to match,
-            which a causal model cannot pick by one attention over the page. "value_first"
-            (the ``namesakes_easy`` preset): "Zorva city Tarunu Tika." - the surname follows
-            the value, so the pick is an induction copy (find the question's value in the
-            listing, copy the token after it). See the module docstring.
-        namesake_note: the gold response notes its pick right after the first result,
-            "<think> Tarunu Tika</think>" (the question's value, then the surname picked), before
-            the second search. With "value_first" this turns the pick into a plain induction
-            copy right after the model wrote the value; the second query then copies the
-            surname from the note. false (the default) = no note.
-    """
-
-    seed: int | None = None
-    num_people: int = 200
-    num_cities: int = 10
-    num_train: int = 1000
-    num_heldout: int = 200
-    lookup_weight: float = 0.4
-    two_hop_weight: float = 0.3
-    arithmetic_weight: float = 0.3
-    demo_guess_rate: float = 0.3
-    namesake_weight: float = 0.0
-    namesake_groups: int = 100
-    namesakes_per_group: int = 3
-    demo_wrong_pick_rate: float = 0.0
-    namesake_listing: NamesakeListing = "name_first"
-    namesake_note: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("demo_guess_rate", "demo_wrong_pick_rate"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        weights = (self.lookup_weight, self.two_hop_weight, self.arithmetic_weight, self.namesake_weight)
-        if min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError("question-kind weights must be >= 0 with a positive sum")
-        if self.num_people < 2:
-            raise ValueError("num_people must be >= 2 because arithmetic combines two people")
-        if self.num_cities < 1:
-            raise ValueError("num_cities must be >= 1")
-        if self.namesake_listing not in ("name_first", "value_first"):
-            raise ValueError(f"namesake_listing={self.namesake_listing!r} must be 'name_first' or 'value_first'")
-        if self.namesake_weight > 0:
-            if self.namesake_groups < 1:
-                raise ValueError("namesake_groups must be >= 1 when namesake_weight > 0")
-            if not 2 <= self.namesakes_per_group <= min(self.num_cities, len(COLORS)):
-                raise ValueError(
-                    f"namesakes_per_group={self.namesakes_per_group} must lie in [2, "
-                    f"{min(self.num_cities, len(COLORS))}] because namesakes are told apart by their "
-                    f"city or colour, which must differ within a group (num_cities={self.num_cities}, "
-                    f"{len(COLORS)} colours), and one person is not a choice")
 
 
 @dataclass(frozen=True)

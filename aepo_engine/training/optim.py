@@ -1,4 +1,4 @@
-"""The optimizer section (``OptimConfig``) and the learning-rate schedule it describes.
+"""The learning-rate schedule the optimizer section (``OptimConfig``, in ``training.config``) describes.
 
 AdamW over all parameters (the policy worker builds it); ``build_lr_scheduler`` gives linear
 warm-up, then a constant or cosine schedule. Defaults follow docs/algorithm.md §3 (lr 1e-6
@@ -7,50 +7,11 @@ constant, weight decay 0.01, grad clip 1.0).
 from __future__ import annotations
 
 import math
-from typing import Literal
-
-import msgspec
 import torch
 
-from aepo_engine.errors import require
+from aepo_engine.training.config import OptimConfig
 
 __all__ = ["OptimConfig", "build_lr_scheduler", "scheduled_lr"]
-
-
-class OptimConfig(msgspec.Struct, kw_only=True):
-    """AdamW optimizer and learning-rate schedule.
-
-    Attributes:
-        lr: Peak learning rate (reference runs: 1e-6, constant).
-        weight_decay: Decoupled (AdamW) weight decay.
-        grad_clip: Clip the global gradient norm to this value; 0 turns clipping off.
-        betas: AdamW (beta1, beta2).
-        eps: AdamW epsilon.
-        warmup_steps: Linear warm-up from 0 to lr over this many optimizer steps; 0 = no warm-up.
-        schedule: After warm-up: "constant" keeps lr, "cosine" decays to min_lr_ratio * lr by the last step.
-        min_lr_ratio: Final lr as a fraction of lr for the cosine schedule.
-    """
-
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        require(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        require(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        require(all(0 <= b < 1 for b in self.betas),
-                f"betas must lie in [0, 1) because AdamW divides by 1 - beta**t, got {self.betas}")
-        require(self.eps > 0, f"eps must be > 0 because AdamW divides by sqrt(v) + eps, got {self.eps}")
-        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        require(self.schedule == "cosine" or self.min_lr_ratio == 0,
-                "min_lr_ratio only applies to schedule='cosine'; set schedule='cosine' or leave it at 0")
 
 
 def scheduled_lr(step: int, optim: OptimConfig, total_steps: int, peak: float = 1.0) -> float:

@@ -39,48 +39,16 @@ staleness (``.../stale0``, ``.../stale1``, ...).
 """
 from __future__ import annotations
 
-from typing import Literal
-
-import msgspec
 import torch
 from torch import Tensor
 
 from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED
+from aepo_engine.training.config import RolloutCorrectionConfig
 
 __all__ = ["RolloutCorrectionConfig", "rollout_correction"]
 
 # exp() of a log-ratio above this overflows float32; ratios are clipped to C long before.
 _MAX_LOG_RATIO = 80.0
-
-
-class RolloutCorrectionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Importance weights for the sampler/trainer log-prob gap (see the module docstring).
-
-    Attributes:
-        mode: "auto" ("token_tis" when tokens may be stale, train.mode "async" with max_staleness >=
-            1: the decoupled PPO weight; "off" otherwise), "off", "token_tis" (per-token truncated
-            IS), "seq_tis" (per-sequence truncated IS) or "seq_mask" (drop sequences whose ratio
-            leaves [1/threshold, threshold]).
-        threshold: C, the truncation cap of TIS and the band of seq_mask; > 1.
-        sequence_ratio: how seq_tis / seq_mask form a sequence's ratio from its tokens: "product"
-            (the exact sequence likelihood ratio) or "geometric" (its per-token geometric mean).
-    """
-
-    mode: Literal["auto", "off", "token_tis", "seq_tis", "seq_mask"] = "auto"
-    threshold: float = 2.0
-    sequence_ratio: Literal["product", "geometric"] = "product"
-
-    def __post_init__(self) -> None:
-        if not self.threshold > 1.0:
-            raise ValueError(f"threshold must be > 1 because it caps ratios from above (TIS) and "
-                             f"bounds [1/threshold, threshold] (seq_mask), got {self.threshold}")
-
-    def resolved(self, stale_tokens: bool) -> "RolloutCorrectionConfig":
-        """This config with ``auto`` replaced by what it means for a run whose updates may
-        (``stale_tokens``) or may not use tokens of older policies."""
-        if self.mode != "auto":
-            return self
-        return msgspec.structs.replace(self, mode="token_tis" if stale_tokens else "off")
 
 
 # Token groups of the split ratio statistics: name -> the TokenBatch.token_origin value.
