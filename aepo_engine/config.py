@@ -36,6 +36,7 @@ from typing import Any, Literal, Sequence
 import msgspec
 
 from aepo_engine.config_loader import ConfigError, load_config, pop_option
+from aepo_engine.data import data_problems
 from aepo_engine.data.config import DataConfig
 from aepo_engine.evaluation.config import EvalConfig
 from aepo_engine.models.config import ModelConfig
@@ -45,7 +46,7 @@ from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.sections import CheckpointConfig, LoggingConfig
 from aepo_engine.seeding import SEED_OFFSETS
 from aepo_engine.tasks.config import TaskConfig
-from aepo_engine.tools import registered_tools
+from aepo_engine.tools import tool_problems
 from aepo_engine.tools.config import ToolsConfig
 from aepo_engine.training.config import OptimConfig, PolicyConfig, RolloutCorrectionConfig
 
@@ -240,10 +241,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.backend.placement == "split" and not cfg.train.asynchronous:
         problems.append("backend.placement='split' needs train.mode='async' because the engines on GPUs of their "
                         "own run in a rollout process (train.max_staleness=0 gives the synchronous schedule)")
-    known_tools = registered_tools()
-    for name in cfg.tools.enabled:
-        if name not in known_tools:
-            problems.append(f"tools.enabled names {name!r}, which is no registered tool ({', '.join(known_tools)})")
+    problems += data_problems(cfg.data) + tool_problems(cfg.tools)
     return problems
 
 

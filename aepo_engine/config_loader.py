@@ -304,7 +304,9 @@ def _unknown_key_message(cls: type, key: str, path: str, source: str) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         msg += f"; did you mean {_join(path, close[0])!r}?"
-    return msg + f"{'' if close else '.'} Valid keys in {where}: {', '.join(valid)}"
+    msg += f"{'' if close else '.'} Valid keys in {where}: {', '.join(valid)}"
+    hint = getattr(cls, "UNKNOWN_KEY_HINT", "")  # a section's ClassVar: where such keys belong
+    return f"{msg}; {hint}" if hint else msg
 
 
 def _join(path: str, key: str) -> str:
@@ -401,8 +403,11 @@ def _coerce_scalar(text: str, tp: Any) -> Any:
         raise ValueError(f"expected one of {', '.join(map(repr, options))}, got {text!r}{hint}")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(text).value if text in {e.value for e in tp} else tp[text].value
-    if tp is Any:
-        return text
+    if tp is Any:  # a free-form value (a tools.options table's): as TOML reads it ("3" an int), else the text
+        try:
+            return _parse_inline(text)
+        except ValueError:
+            return text
     raise ValueError(f"cannot set a field of type {_type_name(tp)} from the command line")
 
 
@@ -488,6 +493,9 @@ def _resolve(cls: type, dotted: str) -> tuple[list[str], Any]:
             continue
         if _is_dict_type(tp):
             value_type = (typing.get_args(_strip(tp)) or (str, Any))[1]
+            if len(rest) > 1 and _is_dict_type(value_type):  # --tools.options.NAME.key=value
+                inner = (typing.get_args(_strip(value_type)) or (str, Any))[1]
+                return keys + [rest[0], ".".join(rest[1:])], inner
             return keys + [".".join(rest)], value_type
         raise ConfigError(f"--{dotted}: {_join(path, key)!r} is a {_type_name(tp)}, not a section")
     raise ConfigError(f"empty override key --{dotted}")

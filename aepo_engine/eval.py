@@ -418,6 +418,7 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
     and skipped), the tools it runs (the trainer's dry-run checks), the backend's package and the
     judge. Prints the resolved config (stdout) and the findings (stderr); returns 0 or 2."""
     from aepo_engine.dry_run import DryRunReport, check_backend, check_model_dir, check_tools
+    from aepo_engine.tools import tool_problems
 
     report = DryRunReport()
     report.notes.append(f"model {source.model_dir}" + (f" (run {source.run_dir})" if source.run_dir else ""))
@@ -432,6 +433,7 @@ def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
                                 f"skipped, answers checked as {s.check} under {cfg.eval.scoring} scoring")
             if s.skipped:
                 report.notes.append(_skipped_line(s))
+        report.problems += tool_problems(plan.tools)  # tools.path, tools.enabled, tools.options
         check_tools(plan.tools, report)
     check_backend(cfg.backend, report)
     if cfg.eval.judge.url:

@@ -2,7 +2,8 @@
 
 One module per job:
 - :mod:`.config`: the ``data`` section (``DataConfig``) and ``hf:`` source specs;
-- :mod:`.readers`: sources (parquet, JSONL, JSON, Hugging Face datasets) -> raw rows;
+- :mod:`.readers`: sources (parquet, JSONL, JSON, Hugging Face datasets, a reader of the user's
+  own: ``register_reader``, ``data.reader_path``) -> raw rows;
 - :mod:`.rows`: one raw row -> one ``Example`` (question, chat prompt, ground truth);
 - :mod:`.loading`: sources -> ``Example``s, bad rows skipped with a warning or raised;
 - :mod:`.prompts`: chat prompt -> token ids (the caller's tokenizer), and the
@@ -14,7 +15,7 @@ from aepo_engine.data.config import HF_PREFIX, DataConfig, parse_hf_spec
 from aepo_engine.data.examples import BadRow, BadRowError, Example, RowProblem
 from aepo_engine.data.loading import load_examples, load_source
 from aepo_engine.data.prompts import drop_long_prompts, encode_chat_prompt, fit_prompts
-from aepo_engine.data.readers import detect_format, read_source
+from aepo_engine.data.readers import data_problems, detect_format, read_source, register_reader
 from aepo_engine.data.rows import parse_row
 from aepo_engine.data.sampler import PromptSampler
 
@@ -28,6 +29,7 @@ __all__ = [
     "Example",
     "PromptSampler",
     "RowProblem",
+    "data_problems",
     "detect_format",
     "drop_long_prompts",
     "fit_prompts",
@@ -35,4 +37,5 @@ __all__ = [
     "load_source",
     "parse_row",
     "read_source",
+    "register_reader",
 ]

@@ -9,6 +9,8 @@ from aepo_engine.errors import require
 
 
 HF_PREFIX = "hf:"
+# The formats read without a reader of the user's own (``data.readers``).
+BUILT_IN_FORMATS = ("parquet", "jsonl", "json", "hf")
 
 
 def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
@@ -38,7 +40,13 @@ class DataConfig(msgspec.Struct, kw_only=True):
             .json question-answer files, or Hugging Face datasets as hf:NAME[:SPLIT] or
             hf:NAME:CONFIG:SPLIT (needs the `datasets` package). Empty: no training data (set it).
         eval_files: Evaluation data sources, same forms as train_files.
-        format: Source format; "auto" picks it from the suffix (.parquet, .jsonl, .json) or the hf: prefix.
+        format: Source format: "auto" picks it from the suffix (.parquet, .jsonl, .json, or one a reader
+            of reader_path registered) or the hf: prefix; "parquet", "jsonl", "json", "hf", or the
+            name of a reader that reader_path registers.
+        reader_path: a dataset reader of your own outside the package: a .py file (absolute or relative
+            to the working directory) or an importable module, imported before the first source is
+            read; its ``@register_reader("name", suffixes=(".csv",))`` functions (``aepo_engine.data.readers``:
+            spec -> iterable of row dicts) join the formats; empty = the built-in formats only.
         prompt_key: Column holding a chat prompt (list of {role, content}); rows without it are built
             from the question by the prompt template.
         question_keys: Keys tried in order for the question text; dotted keys reach into nested columns
@@ -60,7 +68,8 @@ class DataConfig(msgspec.Struct, kw_only=True):
 
     train_files: list[str] = []
     eval_files: list[str] = []
-    format: Literal["auto", "parquet", "jsonl", "json", "hf"] = "auto"
+    format: str = "auto"
+    reader_path: str = ""
     prompt_key: str = "prompt"
     question_keys: list[str] = msgspec.field(
         default_factory=lambda: ["extra_info.question", "question", "Question", "problem"])
@@ -81,6 +90,9 @@ class DataConfig(msgspec.Struct, kw_only=True):
         for spec in sources:
             if spec.startswith(HF_PREFIX):
                 parse_hf_spec(spec)
+        require(self.format in ("auto", *BUILT_IN_FORMATS) or bool(self.reader_path),
+                f"format={self.format!r} is no built-in format (auto, {', '.join(BUILT_IN_FORMATS)}); a reader of "
+                "your own is named by its module in reader_path")
         if self.format == "hf":
             bad = [s for s in sources if not s.startswith(HF_PREFIX)]
             require(not bad, f"format='hf' but {bad} lack the hf: prefix; use format='auto' to mix")

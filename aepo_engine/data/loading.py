@@ -12,7 +12,7 @@ from typing import Sequence
 
 from aepo_engine.data.config import DataConfig
 from aepo_engine.data.examples import BadRow, BadRowError, Example, RowProblem
-from aepo_engine.data.readers import read_source
+from aepo_engine.data.readers import import_readers, read_source
 from aepo_engine.data.rows import parse_row
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,9 @@ def load_source(spec: str, cfg: DataConfig, first_index: int = 0) -> tuple[list[
 
     Raises:
         BadRowError: the first bad row, when ``cfg.bad_rows == "error"``.
+        ValueError: ``data.reader_path`` does not import.
     """
+    import_readers(cfg)
     examples: list[Example] = []
     bad: list[BadRow] = []
     for row_number, row in read_source(spec, cfg.format):

@@ -10,10 +10,14 @@ call has side effects in general; re-running it is the caller's decision, never 
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, TypeVar
 
 import msgspec
+
+from aepo_engine.plugins import import_user_code
+from aepo_engine.tools.config import ToolsConfig
 
 # ---------------------------------------------------------------------------------------------
 # Records
@@ -124,6 +128,15 @@ class Tool:
         """
         return cls(**options)
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Check ``options`` (a ``tools.options.NAME`` table) without building the tool.
+
+        Raises:
+            TypeError: the constructor takes no such keywords.
+        """
+        inspect.signature(cls).bind_partial(**options)
+
     def close(self) -> None:
         """Release resources (connections, indices). The default does nothing."""
 
@@ -163,6 +176,15 @@ class ConfiguredTool(Tool):
         elif fields:
             raise TypeError(f"pass either config or config fields, not both: {sorted(fields)}")
         return cls.from_config(config, max_result_chars)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Check ``options`` against ``config_type`` (unknown fields, types, its checks).
+
+        Raises:
+            msgspec.ValidationError, ValueError: what is wrong, naming the field.
+        """
+        msgspec.convert(options, cls.config_type)
 
 
 _REGISTRY: dict[str, type[Tool]] = {}
@@ -216,3 +238,64 @@ def build_tool(name: str, **options: Any) -> Tool:
     if cls is None:
         raise KeyError(f"unknown tool {name!r}; registered tools: {registered_tools()}")
     return cls.from_options(**options)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tools of a run (the ``tools`` config section)
+
+
+def tool_problems(cfg: ToolsConfig) -> list[str]:
+    """Every problem of the ``tools`` section that needs the registry: ``tools.path`` that does
+    not import, an enabled tool nothing registered, ``tools.options`` a tool does not take.
+
+    Returns:
+        One message per problem, each naming the setting.
+    """
+    if cfg.path:
+        try:
+            import_user_code(cfg.path, "tools.path")
+        except ValueError as err:
+            return [str(err)]
+    known = registered_tools()
+    problems = [f"tools.enabled names {name!r}, which is no registered tool ({', '.join(known)}); a tool of "
+                "your own is registered by its module, named in tools.path"
+                for name in cfg.enabled if name not in known]
+    for name, options in cfg.options.items():
+        if name not in known:
+            problems.append(f"tools.options.{name}: no tool {name!r} is registered ({', '.join(known)})")
+            continue
+        try:
+            _REGISTRY[name].check_options(options)
+        except (TypeError, ValueError, msgspec.ValidationError) as err:
+            problems.append(f"tools.options.{name}: {err}")
+    return problems
+
+
+def build_tools(cfg: ToolsConfig) -> dict[str, Tool]:
+    """Instantiate the enabled tools (``tools.path`` imported first).
+
+    Args:
+        cfg: the tools config. A built-in tool gets its own section (``cfg.section(name)``), any
+            other its ``tools.options`` table as keywords; every tool gets ``max_result_chars``.
+
+    Returns:
+        ``{name: Tool}`` in ``cfg.enabled`` order.
+
+    Raises:
+        ValueError: ``tools.path`` does not import, or a tool's options do not fit it (naming the
+            setting).
+        KeyError: an enabled tool nothing registered.
+    """
+    if cfg.path:
+        import_user_code(cfg.path, "tools.path")
+    tools = {}
+    for name in cfg.enabled:
+        section = cfg.section(name)
+        if section is not None:
+            tools[name] = build_tool(name, max_result_chars=cfg.result_max_chars, config=section)
+            continue
+        try:
+            tools[name] = build_tool(name, max_result_chars=cfg.result_max_chars, **cfg.options.get(name, {}))
+        except (TypeError, msgspec.ValidationError) as err:
+            raise ValueError(f"tools.options.{name}: {err}") from err
+    return tools

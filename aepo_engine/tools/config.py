@@ -1,21 +1,22 @@
-"""Typed configuration of the tools, and ``build_tools`` that turns it into tool instances.
+"""Typed configuration of the tools (``aepo_engine.tools.base.build_tools`` turns it into tool instances).
 
 One source of truth for defaults: the field defaults below. Unknown fields are rejected and
 cross-field checks say *why* they fail. Load from a file with ``msgspec.json.decode(raw,
 type=ToolsConfig)`` (or ``msgspec.convert(dict, ToolsConfig)``).
 
+A built-in tool's settings are its own section, a struct field named after the tool
+(``tools.search``, ``tools.python``); a tool of the user's own (``tools.path``) takes its settings
+from ``tools.options.<name>``, checked against the tool's ``config_type`` when the run's problems
+are listed (``tool_problems``): ``ToolsConfig`` needs no edit for a new tool.
+
 Deliberately left out: per-tool result budgets (one ``result_max_chars`` for every tool keeps
-the context arithmetic simple) and tool-specific knobs of user tools (pass those to
-``build_tool`` directly).
+the context arithmetic simple).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
-
-if TYPE_CHECKING:
-    from aepo_engine.tools.base import Tool
 
 
 class LatencyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -201,6 +202,13 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             appended to the trajectory.
         search: the ``<search>`` tool.
         python: the ``<python>`` tool.
+        path: tools of your own outside the package: a .py file (absolute or relative to the
+            working directory) or an importable module, imported before ``enabled`` is checked;
+            its ``@register_tool("name")`` classes join the registry (as ``reward.path`` does for
+            rewards); empty = the built-in tools only.
+        options: settings of the tools that have no section here (your own), by tool name:
+            ``[tools.options.NAME]`` holds the fields of that tool's ``config_type`` (a
+            ``ConfiguredTool``) or the keyword arguments of its constructor.
         format: how the model calls tools and reads results: "tags" (the paper's
             ``<search> q</search>`` then `` <result>...</result>`` in the same turn) or
             "chat_template" (the template's tool list, its call syntax - ``<tool_call>{json}</tool_call>``
@@ -212,7 +220,18 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result_max_chars: int = 3000
     search: SearchConfig = msgspec.field(default_factory=SearchConfig)
     python: PythonConfig = msgspec.field(default_factory=PythonConfig)
+    path: str = ""
+    options: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     format: Literal["tags", "chat_template"] = "tags"
+
+    # Said after the list of valid keys when a key of [tools] is unknown (config_loader).
+    UNKNOWN_KEY_HINT: ClassVar[str] = ("the settings of a tool of your own go under tools.options.NAME "
+                                       "(its module named in tools.path)")
+
+    def section(self, name: str) -> Any:
+        """The built-in tool ``name``'s own section (``search``, ``python``), or None."""
+        value = getattr(self, name, None) if name in self.__struct_fields__ else None
+        return value if isinstance(value, msgspec.Struct) else None
 
     def __post_init__(self) -> None:
         if len(set(self.enabled)) != len(self.enabled):
@@ -222,25 +241,8 @@ class ToolsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.result_max_chars < 100:
             raise ValueError("tools.result_max_chars must be >= 100 because error messages must "
                              f"fit, got {self.result_max_chars}")
+        for name in self.options:
+            if self.section(name) is not None:
+                raise ValueError(f"tools.options.{name}: the {name} tool has its own section; set [tools.{name}]")
 
 
-def build_tools(cfg: ToolsConfig) -> "dict[str, Tool]":
-    """Instantiate the enabled tools.
-
-    Args:
-        cfg: the tools config. ``search`` and ``python`` get their sections; any other enabled
-            (user-registered) tool is built with ``max_result_chars`` only.
-
-    Returns:
-        ``{name: Tool}`` in ``cfg.enabled`` order.
-    """
-    from aepo_engine.tools import build_tool  # the package import registers the built-ins
-
-    sections = {"search": cfg.search, "python": cfg.python}
-    tools = {}
-    for name in cfg.enabled:
-        options = {"max_result_chars": cfg.result_max_chars}
-        if name in sections:
-            options["config"] = sections[name]
-        tools[name] = build_tool(name, **options)
-    return tools
