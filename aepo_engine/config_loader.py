@@ -87,6 +87,7 @@ __all__ = [
     "merge_trees",
     "parse_args",
     "read_config_file",
+    "say_renamed",
 ]
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -332,7 +333,7 @@ def _check_keys(cls: type, raw: Mapping[str, Any], source: str, path: str = "") 
 _SAID: set[str] = set()
 
 
-def _say_renamed(message: str) -> None:
+def say_renamed(message: str) -> None:
     """One ``warning:`` line per rename and process (a config is often built twice)."""
     if message not in _SAID:
         _SAID.add(message)
@@ -344,7 +345,7 @@ def _renamed_key(cls: type, key: str, path: str) -> str:
     new = getattr(cls, "RENAMED_KEYS", {}).get(key)
     if new is None:
         return key
-    _say_renamed(f"{_join(path, key)!r} is now called {_join(path, new)!r}")
+    say_renamed(f"{_join(path, key)!r} is now called {_join(path, new)!r}")
     return new
 
 
@@ -358,7 +359,7 @@ def _rename(cls: type, raw: Mapping[str, Any], path: str = "") -> dict[str, Any]
             raise ConfigError(f"{_join(path, old)!r} and {_join(path, key)!r} are one setting ({old!r} is its "
                               f"old name): set {_join(path, key)!r} only")
         if isinstance(value, str) and value in values.get(key, {}):
-            _say_renamed(f"{_join(path, key)} = {value!r} is now called {values[key][value]!r}")
+            say_renamed(f"{_join(path, key)} = {value!r} is now called {values[key][value]!r}")
             value = values[key][value]
         section = _section_class(fields[key].type) if key in fields else None
         out[key] = _rename(section, value, _join(path, key)) if section and isinstance(value, Mapping) else value

@@ -35,7 +35,7 @@ import msgspec
 
 from aepo_engine.checkpoint import HF_EXPORT, resume_candidates, verify_checkpoint
 from aepo_engine.config_loader import (ConfigError, dump_config, format_help, load_config, merge_trees, pop_option,
-                                      read_config_file)
+                                      read_config_file, say_renamed)
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
 from aepo_engine.evaluation.config import EvalConfig
@@ -306,6 +306,9 @@ def load_done(out: Path, n: int) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue  # the line a kill cut short
+        if "references" in record and "ground_truth" not in record:  # written before the field's rename
+            say_renamed(f"{path}: the samples' field 'references' is now called 'ground_truth'")
+            record["ground_truth"] = record.pop("references")
         groups.setdefault((record["dataset"], record["question_index"]), []).append(record)
     kept = [r for group in groups.values() if sorted(s["sample"] for s in group) == list(range(n)) for r in group]
     write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))

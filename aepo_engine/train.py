@@ -245,7 +245,7 @@ class Trainer:
         # kernels / precision. A large value means the two hold different weights.
         logprob_gap = float((rollout_logprobs - batch.old_logprobs)[sampled].abs().mean()) if sampled.any() else 0.0
         staleness = token_staleness(batch.versions, batch.loss_mask, step)
-        batch.is_weights, batch.loss_mask, correction = rollout_correction(
+        batch.token_weights, batch.loss_mask, correction = rollout_correction(
             batch.old_logprobs, rollout_logprobs, batch.loss_mask, self.correction, batch.token_origin, staleness)
         update = self.policy.update(batch)
         gaps = branching_version_gaps(trajectories)

@@ -73,7 +73,7 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
         (d, q, s) for d in ("bamboogle", "aime25") for q in range(3) for s in range(2)}
     for r in records:
         assert {"prompt", "response", "tool_calls", "answer", "em", "f1", "math", "format_ok", "correct",
-                "response_tokens", "finish_reason", "references", "meta"} <= set(r)
+                "response_tokens", "finish_reason", "ground_truth", "meta"} <= set(r)
         assert "You are a helpful assistant" in r["prompt"]  # question-only sets get the authors' prompt
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["datasets"]) == {"bamboogle", "aime25"} and summary["questions_generated"] == 6
@@ -97,7 +97,7 @@ def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
     assert {r["dataset"] for r in records} == {"hle", "aime25"} and all("gold" in r["meta"] for r in records)
     for r in records:  # the records hold the authors' scores of each response
         check = "mixed" if r["dataset"] == "hle" else "math"
-        expected = score_response(r["response"], r["references"], check, scoring="authors", gold=r["meta"]["gold"],
+        expected = score_response(r["response"], r["ground_truth"], check, scoring="authors", gold=r["meta"]["gold"],
                                   tool_spans=[tuple(span) for span in r["tool_spans"]])
         assert {k: r[k] for k in expected} == expected
     capsys.readouterr()
@@ -349,3 +349,18 @@ def test_vllm_backend(tiny, shared_data, tmp_path):
         (d, q, s) for d in ("bamboogle", "aime24") for q in range(2) for s in range(2))
     assert all(r["response_tokens"] > 0 for r in records)
     assert json.loads((out / "summary.json").read_text())["datasets"]["aime24"]["samples"] == 2
+
+
+def test_samples_written_before_the_rename_of_references_resume(tmp_path, capsys):
+    """samples.jsonl rows keep the gold answers as ``ground_truth`` (the Example's and the reward's
+    name; "reference" is the kernels' fp32 oracle); a file written with the old ``references``
+    field still resumes, with one warning naming the new field."""
+    from aepo_engine.eval import SAMPLES_FILE, load_done
+
+    old = [{"dataset": "nq", "question_index": 0, "sample": s, "question": "q", "references": ["Paris"],
+            "answer": "Paris"} for s in range(2)]
+    (tmp_path / SAMPLES_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    done = load_done(tmp_path, 2)
+    assert [r["ground_truth"] for r in done] == [["Paris"], ["Paris"]] and all("references" not in r for r in done)
+    assert capsys.readouterr().err.count("'references' is now called 'ground_truth'") == 1
+    assert "references" not in (tmp_path / SAMPLES_FILE).read_text()  # the kept rows are rewritten

@@ -297,9 +297,9 @@ def test_real_vllm_server(tmp_path):
 def test_judge_records_skips_answerless_samples(stub, tmp_path):
     from aepo_engine.evaluation.core import judge_records
 
-    records = [{"question": "Capital of France?", "references": ["Paris"], "answer": "Paris"},
-               {"question": "Capital of France?", "references": ["Paris"], "answer": None},
-               {"question": "Capital of France?", "references": ["Paris"], "answer": "Lyon"}]
+    records = [{"question": "Capital of France?", "ground_truth": ["Paris"], "answer": "Paris"},
+               {"question": "Capital of France?", "ground_truth": ["Paris"], "answer": None},
+               {"question": "Capital of France?", "ground_truth": ["Paris"], "answer": "Lyon"}]
     judge = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), tmp_path / "c.jsonl")
     judge_records(records, judge)
     assert [r["judge"]["correct"] for r in records] == [True, False, False]
@@ -309,7 +309,7 @@ def test_judge_records_skips_answerless_samples(stub, tmp_path):
 def test_judge_records_pass_the_gold_to_the_reference_prompt(stub, tmp_path):
     from aepo_engine.evaluation.core import judge_records
 
-    records = [{"question": "Who?", "references": ["Frank Lowy"], "answer": "Frank Lowy",
+    records = [{"question": "Who?", "ground_truth": ["Frank Lowy"], "answer": "Frank Lowy",
                 "meta": {"gold": ["Frank Lowy"]}}]
     judge_records(records, LLMJudge(JudgeConfig(url=stub.url, model="judge-m", prompt="authors"), tmp_path / "c"))
     assert "Golden Answer: ['Frank Lowy']" in stub.requests[0]["messages"][0]["content"]

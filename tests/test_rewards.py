@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from aepo_engine.rewards import (RewardResult, as_references, extract_answer, extract_boxed,
+from aepo_engine.rewards import (RewardResult, as_ground_truths, extract_answer, extract_boxed,
                                  get_reward, list_rewards, normalize_answer, register_reward,
                                  token_f1)
 from aepo_engine.rewards.deep_research import check_format
@@ -54,13 +54,13 @@ def test_unknown_option_is_a_type_error():
     (("a", 2), ["a", "2"]),
 ])
 def test_as_references(raw, expected):
-    assert as_references(raw) == expected
+    assert as_ground_truths(raw) == expected
 
 
 def test_as_references_rejects_empty():
     for raw in (None, [], ()):
         with pytest.raises(ValueError):
-            as_references(raw)
+            as_ground_truths(raw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def test_parquet_ground_truths_match_themselves(name):
     rows = [row["ground_truth"] for row in table.column("reward_model").to_pylist()]
     checked = 0
     for gt in rows:
-        ref = as_references(gt)[-1]
+        ref = as_ground_truths(gt)[-1]
         # A few train_10k references are truncated LaTeX ("1}^N") or blank; they can't be boxed.
         if not ref.strip() or not _balanced(ref) or "\\boxed" in ref:
             continue
@@ -378,3 +378,11 @@ def test_a_reward_outside_the_package_named_by_path(tmp_path, monkeypatch, capsy
         build_reward_fn(RewardConfig(path=str(tmp_path / "broken.py"), name=name))
     with pytest.raises(ValueError, match="unknown reward 'other'"):
         build_reward_fn(RewardConfig(path=str(user), name="other"))
+
+
+def test_the_old_names_of_the_ground_truth_helpers_still_work():
+    """``as_references`` / ``reference_answer`` were renamed (the gold answers are the ground truth;
+    "reference" is the kernels' fp32 oracle); reward code of one's own that imports them still runs."""
+    from aepo_engine.rewards import as_references
+    from aepo_engine.rewards.text import ground_truth_answer, reference_answer
+    assert as_references is as_ground_truths and reference_answer is ground_truth_answer

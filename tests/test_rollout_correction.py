@@ -132,7 +132,7 @@ def test_weighted_loss_is_the_weighted_policy_gradient_term(clip, per_token_adv)
     config = LossConfig(clip=clip, dual_clip=3.0 if clip != "cispo" else 0.0, entropy_adv_alpha=0.3,
                         kl_coef=0.05, entropy_coef=0.01)
     batch = TokenBatch(torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long),
-                       torch.zeros(B, T, dtype=torch.long), mask, adv, old, torch.arange(B), is_weights=w)
+                       torch.zeros(B, T, dtype=torch.long), mask, adv, old, torch.arange(B), token_weights=w)
     loss, _ = policy_loss_from_logprobs(logp, entropy, old, _weighted_advantages(batch), mask,
                                         config=config, ref_logprobs=ref)
     # by hand: shaped advantages, the clip rule's token loss, times w; KL and bonus unweighted
@@ -174,7 +174,7 @@ def test_weighted_advantages_through_the_one_pass_loss(clip):
     config = LossConfig(clip=clip, dual_clip=3.0 if clip != "cispo" else 0.0, entropy_adv_alpha=0.3)
     count = mask.sum()
     batch = TokenBatch(torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long), labels, mask, adv,
-                       old, torch.arange(B), is_weights=w)
+                       old, torch.arange(B), token_weights=w)
     fast_logits = logits.clone().requires_grad_()
     loss, _ = aepo_policy_loss(fast_logits, labels, old, _weighted_advantages(batch), mask, config=config,
                                backend="torch", entropy_mean=mean, entropy_std=std, global_token_count=count, shift_labels=False)

@@ -230,7 +230,7 @@ def test_tree_update_on_scheduler_rollouts_with_everything_on(tiny_model):
     weights = torch.rand(batch.loss_mask.shape, generator=gen) + 0.5
     mask = batch.loss_mask.clone()
     mask[2] = 0  # a sequence the correction dropped
-    batch = dataclasses.replace(batch, ref_logprobs=ref, is_weights=weights, loss_mask=mask)
+    batch = dataclasses.replace(batch, ref_logprobs=ref, token_weights=weights, loss_mask=mask)
     loss = LossConfig(clip="aepo", kl_coef=0.05, entropy_coef=0.01, eps_high=0.28)
     rows = _run(tiny_model, batch, False, loss=loss, micro_batch_size=5, ppo_mini_batch_size=2, use_fused_linear=False)
     tree = _run(tiny_model, batch, True, loss=loss, micro_batch_max_tokens=200, ppo_mini_batch_size=2,

@@ -75,7 +75,7 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
             every rollout round (:func:`progress_printer`); none = silent.
 
     Returns:
-        One record per sample, grouped by question: dataset, question index, question, references,
+        One record per sample, grouped by question: dataset, question index, question, ground_truth (the gold answers),
         generation fields (:func:`trajectory_record`) and scores.
     """
     if len(prompts) != len(examples):
@@ -89,7 +89,7 @@ def sample_records(backend: Any, tool_runner: Any, tokenizer: Any, rollout_confi
     for traj in rollout.rollout(list(prompts), step=step, progress=report).trajectories:
         example = examples[traj.prompt_index]
         record = {"dataset": example.data_source, "question_index": example.index,
-                  "question": example.question, "references": list(example.ground_truth),
+                  "question": example.question, "ground_truth": list(example.ground_truth),
                   "meta": dict(example.meta), **trajectory_record(traj, tokenizer, traj.traj_id, tool_format)}
         spans = [tuple(span) for span in record["tool_spans"]]
         record.update(score_response(record["response"], example.ground_truth, check, scoring=cfg.scoring,
@@ -125,7 +125,7 @@ def judge_records(records: list[dict[str, Any]], judge: Any) -> None:
     for record in records:
         if not record.get("answer"):
             record["judge"] = {"correct": False, "error": None, "cached": False, "skipped": "no answer"}
-    verdicts = judge.judge_many([(r["question"], r["references"], r["answer"], r.get("meta", {}).get("gold"))
+    verdicts = judge.judge_many([(r["question"], r["ground_truth"], r["answer"], r.get("meta", {}).get("gold"))
                                  for r in asked])
     for record, verdict in zip(asked, verdicts):
         record["judge"] = {"correct": verdict.correct, "error": verdict.error, "cached": verdict.cached,
@@ -149,7 +149,7 @@ def evaluate(
     held-out measurement).
 
     Args:
-        prompts: tokenized chat prompts; ground_truths: references per prompt.
+        prompts: tokenized chat prompts; ground_truths: ground truths per prompt.
         reward_fn: ``(response_text, ground_truth, tool_spans=...) -> RewardResult`` (``score``,
             ``correct``; ``rewards.build_reward_fn``).
         rollout_config: the training rollout's config; branching settings are overridden.

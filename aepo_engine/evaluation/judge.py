@@ -1,4 +1,4 @@
-"""LLM judge: is a predicted answer equivalent to the reference? Asked of any OpenAI-compatible
+"""LLM judge: is a predicted answer equivalent to the ground truth? Asked of any OpenAI-compatible
 chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``judge.prompt``):
 
 - ``"engine"``: the engine's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
@@ -134,21 +134,21 @@ def parse_verdict(text: str) -> bool | None:
     return True if _POSITIVE.search(low) else None
 
 
-def labeled_answer(references: Sequence[str]) -> str:
-    """The engine prompt's labeled answer: the reference, or "any of: a | b" for several."""
-    return str(references[0]) if len(references) == 1 else "any of: " + " | ".join(map(str, references))
+def labeled_answer(ground_truths: Sequence[str]) -> str:
+    """The engine prompt's labeled answer: the ground truth, or "any of: a | b" for several."""
+    return str(ground_truths[0]) if len(ground_truths) == 1 else "any of: " + " | ".join(map(str, ground_truths))
 
 
-def authors_labeled_answer(references: Sequence[str], gold: Any = None) -> Any:
+def authors_labeled_answer(ground_truths: Sequence[str], gold: Any = None) -> Any:
     """The authors' prompt's golden answer: the gold as the authors' loader reads it (a list is
-    shown as its Python text by ``str.format``), else the one reference, else the list."""
+    shown as its Python text by ``str.format``), else the one ground truth, else the list."""
     if gold is not None:
         return gold
-    return references[0] if len(references) == 1 else list(references)
+    return ground_truths[0] if len(ground_truths) == 1 else list(ground_truths)
 
 
 class LLMJudge:
-    """Judges (question, references, prediction) triples; see the module docstring.
+    """Judges (question, ground_truths, prediction) triples; see the module docstring.
 
     Args:
         cfg: the judge section (``cfg.url`` must be set).
@@ -229,33 +229,33 @@ class LLMJudge:
 
     # --- judging ----------------------------------------------------------------------------
 
-    def _request(self, question: str, references: Sequence[str], prediction: str, gold: Any) -> dict:
+    def _request(self, question: str, ground_truths: Sequence[str], prediction: str, gold: Any) -> dict:
         """The chat request for one item under ``judge.prompt`` (module docstring)."""
         if self.cfg.prompt == "authors":
             prompt = AUTHORS_JUDGE_PROMPT.format(question=question, predicted_answer=prediction,
-                                                 labeled_answer=authors_labeled_answer(references, gold))
+                                                 labeled_answer=authors_labeled_answer(ground_truths, gold))
             return {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
-        prompt = JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer(references),
+        prompt = JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer(ground_truths),
                                      predicted_answer=prediction)
         return {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": 0.0, "max_tokens": self.cfg.max_tokens}
 
-    def judge(self, question: str, references: Sequence[str], prediction: str, gold: Any = None) -> Judgment:
+    def judge(self, question: str, ground_truths: Sequence[str], prediction: str, gold: Any = None) -> Judgment:
         """One verdict (cached, retried on transport errors).
 
         Args:
             question: the question text.
-            references: the reference answers.
+            ground_truths: the ground truth answers.
             prediction: the sample's answer.
             gold: the gold as the authors' loader reads it (the authors' prompt only; None = from
-                ``references``).
+                ``ground_truths``).
 
         Returns:
             The :class:`Judgment`.
         """
-        if self.cfg.prompt == "authors" and is_equiv(prediction, authors_labeled_answer(references, gold)):
+        if self.cfg.prompt == "authors" and is_equiv(prediction, authors_labeled_answer(ground_truths, gold)):
             return Judgment(True, source="string-equivalence")
-        body = self._request(question, references, prediction, gold)
+        body = self._request(question, ground_truths, prediction, gold)
         key = hashlib.sha256(json.dumps(body, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
         with self._lock:
             if key in self._cache:
@@ -286,7 +286,7 @@ class LLMJudge:
         return Judgment(verdict, raw=raw, attempts=attempts)
 
     def judge_many(self, items: Sequence[tuple[Any, ...]]) -> list[Judgment]:
-        """Verdicts for (question, references, prediction[, gold]) items, ``concurrency`` at a time,
+        """Verdicts for (question, ground_truths, prediction[, gold]) items, ``concurrency`` at a time,
         in order."""
         if not items:
             return []

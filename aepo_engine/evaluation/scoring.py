@@ -6,16 +6,16 @@ Two rule sets (``eval.scoring``); docs/scoring.md compares them case by case.
 (where the engine put them, ``tool_spans``; else the ``<result>...</result>`` blocks) cut out, then the last ``<answer>`` block's
 last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a response with neither has
 *no answer*. Scores (the rewards' own functions, so training and evaluation agree):
-- ``em``: SQuAD exact match with any reference; ``f1``: the best token F1 (CJK per character,
-  LaTeX text wrappers unwrapped, yes/no/noanswer all-or-nothing); ``acc``: a reference occurs as
+- ``em``: SQuAD exact match with any ground truth; ``f1``: the best token F1 (CJK per character,
+  LaTeX text wrappers unwrapped, yes/no/noanswer all-or-nothing); ``acc``: a ground truth occurs as
   a run of whole tokens in the answer (cover match), or the answer is correct;
-- ``math``: maths equivalence with any reference (``rewards.math_answer.math_equal``);
+- ``math``: maths equivalence with any ground truth (``rewards.math_answer.math_equal``);
 - ``format_ok``: the deep-research tag structure is valid (``rewards.deep_research.check_format``);
 - ``correct``: on "qa" sets, em with the same numbers on both sides; on "math" and "mixed" (HLE)
-  sets, maths equivalence, or, when the reference and the answer are both plain words (no digit,
+  sets, maths equivalence, or, when the ground truth and the answer are both plain words (no digit,
   no maths symbol), SQuAD exact match. SQuAD normalisation deletes ``-``, ``.`` and brackets, so
   it never decides a number on its own (``-50`` is not ``50``, ``9.5`` is not ``95``, GAIA's
-  ``-34689`` is not ``34689``). On every set a multiple-choice reference ("D") also accepts an
+  ``-34689`` is not ``34689``). On every set a multiple-choice ground truth ("D") also accepts an
   answer that starts with that letter and a delimiter ("D. Weak Non-Sadism").
 
 ``"authors"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
@@ -68,12 +68,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _choice_match(answer: str, reference: str) -> bool:
-    ref = reference.strip()
-    if len(ref) != 1 or not ref.isalpha():
+def _choice_match(answer: str, ground_truth: str) -> bool:
+    truth = ground_truth.strip()
+    if len(truth) != 1 or not truth.isalpha():
         return False
     match = _CHOICE.match(answer.strip())
-    return bool(match) and match.group(1) == ref.upper()
+    return bool(match) and match.group(1) == truth.upper()
 
 
 def _plain_words(text: str) -> bool:
@@ -86,47 +86,47 @@ def _numbers(text: str) -> list[str]:
     return [n.replace(",", "") for n in _NUMBER.findall(text)]
 
 
-def _qa_correct(answer: str, reference: str) -> bool:
+def _qa_correct(answer: str, ground_truth: str) -> bool:
     """``correct`` on a QA set: em, and the numbers in both (signs and decimal points) agree."""
-    if _choice_match(answer, reference):
+    if _choice_match(answer, ground_truth):
         return True
-    return exact_match(answer, reference) and _numbers(answer) == _numbers(reference)
+    return exact_match(answer, ground_truth) and _numbers(answer) == _numbers(ground_truth)
 
 
-def _maths_correct(answer: str, reference: str) -> bool:
+def _maths_correct(answer: str, ground_truth: str) -> bool:
     """``correct`` on a maths or mixed set (module docstring)."""
-    if math_equal(answer, reference) or _choice_match(answer, reference):
+    if math_equal(answer, ground_truth) or _choice_match(answer, ground_truth):
         return True
-    return _plain_words(answer) and _plain_words(reference) and exact_match(answer, reference)
+    return _plain_words(answer) and _plain_words(ground_truth) and exact_match(answer, ground_truth)
 
 
-def _references(references: Any) -> list[str]:
-    """A reference list as strings; a bare string or number is one reference (AIME golds are ints)."""
-    if isinstance(references, (str, int, float)):
-        return [str(references)]
-    return [str(ref) for ref in references]
+def _ground_truths(ground_truths: Any) -> list[str]:
+    """A ground-truth list as strings; a bare string or number is one ground truth (AIME golds are ints)."""
+    if isinstance(ground_truths, (str, int, float)):
+        return [str(ground_truths)]
+    return [str(truth) for truth in ground_truths]
 
 
-def _engine_scores(response: str, references: list[str], check: str,
+def _engine_scores(response: str, ground_truths: list[str], check: str,
                    tool_spans: ToolSpans | None = None) -> dict[str, Any]:
     answer = final_answer(response, tool_spans=tool_spans)
     scores: dict[str, Any] = {"answer": answer, "em": 0.0, "f1": 0.0, "acc": 0.0, "math": 0.0, "correct": False}
-    if answer is None or not answer.strip() or not references:
+    if answer is None or not answer.strip() or not ground_truths:
         return scores
-    em = any(exact_match(answer, ref) or _choice_match(answer, ref) for ref in references)
+    em = any(exact_match(answer, truth) or _choice_match(answer, truth) for truth in ground_truths)
     if check == "qa":
-        correct = any(_qa_correct(answer, ref) for ref in references)
+        correct = any(_qa_correct(answer, truth) for truth in ground_truths)
     else:
-        scores["math"] = float(any(math_equal(answer, ref) for ref in references))
-        correct = any(_maths_correct(answer, ref) for ref in references)
-    scores.update(em=float(em), f1=max(token_f1(answer, ref) for ref in references), correct=correct,
-                  acc=float(correct or any(cover_match(answer, ref) for ref in references)))
+        scores["math"] = float(any(math_equal(answer, truth) for truth in ground_truths))
+        correct = any(_maths_correct(answer, truth) for truth in ground_truths)
+    scores.update(em=float(em), f1=max(token_f1(answer, truth) for truth in ground_truths), correct=correct,
+                  acc=float(correct or any(cover_match(answer, truth) for truth in ground_truths)))
     return scores
 
 
-def _authors_scores(response: str, references: list[str], check: str, gold: Any) -> dict[str, Any]:
-    if gold is None:  # no gold as their loader reads it: one reference is their string form
-        gold = references[0] if len(references) == 1 else references
+def _authors_scores(response: str, ground_truths: list[str], check: str, gold: Any) -> dict[str, Any]:
+    if gold is None:  # no gold as their loader reads it: one ground truth is their string form
+        gold = ground_truths[0] if len(ground_truths) == 1 else ground_truths
     task = authors_task(check)
     answer = authors_prediction(response)
     scores: dict[str, Any] = {"answer": answer, **authors_metrics(answer, gold, task)}
@@ -134,19 +134,19 @@ def _authors_scores(response: str, references: list[str], check: str, gold: Any)
     return scores
 
 
-def score_response(response: str, references: Sequence[str] | str | int, check: str, scoring: str = "engine",
+def score_response(response: str, ground_truths: Sequence[str] | str | int, check: str, scoring: str = "engine",
                    gold: Any = None, tool_spans: ToolSpans | None = None) -> dict[str, Any]:
     """Scores of one response (module docstring).
 
     Args:
         response: the model's text, tool results included.
-        references: the ground-truth answers (already cut to the answer part); a bare string or
-            number is one reference; an empty list scores 0 everywhere.
+        ground_truths: the ground-truth answers (already cut to the answer part); a bare string or
+            number is one ground truth; an empty list scores 0 everywhere.
         check: "qa", "math" or "mixed".
         scoring: "engine" or "authors" (``eval.scoring``).
         gold: for "authors", the gold as the authors' loader reads it (a string, an int, or a
             list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
-            reference as a string, or the list of several.
+            ground truth as a string, or the list of several.
         tool_spans: where the engine put the tool results (``decode_response``); the engine's
             rules read them there (the authors' read the text as theirs did).
 
@@ -157,10 +157,10 @@ def score_response(response: str, references: Sequence[str] | str | int, check: 
         raise ValueError(f"unknown answer check {check!r}: use {', '.join(CHECKS)}")
     if scoring not in RULES:
         raise ValueError(f"unknown scoring {scoring!r}: use {', '.join(RULES)}")
-    refs = _references(references)
+    truths = _ground_truths(ground_truths)
     form = check_format(response, tool_spans)
     if scoring == "authors":
-        scores = _authors_scores(response, refs, check, gold)
+        scores = _authors_scores(response, truths, check, gold)
     else:
-        scores = _engine_scores(response, refs, check, tool_spans)
+        scores = _engine_scores(response, truths, check, tool_spans)
     return {**scores, "format_ok": form.error is None, "format_error": form.error}

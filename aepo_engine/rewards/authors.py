@@ -18,23 +18,23 @@ on the raw response text (tool results included, as their verl rollout hands it 
    an ``\\fbox``, or is a ``\\boxed`` not followed by its brace, cannot be unwrapped: that is a
    format error too ("find box error"). ``\\text{}`` inside the box is *not* unwrapped.
 3. F1: SQuAD normalisation (lowercase, ASCII punctuation dropped, a/an/the dropped, whitespace
-   collapsed; no per-character CJK tokens) and token F1, the best over the references, with the
-   HotpotQA rule (yes / no / noanswer on either side and the sides differ: that reference is
+   collapsed; no per-character CJK tokens) and token F1, the best over the ground truths, with the
+   HotpotQA rule (yes / no / noanswer on either side and the sides differ: that ground truth is
    skipped, i.e. scores 0).
 4. Score: ``format_penalty`` (-1) when malformed; ``F1 + tool_bonus`` (+0.1) when F1 > 0 and the
    strings ``</search>`` and ``</python>`` both occur anywhere in the response (a page quoting
    them counts); else F1.
 
 Where we differ, and why (also in docs/scoring.md):
-- ``correct`` (their reward has none): the normalised answer equals a normalised reference.
+- ``correct`` (their reward has none): the normalised answer equals a normalised ground truth.
 - An integer ground truth is compared as its decimal string (theirs raises on ``.lower()``).
 - Their EOS stripping needs a tokenizer in ``extra_info``, which verl's default reward manager
   does not pass; the engine's decoded response is scored as it is (the EOS follows ``</answer>``,
   so it changes nothing scored here).
 - ``think_opened_in_prompt`` (an engine option for chat templates that open ``<think>`` in the
   prompt) still prepends ``<think>`` before the checks.
-- The references are the ones the data loader parsed (``base.as_references``): a ground truth
-  stored as a JSON-encoded list of strings is several references here and one string to them
+- The ground truths are the ones the data loader parsed (``base.as_ground_truths``): a ground truth
+  stored as a JSON-encoded list of strings is several ground truths here and one string to them
   (no row of the shared RL parquet sets is stored that way).
 """
 from __future__ import annotations
@@ -60,25 +60,25 @@ def authors_normalize(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def authors_f1(prediction: str, references: Sequence[str]) -> float:
-    """Their reward's F1: the best token F1 over the references, yes/no/noanswer all-or-nothing.
+def authors_f1(prediction: str, ground_truths: Sequence[str]) -> float:
+    """Their reward's F1: the best token F1 over the ground truths, yes/no/noanswer all-or-nothing.
 
     Args:
         prediction: the unboxed answer.
-        references: the ground-truth strings.
+        ground_truths: the ground-truth strings.
 
     Returns:
         F1 in [0, 1].
     """
     pred = authors_normalize(prediction)
     best = 0.0
-    for reference in references:
-        ref = authors_normalize(reference)
-        if (pred in _YES_NO or ref in _YES_NO) and pred != ref:
+    for ground_truth in ground_truths:
+        truth = authors_normalize(ground_truth)
+        if (pred in _YES_NO or truth in _YES_NO) and pred != truth:
             continue
-        common = sum((Counter(pred.split()) & Counter(ref.split())).values())
+        common = sum((Counter(pred.split()) & Counter(truth.split())).values())
         if common:
-            precision, recall = common / len(pred.split()), common / len(ref.split())
+            precision, recall = common / len(pred.split()), common / len(truth.split())
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
 
@@ -151,14 +151,14 @@ def authors_unbox(block: str) -> str:
     raise ValueError("unclosed \\boxed")
 
 
-def authors_reward(response: str, references: Sequence[str], format_penalty: float,
+def authors_reward(response: str, ground_truths: Sequence[str], format_penalty: float,
                    tool_bonus: float) -> RewardResult:
     """Their ``compute_score`` (module docstring) as a :class:`RewardResult`.
 
     Args:
         response: the model's text, tool results included (``<think>`` already prepended when the
             prompt opened it).
-        references: the ground-truth strings.
+        ground_truths: the ground-truth strings.
         format_penalty: score of a malformed response (theirs: -1).
         tool_bonus: added when F1 > 0 and both closing tool tags occur (theirs: 0.1).
 
@@ -176,8 +176,8 @@ def authors_reward(response: str, references: Sequence[str], format_penalty: flo
             error = f"find box error: {err}"
     if error is not None:
         return RewardResult(format_penalty, False, {"format_error": error})
-    f1 = authors_f1(answer, references)
-    em = any(authors_normalize(answer) == authors_normalize(ref) for ref in references)
+    f1 = authors_f1(answer, ground_truths)
+    em = any(authors_normalize(answer) == authors_normalize(truth) for truth in ground_truths)
     tools = sorted(tag for tag in ("python", "search") if f"</{tag}>" in response)
     bonus = tool_bonus if f1 > 0 and len(tools) == 2 else 0.0
     return RewardResult(f1 + bonus, em, {"answer": answer, "f1": f1, "em": float(em), "tools_used": tools})

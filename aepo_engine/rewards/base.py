@@ -6,7 +6,7 @@ declared as keyword arguments with defaults so that a misspelt option is a ``Typ
 reward that reads tool results takes ``tool_spans`` too: where the engine put them in the
 response (``rollout.trajectory.decode_response``), which a tool's text cannot fake; the built-in
 ones all do, and :func:`build_reward_fn` passes it to those that take it.
-Every reward reads each reference through ``text.reference_answer`` (a reference that is a
+Every reward reads each ground truth through ``text.ground_truth_answer`` (a ground truth that is a
 whole solution is cut down to its ``\\boxed{}`` or its ``#### answer``).
 ``response`` is the model's text only (no prompt). Functions are pure and cheap, so the caller
 may run them in a thread or process pool; nothing here touches torch.
@@ -22,7 +22,7 @@ from aepo_engine.plugins import import_user_code
 from aepo_engine.rewards.config import RULES, RULES_RENAMED, RewardConfig  # re-exported: their old home
 
 __all__ = ["RULES", "RULES_RENAMED", "RewardConfig", "RewardResult", "RewardFn", "build_reward_fn", "register_reward",
-           "get_reward", "list_rewards", "as_references"]
+           "get_reward", "list_rewards", "as_ground_truths", "as_references"]
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,8 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
 # Ground truth as stored in the datasets: a string, a list, or a JSON-encoded list of strings.
 
 
-def as_references(ground_truth: Any) -> list[str]:
-    """Normalise a ground-truth field to a non-empty list of reference strings.
+def as_ground_truths(ground_truth: Any) -> list[str]:
+    """Normalise a ground-truth field to a non-empty list of ground-truth strings.
 
     Accepted forms: a string; a list/tuple (or anything iterable that is not a string, e.g. a
     numpy array) of strings or numbers; a number (AIME answers are ints); a JSON-encoded list
@@ -142,7 +142,7 @@ def as_references(ground_truth: Any) -> list[str]:
         ground_truth: the raw field (``reward_model.ground_truth`` in the parquet files).
 
     Returns:
-        The reference strings (at least one).
+        The ground-truth strings (at least one).
 
     Raises:
         ValueError: ``None`` or an empty list.
@@ -150,14 +150,17 @@ def as_references(ground_truth: Any) -> list[str]:
     if ground_truth is None:
         raise ValueError("ground truth is None")
     if isinstance(ground_truth, str):
-        refs = _decode_json_list(ground_truth) or [ground_truth]
+        truths = _decode_json_list(ground_truth) or [ground_truth]
     elif isinstance(ground_truth, (int, float)):
-        refs = [str(ground_truth)]
+        truths = [str(ground_truth)]
     else:
-        refs = [str(item) for item in ground_truth]
-    if not refs:
+        truths = [str(item) for item in ground_truth]
+    if not truths:
         raise ValueError("ground truth is an empty list")
-    return refs
+    return truths
+
+
+as_references = as_ground_truths  # its old name ("reference" is the kernels' fp32 oracle now), for old reward code
 
 
 def _decode_json_list(text: str) -> list[str] | None:

@@ -5,7 +5,7 @@
     score = format_penalty (-1)            if the response is malformed
           = F1 + tool_bonus (0.1)          if F1 > 0 and both <search> and <python> were used
           = F1                             otherwise
-    F1 = max over references of the SQuAD token F1 of the last \\boxed{} inside <answer>
+    F1 = max over the ground truths of the SQuAD token F1 of the last \\boxed{} inside <answer>
          (``text.token_f1``: LaTeX text wrappers unwrapped, yes/no/noanswer all-or-nothing).
 
 A response is malformed when any of these holds (``details["format_error"]`` says which):
@@ -21,7 +21,7 @@ page that contains "<answer>", code that prints ``</result><search>q</search>``)
 the tool bonus counts completed calls the model wrote, and a ``<result>`` tag outside a span is
 the model's own and malformed. Without the record (saved text) the ``<result>...</result>`` blocks
 of the text are the results, which a tool cannot close early either: ``tools.framing`` rewrites
-the engine's tags in tool text. ``correct`` is the exact match of the boxed answer with a reference
+the engine's tags in tool text. ``correct`` is the exact match of the boxed answer with a ground truth
 (F1 = 1 can also come from reordered words).
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import RULES, RewardResult, as_references, register_reward
+from .base import RULES, RewardResult, as_ground_truths, register_reward
 from .authors import authors_reward
-from .text import ToolSpans, exact_match, extract_boxed, reference_answer, token_f1
+from .text import ToolSpans, exact_match, extract_boxed, ground_truth_answer, token_f1
 
 __all__ = ["deep_research", "check_format", "FormatCheck"]
 
@@ -215,15 +215,15 @@ def deep_research(
         if tool_spans is not None:
             tool_spans = [(start + len("<think>"), end + len("<think>")) for start, end in tool_spans]
     if rules == "authors":
-        return authors_reward(response, as_references(ground_truth), format_penalty, tool_bonus)
+        return authors_reward(response, as_ground_truths(ground_truth), format_penalty, tool_bonus)
     check = check_format(response, tool_spans)
     answer = extract_boxed(check.answer) if check.answer is not None else None
     error = check.error or (None if answer is not None else "no \\boxed{} in <answer>")
     if error is not None:
         return RewardResult(format_penalty, False, {"format_error": error})
-    refs = [reference_answer(ref) for ref in as_references(ground_truth)]
-    f1 = max(token_f1(answer, ref) for ref in refs)
-    em = any(exact_match(answer, ref) for ref in refs)
+    truths = [ground_truth_answer(truth) for truth in as_ground_truths(ground_truth)]
+    f1 = max(token_f1(answer, truth) for truth in truths)
+    em = any(exact_match(answer, truth) for truth in truths)
     bonus = tool_bonus if f1 > 0 and check.tools_used >= set(TOOL_TAGS) else 0.0
     details = {"answer": answer, "f1": f1, "em": float(em), "tools_used": sorted(check.tools_used)}
     return RewardResult(f1 + bonus, em, details)

@@ -1,4 +1,4 @@
-"""The ``math`` reward: is the response's boxed answer equivalent to the reference?
+"""The ``math`` reward: is the response's boxed answer equivalent to the ground truth?
 
 The answer is the last ``\\boxed{}`` of the last ``<answer>`` block, or of the whole response
 when it has no answer block (``text.final_answer``; tool results are never the answer).
@@ -29,8 +29,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from .base import RewardResult, as_references, register_reward
-from .text import ToolSpans, final_answer, reference_answer, strip_latex_wrappers
+from .base import RewardResult, as_ground_truths, register_reward
+from .text import ToolSpans, final_answer, ground_truth_answer, strip_latex_wrappers
 
 __all__ = ["math_reward", "math_equal", "normalize_math", "parse_value"]
 
@@ -266,41 +266,41 @@ def _value_float(value: Value) -> float:
     return sum(float(c) * r ** 0.5 for r, c in value.items())
 
 
-def math_equal(prediction: str, reference: str, rel_tol: float = 0.0) -> bool:
+def math_equal(prediction: str, ground_truth: str, rel_tol: float = 0.0) -> bool:
     """Whether two maths answers are equivalent (rules in the module docstring).
 
     Args:
         prediction: the model's answer (content of ``\\boxed{}``).
-        reference: the ground-truth answer.
+        ground_truth: the ground-truth answer.
         rel_tol: 0 compares parsed values exactly; > 0 compares them as floats with this
-            relative tolerance (for references rounded to a few decimals).
+            relative tolerance (for ground truths rounded to a few decimals).
 
     Returns:
         ``True`` if equivalent.
     """
-    pred, ref = normalize_math(prediction), normalize_math(reference)
-    if pred == ref:
+    pred, truth = normalize_math(prediction), normalize_math(ground_truth)
+    if pred == truth:
         return True
-    if max(len(pred), len(ref)) > _MAX_CHARS:
+    if max(len(pred), len(truth)) > _MAX_CHARS:
         return False
-    pred_value, ref_value = parse_value(pred), parse_value(ref)
-    if pred_value is not None and ref_value is not None:
+    pred_value, truth_value = parse_value(pred), parse_value(truth)
+    if pred_value is not None and truth_value is not None:
         if rel_tol <= 0:
-            return pred_value == ref_value
-        a, b = _value_float(pred_value), _value_float(ref_value)
+            return pred_value == truth_value
+        a, b = _value_float(pred_value), _value_float(truth_value)
         return abs(a - b) <= rel_tol * max(abs(a), abs(b))
     pred_open, pred_items, pred_close = _split_items(pred)
-    ref_open, ref_items, ref_close = _split_items(ref)
-    if len(ref_items) < 2 or (pred_open, pred_close) != (ref_open, ref_close):
+    truth_open, truth_items, truth_close = _split_items(truth)
+    if len(truth_items) < 2 or (pred_open, pred_close) != (truth_open, truth_close):
         return False
-    return len(pred_items) == len(ref_items) and all(
-        math_equal(p, r, rel_tol) for p, r in zip(pred_items, ref_items))
+    return len(pred_items) == len(truth_items) and all(
+        math_equal(p, r, rel_tol) for p, r in zip(pred_items, truth_items))
 
 
 @register_reward("math")
 def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0,
                 tool_spans: ToolSpans | None = None) -> RewardResult:
-    """1.0 if the response's boxed answer (module docstring) is equivalent to any reference, else 0.0.
+    """1.0 if the response's boxed answer (module docstring) is equivalent to any ground truth, else 0.0.
 
     Args:
         response: the model's text.
@@ -315,6 +315,6 @@ def math_reward(response: str, ground_truth: Any, *, rel_tol: float = 0.0,
     answer = final_answer(response, require_box=True, tool_spans=tool_spans)
     if answer is None:
         return RewardResult(0.0, False, {"format_error": "no \\boxed{}"})
-    refs = [reference_answer(ref) for ref in as_references(ground_truth)]
-    correct = any(math_equal(answer, ref, rel_tol) for ref in refs)
+    truths = [ground_truth_answer(truth) for truth in as_ground_truths(ground_truth)]
+    correct = any(math_equal(answer, truth, rel_tol) for truth in truths)
     return RewardResult(float(correct), correct, {"answer": answer})

@@ -21,7 +21,7 @@ no-ops for plain ASCII English:
   (curly quotes and Chinese full stops count).
 - CJK characters are split into one token each, so Chinese answers (WebWalker, xbench) get a
   character-level F1 instead of one giant token.
-- If removing articles leaves the *reference* empty (a multiple-choice answer "A"), articles
+- If removing articles leaves the *ground truth* empty (a multiple-choice answer "A"), articles
   are kept on both sides; otherwise "A" could never be matched and the empty string would.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import Counter
 from typing import Sequence
 
 __all__ = ["normalize_answer", "answer_tokens", "token_f1", "exact_match", "cover_match", "extract_boxed",
-           "extract_tag", "extract_answer", "final_answer", "reference_answer", "strip_latex_wrappers",
+           "extract_tag", "extract_answer", "final_answer", "ground_truth_answer", "reference_answer", "strip_latex_wrappers",
            "strip_tool_results", "ToolSpans"]
 
 _ASCII_PUNCT = frozenset(string.punctuation)
@@ -86,62 +86,62 @@ def normalize_answer(text: str, remove_articles: bool = True) -> str:
     return " ".join(text.split())
 
 
-def answer_tokens(prediction: str, reference: str) -> tuple[list[str], list[str]]:
-    """Normalised tokens of a prediction and a reference, keeping articles if the reference
+def answer_tokens(prediction: str, ground_truth: str) -> tuple[list[str], list[str]]:
+    """Normalised tokens of a prediction and a ground truth, keeping articles if the ground truth
     would otherwise be empty.
 
     Returns:
         ``(prediction_tokens, reference_tokens)``.
     """
-    ref = normalize_answer(reference).split()
-    keep = not ref
+    truth = normalize_answer(ground_truth).split()
+    keep = not truth
     pred = normalize_answer(prediction, remove_articles=not keep).split()
     if keep:
-        ref = normalize_answer(reference, remove_articles=False).split()
-    return pred, ref
+        truth = normalize_answer(ground_truth, remove_articles=False).split()
+    return pred, truth
 
 
-def token_f1(prediction: str, reference: str) -> float:
-    """Token-level F1 between one prediction and one reference.
+def token_f1(prediction: str, ground_truth: str) -> float:
+    """Token-level F1 between one prediction and one ground truth.
 
     Args:
         prediction: the model's answer.
-        reference: one ground-truth answer.
+        ground_truth: one ground-truth answer.
 
     Returns:
         F1 in [0, 1]; 0 when either side has no tokens, or when either side is exactly
         yes / no / noanswer and the other side is not the same word.
     """
-    pred, ref = answer_tokens(prediction, reference)
-    if pred != ref and (" ".join(pred) in _YES_NO or " ".join(ref) in _YES_NO):
+    pred, truth = answer_tokens(prediction, ground_truth)
+    if pred != truth and (" ".join(pred) in _YES_NO or " ".join(truth) in _YES_NO):
         return 0.0
-    common = sum((Counter(pred) & Counter(ref)).values())
+    common = sum((Counter(pred) & Counter(truth)).values())
     if common == 0:
         return 0.0
-    precision, recall = common / len(pred), common / len(ref)
+    precision, recall = common / len(pred), common / len(truth)
     return 2 * precision * recall / (precision + recall)
 
 
-def exact_match(prediction: str, reference: str) -> bool:
+def exact_match(prediction: str, ground_truth: str) -> bool:
     """Whether the normalised token sequences are identical (and non-empty)."""
-    pred, ref = answer_tokens(prediction, reference)
-    return bool(ref) and pred == ref
+    pred, truth = answer_tokens(prediction, ground_truth)
+    return bool(truth) and pred == truth
 
 
-def cover_match(prediction: str, reference: str) -> bool:
-    """Whether the normalised reference occurs as a run of whole tokens in the normalised
+def cover_match(prediction: str, ground_truth: str) -> bool:
+    """Whether the normalised ground truth occurs as a run of whole tokens in the normalised
     prediction (the "cover match" or ``acc`` column: "Paris, France" covers "Paris").
 
     Args:
         prediction: the model's answer.
-        reference: one ground-truth answer.
+        ground_truth: one ground-truth answer.
 
     Returns:
-        True when the reference has tokens and they appear contiguously in the prediction.
+        True when the ground truth has tokens and they appear contiguously in the prediction.
     """
-    pred, ref = answer_tokens(prediction, reference)
+    pred, truth = answer_tokens(prediction, ground_truth)
     # Tokens hold no spaces, so a padded substring test is a whole-token run test, in linear time.
-    return bool(ref) and f" {' '.join(ref)} " in f" {' '.join(pred)} "
+    return bool(truth) and f" {' '.join(truth)} " in f" {' '.join(pred)} "
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,13 +242,16 @@ def final_answer(response: str, require_box: bool = False, tool_spans: ToolSpans
     return block
 
 
-def reference_answer(reference: str) -> str:
-    """The answer part of a reference: a few references are whole solutions, so take their
+def ground_truth_answer(ground_truth: str) -> str:
+    """The answer part of a ground truth: a few ground truths are whole solutions, so take their
     last ``\\boxed{}``, else the text after the last ``####`` (GSM8K style), else all of it."""
-    boxed = extract_boxed(reference)
+    boxed = extract_boxed(ground_truth)
     if boxed is not None:
         return boxed
-    return reference.rsplit("####", 1)[-1].strip()
+    return ground_truth.rsplit("####", 1)[-1].strip()
+
+
+reference_answer = ground_truth_answer  # its old name, for old reward code
 
 
 def extract_answer(text: str, tool_spans: ToolSpans | None = None) -> str:

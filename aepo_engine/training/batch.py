@@ -60,8 +60,11 @@ class TokenBatch:
         entropy: ``[B, L]`` float or None; per-token entropies of the old policy, filled by
             ``PolicyWorker.compute_logprobs`` and used for global entropy statistics.
         ref_logprobs: ``[B, L]`` float or None; reference-policy log-probs for the k3 KL.
-        is_weights: ``[B, L]`` float or None; detached importance weights of the rollout/trainer
-            mismatch correction (``training.rollout_correction``); None means all 1.
+        token_weights: ``[B, L]`` float or None; the detached per-token factors on the
+            policy-gradient term that the kernels take as ``token_weights``: here the importance
+            weights pi_old / pi_rollout (truncated, or sequences masked) that the rollout
+            correction (``training.rollout_correction``, the config section of that name) computes;
+            None means all 1.
         token_origin: ``[B, L]`` long or None; who sampled each label (``ORIGIN_*``, aligned with
             labels): for split statistics only.
         versions: ``[B, L]`` long or None; the policy version that sampled each label (-1 on
@@ -77,7 +80,7 @@ class TokenBatch:
     group_ids: Tensor
     entropy: Tensor | None = None
     ref_logprobs: Tensor | None = None
-    is_weights: Tensor | None = None
+    token_weights: Tensor | None = None
     token_origin: Tensor | None = None
     versions: Tensor | None = None
 

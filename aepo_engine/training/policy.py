@@ -92,7 +92,7 @@ SPLIT_STATS = ("entropy", "clipfrac_high", "clipfrac_low")
 def _weighted_advantages(micro: TokenBatch) -> Tensor:
     """Advantages times the rollout-correction weights (``[B, L]``), or as they are
     (:func:`aepo_kernels.apply_token_weights`: exact for the weighted policy-gradient term)."""
-    return apply_token_weights(micro.advantages, micro.is_weights, micro.old_logprobs.shape)
+    return apply_token_weights(micro.advantages, micro.token_weights, micro.old_logprobs.shape)
 
 
 # --- the module FSDP wraps ------------------------------------------------------------------------

@@ -12,8 +12,11 @@ importance ratio ``rho = pi_old / pi_rollout`` corrects for that (truncated IS, 
 rollout correction, TRL's ``vllm_importance_sampling_correction``, OpenRLHF's TIS, and AReaL's
 decoupled objective ``w_t * clip-rule loss(pi_theta / pi_prox)`` with ``w_t = pi_prox / pi_behav``).
 Every clip rule's per-token loss is positively homogeneous in the advantage, so the weight acts as
-a detached factor on the advantage (``aepo_kernels.apply_token_weights``): the one-pass kernels
-need no second path (proved per rule against a float64 reference of the decoupled objective in
+a detached factor on the advantage (``aepo_kernels.apply_token_weights``). Names: the *rollout
+correction* is this procedure (and its config section); the weights it returns are the batch's
+``token_weights``, the tensor the kernels take under that name, which there means any detached
+per-token factor on the policy-gradient term (verl passes its ``rollout_is_weights``, TRL its vLLM
+importance-sampling correction). The one-pass kernels need no second path (proved per rule against a float64 reference of the decoupled objective in
 ``tests/test_decoupled_ppo.py``).
 
 Modes (``RolloutCorrectionConfig.mode``), with ``log rho_t = old_t - rollout_t`` on model tokens:
@@ -70,8 +73,8 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
         staleness: ``[B, L]`` long, versions between each token's sampler and the updated policy,
             for the per-staleness ratio statistics.
     Returns:
-        ``(weights, loss_mask, metrics)``: weights ``[B, L]`` float32 (None for ``off`` and
-        ``seq_mask``, whose weights are all 1), the mask (rows zeroed by ``seq_mask``, else the
+        ``(weights, loss_mask, metrics)``: weights ``[B, L]`` float32, the batch's
+        ``token_weights`` (None for ``off`` and ``seq_mask``, whose weights are all 1), the mask (rows zeroed by ``seq_mask``, else the
         input) and float metrics keyed ``rollout_correction/...``.
     """
     if config.mode == "auto":
