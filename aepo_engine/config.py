@@ -14,10 +14,10 @@ and dumping the defaults -- loads neither torch nor transformers nor vLLM
 (``tests/test_config_sections.py`` checks it in a fresh interpreter). The old homes re-export their
 section (``from aepo_engine.training.policy import PolicyConfig`` still works).
 
-This module composes the sections, adds the run loop, derives the sub-seeds from the root seed, lists the cross-section
-problems of a config, and knows the presets. Loading, command-line overrides
-(``--section.key=value``), unknown-key errors and TOML dumps are the generic machinery of
-:mod:`aepo_engine.config_loader`.
+This module composes the sections, adds the run loop, derives the sub-seeds from the root seed,
+lists the cross-section problems of a config, and knows the presets. Loading, command-line
+overrides (``--section.key=value``), unknown-key errors and TOML dumps are the generic machinery
+of :mod:`aepo_engine.config_loader`.
 
 Defaults: every field's default is the one in its section class, and those are the values for a
 real-model run (docs/algorithm.md §3 where it names one). Nothing else holds a default.

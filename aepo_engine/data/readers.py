@@ -114,7 +114,8 @@ def _read_parquet(path: Path) -> RowStream:
 
 def _json_rows(rows: Iterable[Any], first: int = 0) -> RowStream:
     for i, record in enumerate(rows, start=first):
-        yield i, record if isinstance(record, dict) else f"expected a JSON object (a row dict), got {type(record).__name__}"
+        problem = f"expected a JSON object (a row dict), got {type(record).__name__}"
+        yield i, record if isinstance(record, dict) else problem
 
 
 def _read_jsonl(path: Path) -> RowStream:

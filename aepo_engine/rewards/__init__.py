@@ -12,6 +12,6 @@ from . import deep_research as _deep_research  # noqa: F401  (registers "deep_re
 from . import math_answer as _math_answer  # noqa: F401  (registers "math")
 from . import qa as _qa  # noqa: F401  (registers "qa_em", "qa_f1")
 
-__all__ = ["RewardConfig", "RewardFn", "RewardResult", "build_reward_fn", "as_ground_truths", "as_references", "get_reward", "list_rewards",
-           "register_reward", "exact_match", "extract_answer", "extract_boxed",
-           "normalize_answer", "token_f1"]
+__all__ = ["RewardConfig", "RewardFn", "RewardResult", "build_reward_fn", "as_ground_truths", "as_references", "get_reward",
+           "list_rewards", "register_reward", "exact_match", "extract_answer", "extract_boxed", "normalize_answer",
+           "token_f1"]

@@ -33,8 +33,8 @@ from collections import Counter
 from typing import Sequence
 
 __all__ = ["normalize_answer", "answer_tokens", "token_f1", "exact_match", "cover_match", "extract_boxed",
-           "extract_tag", "extract_answer", "final_answer", "ground_truth_answer", "reference_answer", "strip_latex_wrappers",
-           "strip_tool_results", "ToolSpans"]
+           "extract_tag", "extract_answer", "final_answer", "ground_truth_answer", "reference_answer",
+           "strip_latex_wrappers", "strip_tool_results", "ToolSpans"]
 
 _ASCII_PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -36,6 +36,6 @@ from aepo_engine.tools import search as _search  # noqa: E402,F401
 __all__ = [
     "MalformedToolCall", "PythonConfig", "SearchConfig", "TOOL_STOP_STRINGS", "Tool", "ToolCall",
     "ToolResult", "ToolRunner", "ToolsConfig", "build_tool", "build_tools", "encode_plain_text",
-    "encode_tool_result", "find_tool_call", "format_tool_result", "neutralise", "register_tool", "registered_tools", "tool_problems",
-    "truncate_text",
+    "encode_tool_result", "find_tool_call", "format_tool_result", "neutralise", "register_tool", "registered_tools",
+    "tool_problems", "truncate_text",
 ]

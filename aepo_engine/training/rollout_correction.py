@@ -16,8 +16,8 @@ a detached factor on the advantage (``aepo_kernels.apply_token_weights``). Names
 correction* is this procedure (and its config section); the weights it returns are the batch's
 ``token_weights``, the tensor the kernels take under that name, which there means any detached
 per-token factor on the policy-gradient term (verl passes its ``rollout_is_weights``, TRL its vLLM
-importance-sampling correction). The one-pass kernels need no second path (proved per rule against a float64 reference of the decoupled objective in
-``tests/test_decoupled_ppo.py``).
+importance-sampling correction). The one-pass kernels need no second path (proved per rule
+against a float64 reference of the decoupled objective in ``tests/test_decoupled_ppo.py``).
 
 Modes (``RolloutCorrectionConfig.mode``), with ``log rho_t = old_t - rollout_t`` on model tokens:
 - ``auto`` (the default): ``token_tis`` when tokens may be stale (``train.mode = "async"`` with
@@ -74,8 +74,9 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
             for the per-staleness ratio statistics.
     Returns:
         ``(weights, loss_mask, metrics)``: weights ``[B, L]`` float32, the batch's
-        ``token_weights`` (None for ``off`` and ``seq_mask``, whose weights are all 1), the mask (rows zeroed by ``seq_mask``, else the
-        input) and float metrics keyed ``rollout_correction/...``.
+        ``token_weights`` (None for ``off`` and ``seq_mask``, whose weights are all 1), the mask
+        (rows zeroed by ``seq_mask``, else the input) and float metrics keyed
+        ``rollout_correction/...``.
     """
     if config.mode == "auto":
         raise ValueError("rollout_correction: resolve mode 'auto' for the run first (RolloutCorrectionConfig.resolved)")
