@@ -1,4 +1,4 @@
-"""The records of data loading: one prompt with its references (``Example``), and a rejected row."""
+"""The records of data loading: one prompt with its ground truth (``Example``), and a rejected row."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,14 +7,14 @@ import msgspec
 
 
 class Example(msgspec.Struct, kw_only=True):
-    """One prompt with its references.
+    """One prompt with its ground truth.
 
     Attributes:
         index: Position in the loaded example list (stable for a given config and data).
         question: The question text.
         prompt_messages: The chat prompt from the data ([{role, content}, ...]); None when the source has
             only a question and the prompt template builds the messages.
-        ground_truth: Reference answers (at least one, non-empty).
+        ground_truth: The gold answers (at least one, non-empty).
         data_source: Dataset tag (the ``data_source`` column, else the file stem).
         meta: Source file and row, plus the row's remaining columns (extra_info, ability, ...).
     """

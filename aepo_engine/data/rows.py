@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from aepo_engine.data.config import HF_PREFIX, DataConfig, parse_hf_spec
 from aepo_engine.data.examples import Example, RowProblem
-from aepo_engine.rewards import as_references
+from aepo_engine.rewards import as_ground_truths
 
 
 _MISSING = object()
@@ -65,14 +65,14 @@ def _answer_item(item: Any) -> str:
 def _parse_ground_truth(value: Any) -> list[str]:
     """A string, a number, a list of them, or a JSON-encoded list of strings -> non-empty list.
 
-    Parsing is the rewards' own (:func:`aepo_engine.rewards.as_references`), so data loading and
-    scoring agree: ``"[1, 2]"`` is one maths answer (an interval), not two references.
+    Parsing is the rewards' own (:func:`aepo_engine.rewards.as_ground_truths`), so data loading and
+    scoring agree: ``"[1, 2]"`` is one maths answer (an interval), not two answers.
     """
     raw = value.tolist() if hasattr(value, "tolist") else value
     for item in raw if isinstance(raw, (list, tuple)) else [raw]:
-        _answer_item(item)  # type check before as_references stringifies
+        _answer_item(item)  # type check before as_ground_truths stringifies
     try:
-        answers = as_references(raw)
+        answers = as_ground_truths(raw)
     except ValueError as exc:
         raise RowProblem("ground truth is empty" if "empty" in str(exc) else f"ground truth: {exc}") from None
     if not all(a.strip() for a in answers):
