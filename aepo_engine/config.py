@@ -98,7 +98,10 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             are built); 0 leaves torch's default (one per core). On a CPU shared with other jobs,
             1 avoids the threads of one matmul waiting on each other: SmolLM2-135M decode on this
             2-core machine at load 14 ran 5x faster in wall time and used 7x less CPU time with 1
-            thread than with 2 (bench/results/smollm2_trials.jsonl, docs/experiments.md).
+            thread than with 2 (bench/results/smollm2_trials.jsonl, docs/experiments.md). In
+            async mode with max_staleness >= 1 on CPU, 0 splits the cores between the trainer
+            and the rollout process (which compute at the same time) and a value gives each
+            process that many (``asynchronous.loop.cpu_thread_split``).
     """
 
     steps: int | None = None

@@ -177,3 +177,19 @@ def test_engine_metrics_never_go_back_when_steps_end_out_of_order():
         seen.append(_engine_metrics(process.counters, before)["engine/generate_s"])
         before = process.counters
     assert seen == [9.0, 0.0]
+
+
+def test_cpu_threads_are_split_between_the_processes_only_when_they_overlap():
+    """At zero search latency, 2 + 2 threads on 2 cores ran the update 5x and generation 7x slower
+    than the synchronous run (docs/async.md): eta >= 1 on CPU splits the cores, the trainer taking
+    the larger half; eta = 0 (the processes take turns: bit for bit the synchronous run), CUDA and
+    an explicit train.torch_threads keep what they have."""
+    from aepo_engine.asynchronous.loop import cpu_thread_split
+
+    assert cpu_thread_split(2, 1, 0, cuda=False) == (1, 1)
+    assert cpu_thread_split(2, 2, 0, cuda=False) == (1, 1)
+    assert cpu_thread_split(7, 1, 0, cuda=False) == (4, 3)
+    assert cpu_thread_split(1, 1, 0, cuda=False) == (1, 1)
+    assert cpu_thread_split(2, 0, 0, cuda=False) == (2, 2)
+    assert cpu_thread_split(16, 1, 0, cuda=True) == (16, 16)
+    assert cpu_thread_split(2, 1, 3, cuda=False) == (3, 3)

@@ -34,12 +34,30 @@ from aepo_engine.asynchronous.worker import WorkerSpec
 from aepo_engine.config_loader import ConfigError
 from aepo_engine.placement import engine_devices
 
-__all__ = ["async_steps", "worker_spec"]
+__all__ = ["async_steps", "cpu_thread_split", "worker_spec"]
 
 
-def worker_spec(trainer: Any) -> WorkerSpec:
+def cpu_thread_split(cores: int, eta: int, torch_threads: int, cuda: bool) -> tuple[int, int]:
+    """torch intra-op threads of (the trainer, the rollout process).
+
+    With ``eta >= 1`` on CPU the two processes compute at the same time: sized for all ``cores``
+    each, their OpenMP pools spin against each other (at zero search latency, 2 + 2 threads on 2
+    cores made the update 5x and generation 7x slower than the synchronous run's,
+    docs/async.md), so they split the cores, the trainer taking the larger half.
+    ``train.torch_threads`` set (> 0) gives each process that many; ``eta = 0`` (the synchronous
+    loop: the processes take turns) and CUDA runs keep ``cores`` in both.
+    """
+    if torch_threads > 0:
+        return torch_threads, torch_threads
+    if eta == 0 or cuda or cores < 2:
+        return cores, cores
+    return cores - cores // 2, cores // 2
+
+
+def worker_spec(trainer: Any, threads: int | None = None) -> WorkerSpec:
     """The rollout process of ``trainer``'s run: its backend, rollout and tools sections, model and
-    seeds, and with ``backend.placement = "split"`` on CUDA the engine's GPUs (``aepo_engine.placement``)."""
+    seeds, its torch threads (``threads``; none: this process's), and with ``backend.placement =
+    "split"`` on CUDA the engine's GPUs (``aepo_engine.placement``)."""
     cfg = trainer.cfg
     environment: tuple[tuple[str, str], ...] = ()
     if cfg.backend.placement == "split" and torch.cuda.is_available():
@@ -51,7 +69,8 @@ def worker_spec(trainer: Any) -> WorkerSpec:
         environment = (("CUDA_VISIBLE_DEVICES", devices[0]),)
     return WorkerSpec(backend=cfg.backend, rollout=cfg.rollout, tools=trainer.tools_config,
                       model_dir=str(trainer.model_dir), engine_seed=cfg.rollout.seed, seed=cfg.seed,
-                      threads=torch.get_num_threads(), tool_barrier=cfg.train.max_staleness == 0,
+                      threads=torch.get_num_threads() if threads is None else threads,
+                      tool_barrier=cfg.train.max_staleness == 0,
                       environment=environment)
 
 
@@ -68,9 +87,13 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         examples[step] = trainer.sampler.next_batch()
         process.order(step, [trainer.prompt_ids(e) for e in examples[step]], admission_version(step, eta, start))
 
-    process = RolloutProcess(worker_spec(trainer))
+    cores = torch.get_num_threads()
+    mine, theirs = cpu_thread_split(cores, eta, trainer.cfg.train.torch_threads, torch.cuda.is_available())
+    torch.set_num_threads(mine)
+    process = RolloutProcess(worker_spec(trainer, theirs))
     print(f"[async] rollout process {process.pid}: max staleness {eta}, "
-          f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}", flush=True)
+          f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}; "
+          f"torch threads: trainer {mine}, rollout process {theirs}", flush=True)
     try:
         process.push_weights(start, trainer.policy.iter_weight_buckets(bucket_bytes))
         for step in range(start, min(start + eta + 1, total)):
@@ -98,6 +121,7 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             yield metrics
     finally:
         process.close()
+        torch.set_num_threads(cores)  # the evaluation after RL runs alone again
 
 
 def _engine_metrics(now: EngineCounters, before: EngineCounters) -> dict[str, float]:
