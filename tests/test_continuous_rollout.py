@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -220,3 +221,54 @@ def test_branch_decisions_report_the_version_gap_of_their_entropies():
     t.decisions.append(BranchDecision(1, 1.0, 1.0, 0.5, 0, 0.5, False, False))
     assert branching_version_gaps([t]) == [2]
     assert branching_version_gaps([_traj([1, 1], [1, 1])]) == []
+
+
+class HeldRunner:
+    """A tool runner whose results come back when the test says (``submit`` gives a Future)."""
+
+    def __init__(self):
+        self.calls: list[tuple[Future, object]] = []
+
+    def submit(self, call) -> Future:
+        future = Future()
+        self.calls.append((future, call))
+        return future
+
+    def answer(self, keep=None) -> None:
+        for future, call in self.calls:
+            if future is not keep and not future.done():
+                future.set_result(ToolResult(f"search({call.payload})", ok=True))
+
+
+def test_a_tool_result_for_a_discarded_trajectory_is_dropped():
+    """The bench's seed-2, eta-2 run died with ``KeyError`` in ``take_tool_results``: a
+    trajectory's call was still running when its prompt discarded it (a speculative sample beyond
+    m), the step ended and its states were removed, then the result came back. Here that order is
+    forced: the first such call is held while every other call is answered and the step ends; its
+    result then is dropped, counted, and the step kept its k trajectories per prompt."""
+    held_cases = 0
+    for seed in range(4):
+        runner = HeldRunner()
+        rollout = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, RolloutConfig(**CONFIG, seed=seed),
+                                    max_batch=4)
+        rollout.admit(PROMPTS, 0)
+        held, results = None, {}
+        while rollout.steps_in_flight:
+            for future, pending in rollout._tools.items():
+                state = rollout.states[(pending.traj.step, pending.traj.prompt_index)]
+                if held is None and not any(t is pending.traj for t in state.generating()):
+                    held = future  # discarded while its call runs
+            runner.answer(keep=held)
+            if not rollout.step():
+                rollout.take_tool_results()
+            results.update(dict(rollout.finished()))
+        assert list(results) == [0] and not rollout.states
+        assert len(results[0].trajectories) == CONFIG["k"] * len(PROMPTS)
+        if held is None:
+            continue
+        held_cases += 1
+        before = getattr(rollout, "dropped_tool_results", 0)  # discarded trajectories' results that came back earlier
+        runner.answer()
+        rollout.take_tool_results()  # the old code: KeyError
+        assert rollout.dropped_tool_results == before + 1 and not rollout.waiting_on_tools
+    assert held_cases > 0  # the case happened

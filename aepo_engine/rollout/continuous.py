@@ -14,6 +14,9 @@ of them has ended. What differs from one :meth:`EntropyBalancedRollout.rollout` 
   scheduler does (and then, admitting one step at a time, produces exactly its trajectories).
 - **Oldest first.** A round samples at most ``max_batch`` trajectories (the backend's batch), those
   of the oldest step first: the trainer waits for the oldest step.
+- **Late results.** A prompt may discard a trajectory while its call runs (a speculative sample
+  beyond m, a tentative child), and its step may end before the result is back: such a result is
+  dropped (``dropped_tool_results``).
 - **Partial rollouts.** :meth:`step` takes the ``abort`` event a backend with ``can_abort`` checks
   every token; a weight update sets it, the segments it cuts are kept and continued from their
   prefix under the new weights (``policy_version`` is stamped on every token), never dropped.
@@ -58,6 +61,7 @@ class ContinuousRollout(EntropyBalancedRollout):
         self._steps: dict[int, list[tuple[int, int]]] = {}  # step -> its prompts' state keys
         self._tools: dict[Future, _PendingCall] = {}
         self.generate_s = self.tool_wait_s = 0.0  # seconds in the backend / waiting on tools alone
+        self.dropped_tool_results = 0  # results whose trajectory was discarded while the call ran
 
     # -- admission and results ------------------------------------------------------------------
 
@@ -127,7 +131,13 @@ class ContinuousRollout(EntropyBalancedRollout):
         self.tool_wait_s += time.perf_counter() - start if wait_s else 0.0
         for future in sorted(done, key=lambda f: _order(self._tools[f].traj)):  # deterministic order
             pending = self._tools.pop(future)
-            self._take_tool_result(pending, future.result(), self.states[_key(pending.traj)].stats)
+            state = self.states.get(_key(pending.traj))
+            if state is None or not any(t is pending.traj for t in state.generating()):
+                # Its prompt discarded the trajectory (a speculative sample beyond m, a tentative
+                # child) while the call ran, and may have ended with its step: nothing takes it.
+                self.dropped_tool_results += 1
+                continue
+            self._take_tool_result(pending, future.result(), state.stats)
         self._advance_all()
         return len(done)
 
