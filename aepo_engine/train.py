@@ -171,7 +171,14 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Resume if asked, evaluate, train, evaluate; returns the summary (also summary.json)."""
+        """Resume if asked, evaluate, train, evaluate; returns the summary (also summary.json). The
+        tools close however it ends: a served search's server and the sandbox pool outlive no run."""
+        try:
+            return self._run()
+        finally:
+            self.tools.close()
+
+    def _run(self) -> dict[str, Any]:
         _log(f"[config]\n{self.config_text}")
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -443,7 +450,6 @@ class Trainer:
                     _log(f"[plots] skipped: {exc}")
         _log(f"[done] held-out accuracy {before.get('accuracy', float('nan')):.4f} -> "
              f"{after.get('accuracy', float('nan')):.4f}; run folder {self.run_dir}")
-        self.tools.close()
         self.logger.close()
         return summary
 

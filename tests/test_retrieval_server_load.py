@@ -7,6 +7,7 @@ kernel drops SYNs, which the clients' kernels resend after 1 s (p99 >= 1 s) or w
 outright; the thresholds below fail there (measured: bench/results/retrieval_server.jsonl).
 """
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,53 @@ def test_served_backend_starts_answers_and_stops_its_server(corpus):
     assert time.perf_counter() - start >= 0.2
     tool.close()
     assert proc.poll() is not None  # the child server is gone
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited, not yet reaped by its new parent
+
+
+def test_a_served_search_stops_when_its_owner_is_killed(corpus):
+    """A trainer killed with SIGKILL (an OOM kill, a pre-empted node, the crash tests) runs no
+    clean-up: the retrieval server it served its search from stopped with it only since it
+    watches its parent (the bench found one left running after a crashed run)."""
+    path, _ = corpus
+    code = ("import sys, time; from aepo_engine.tools.search import ServedCorpusBackend; "
+            f"b = ServedCorpusBackend({str(path)!r}); print(b._proc.pid, flush=True); time.sleep(120)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        server = int(owner.stdout.readline())
+        assert not _gone(server)
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(server), "the retrieval server outlived the process that started it"
+    finally:
+        owner.kill()
+
+
+def test_a_failed_run_closes_its_tools():
+    """``Trainer.run`` closes the tools however the run ends (a served search's server, the
+    sandbox pool): an asynchronous run whose rollout process died left its server running."""
+    from types import SimpleNamespace
+
+    from aepo_engine.train import Trainer
+
+    closed = []
+
+    def fail():
+        raise RuntimeError("the rollout process failed")
+
+    trainer = SimpleNamespace(_run=fail, tools=SimpleNamespace(close=lambda: closed.append(True)))
+    with pytest.raises(RuntimeError, match="rollout process failed"):
+        Trainer.run(trainer)
+    assert closed == [True]
 
 
 def test_served_backend_that_cannot_start_says_why(tmp_path):

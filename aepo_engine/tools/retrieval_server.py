@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
@@ -172,6 +175,17 @@ def serve(app: RetrievalApp, sock: socket.socket, backlog: int = DEFAULT_BACKLOG
     uvicorn.Server(config).run(sockets=[sock])
 
 
+def _stop_with_parent(pid: int, every_s: float = 0.5) -> None:
+    """SIGTERM this server (uvicorn's graceful stop) once process ``pid`` is gone or is no longer
+    its parent: a trainer killed with SIGKILL runs no clean-up, and its server must not outlive it."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="aepo-parent-watch", daemon=True).start()
+
+
 def _number_in(low: float, high: float, what: str, kind: type = int):
     """An argparse type: a number of ``kind`` in ``low..high`` (the message says which range)."""
 
@@ -209,6 +223,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--latency-seed", type=_number_in(0, 2**32 - 1, "a seed"), default=default.seed,
                         help="seed of the latency draws")
     parser.add_argument("--verbose", action="store_true", help="log every request")
+    parser.add_argument("--parent-pid", type=_number_in(1, 2**31 - 1, "a process id"), default=None,
+                        help="stop when this process is gone (a trainer's served search: killed, its server goes too)")
     args = parser.parse_args(argv)
     latency = LatencyConfig(median_s=args.latency_median_s, sigma=args.latency_sigma, cap_s=args.latency_cap_s,
                             seed=args.latency_seed)
@@ -219,6 +235,8 @@ def main(argv: list[str]) -> None:
     host, port = sock.getsockname()[:2]
     app = RetrievalApp(backend, args.topk, latency)
     print(f"listening on http://{host}:{port} ({len(backend.documents)} documents)", flush=True)
+    if args.parent_pid is not None:
+        _stop_with_parent(args.parent_pid)
     try:
         serve(app, sock, args.backlog, args.verbose)
     finally:

@@ -29,6 +29,7 @@ rewriting.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -255,7 +256,7 @@ class ServedCorpusBackend(HttpBackend):
     def __init__(self, corpus_path: str | Path, topk: int = 5, timeout_s: float = 10.0,
                  latency: LatencyConfig = LatencyConfig()) -> None:
         cmd = [sys.executable, "-m", "aepo_engine.tools.retrieval_server", "--corpus", str(corpus_path),
-               "--port", "0", "--topk", str(topk), *latency.cli_args()]
+               "--port", "0", "--topk", str(topk), "--parent-pid", str(os.getpid()), *latency.cli_args()]
         self._log = tempfile.TemporaryFile()  # the server's stderr: a pipe nobody reads could fill up
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
         line = self._proc.stdout.readline()
