@@ -113,10 +113,11 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
         _plan_memory(cfg, gpu, world_size, report)
     elif _cpu_run(cfg):
         _plan_cpu_memory(cfg, report)
-    if cfg.train.asynchronous and world_size is not None and world_size.isdigit() and int(world_size) > 1:
-        report.problems.append(f"train.mode='async' with {world_size} trainer ranks: the asynchronous loop runs one "
-                               "trainer process today (several trainer ranks beside rollout processes are not built, "
-                               "docs/async.md); the memory plan above is the design's")
+    if (cfg.train.asynchronous and gpu is not None and world_size is not None and world_size.isdigit()
+            and int(world_size) > 1):
+        report.problems.append(f"train.mode='async' with {world_size} trainer ranks on GPUs: several trainer ranks "
+                               "beside rollout processes run on CPU only today (on GPUs each rank's process needs "
+                               "its engine's GPUs: not built, docs/async.md); the memory plan above is the design's")
     return report
 
 

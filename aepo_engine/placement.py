@@ -21,9 +21,9 @@ Memory per role (:func:`plan_placement`), from the model's ``config.json`` and t
   does not fit; the plan says when it would).
 
 What has run: the arithmetic and the checks, on CPU (``tests/test_placement.py``). Nothing of this
-placement has run on a GPU: one trainer process with one rollout process is what the asynchronous
-loop runs today (several trainer ranks beside rollout processes, and several engines fed by one
-trainer, are not built), and the vLLM/CUDA terms are the memory plan's assumptions.
+placement has run on a GPU: on GPUs the asynchronous loop runs one trainer process with one
+rollout process (several trainer ranks beside rollout processes run on CPU only; several engines
+fed by one trainer are not built), and the vLLM/CUDA terms are the memory plan's assumptions.
 """
 from __future__ import annotations
 

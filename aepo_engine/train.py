@@ -102,9 +102,11 @@ class Trainer:
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed(
             datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes")
-        if cfg.train.asynchronous and self.world > 1:
-            raise ConfigError(f"train.mode='async' runs one trainer process here (world size {self.world}): "
-                              "several trainer ranks beside rollout processes are not built yet (docs/async.md)")
+        if cfg.train.asynchronous and self.world > 1 and (torch.cuda.is_available() or
+                                                          cfg.backend.tensor_parallel_size > 1):
+            raise ConfigError(f"train.mode='async' with {self.world} trainer ranks runs on CPU, one engine per rank: "
+                              "rollout processes beside several ranks on GPUs (each with its engine's GPUs) and "
+                              "engines spanning ranks are not built (docs/async.md)")
         self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
                                     distributed.local_rank(), distributed.local_world_size())
         task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,

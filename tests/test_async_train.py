@@ -65,6 +65,30 @@ def test_eta_zero_is_the_synchronous_run_bit_for_bit(tiny_run, tmp_path):
     assert summary["eval_after"] == json.loads((tiny_run / "summary.json").read_text())["eval_after"]
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
+@runs.dist_tests
+def test_two_ranks_each_with_a_rollout_process_are_the_synchronous_two_rank_run(tmp_path):
+    """Under torchrun (2 gloo ranks, FSDP2) each rank's rollout process samples its share of a
+    step's prompts and the batch is gathered in prompt order: at eta = 0 that is the synchronous
+    2-rank run bit for bit (metrics, final weights, held-out results)."""
+    common = [*runs.TINY, "--train.steps=2", "--policy.fsdp=on", "--checkpoint.keep_last=5"]
+    runs.launch_torchrun(["-m", "aepo_engine.train", *common, f"--run_dir={tmp_path / 'sync'}"], timeout=900)
+    output = runs.launch_torchrun(["-m", "aepo_engine.train", *common, f"--run_dir={tmp_path / 'async'}",
+                                   "--train.mode=async", "--train.max_staleness=0"], timeout=900)
+    assert output.count("[async] rollout process") == 2  # one per rank
+    got, expected = _rows(tmp_path / "async"), _rows(tmp_path / "sync")
+    assert len(got) == len(expected) == 2
+    for got_row, expected_row in zip(got, expected):
+        differing = {k: (got_row.get(k), v) for k, v in {**expected_row, **got_row}.items()
+                     if got_row.get(k) != expected_row.get(k)}
+        assert not differing, f"step {expected_row['step']}: {differing}"
+    expected_weights, got_weights = _weights(tmp_path / "sync"), _weights(tmp_path / "async")
+    assert all(torch.equal(expected_weights[name], got_weights[name]) for name in expected_weights)
+    assert (json.loads((tmp_path / "async" / "summary.json").read_text())["eval_after"]
+            == json.loads((tmp_path / "sync" / "summary.json").read_text())["eval_after"])
+
+
 def _gone(pid: int, within_s: float = 30.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

@@ -77,8 +77,8 @@ def test_dry_run_prints_both_roles_and_names_a_role_that_does_not_fit(tmp_path):
     code, text = _dry_run(tmp_path, "--gpu", "h200", "--world-size", "4", "--backend.placement=split",
                           "--backend.in_process=false", "--backend.rollout_gpus=4", "--train.mode=async")
     assert "trainer GPU:" in text and "engine GPU:" in text and "problem: memory plan" not in text, text[-3000:]
-    # ... and it says that several trainer ranks beside rollout processes are not built
-    assert code == 2 and "with 4 trainer ranks: the asynchronous loop runs one trainer process" in text
+    # ... and it says that several trainer ranks beside rollout processes are not built on GPUs
+    assert code == 2 and "with 4 trainer ranks on GPUs: several trainer ranks beside rollout processes run on CPU" in text
     # 24 GiB: the trainer's unsharded state and the engine's 27.5 GiB of bf16 weights both overflow
     code, text = _dry_run(tmp_path, "--gpu", "24", "--world-size", "1", "--backend.placement=split",
                           "--backend.tensor_parallel_size=1", "--backend.rollout_gpus=1", "--train.mode=async")

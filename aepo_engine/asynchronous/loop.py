@@ -11,7 +11,11 @@ steps. With eta = ``train.max_staleness``:
         push the weights of version s + 1 (the process loads them while it samples)
         order step s + 1 + eta
 
-so the engine samples up to eta steps ahead of the update and never more. eta = 0 orders step s
+so the engine samples up to eta steps ahead of the update and never more. Under torchrun (CPU: gloo)
+every rank has a rollout process of its own that samples the rank's share of each step's prompts
+(``EngineLayout.prompts``, as a synchronous step shares them), the scored trajectories are
+all-gathered in prompt order, the FSDP update is the ranks' collective, and each rank pushes the
+gathered weights into its own process. eta = 0 orders step s
 only after the weights of version s are pushed, with rounds that wait for their tool calls: the
 synchronous loop, run across two processes (the same trajectories and updates, bit for bit).
 
@@ -27,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
+from aepo_engine import distributed
 from aepo_engine.asynchronous.client import RolloutProcess
 from aepo_engine.asynchronous.messages import EngineCounters
 from aepo_engine.asynchronous.staleness import admission_version
@@ -82,10 +87,15 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
     examples: dict[int, list] = {}
     sampler_states: dict[int, dict] = {}
 
+    mine: dict[int, list[int]] = {}  # step -> the indices of its prompts this rank's process samples
+
     def order(step: int) -> None:
         sampler_states[step] = trainer.sampler.state_dict()  # before the step's draw: a checkpoint's resume point
-        examples[step] = trainer.sampler.next_batch()
-        process.order(step, [trainer.prompt_ids(e) for e in examples[step]], admission_version(step, eta, start))
+        examples[step] = trainer.sampler.next_batch()  # every rank draws the whole step, as a synchronous run
+        mine[step] = trainer.layout.prompts(len(examples[step]))
+        if mine[step]:
+            process.order(step, [trainer.prompt_ids(examples[step][i]) for i in mine[step]],
+                          admission_version(step, eta, start))
 
     cores = torch.get_num_threads()
     mine, theirs = cpu_thread_split(cores, eta, trainer.cfg.train.torch_threads, torch.cuda.is_available())
@@ -101,11 +111,20 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         before = EngineCounters()
         for step in range(start, total):
             t0 = time.perf_counter()
-            done = process.take(step)
+            indices, prompts = mine.pop(step), examples.pop(step)
+            done = process.take(step) if indices else None
             waited = time.perf_counter() - t0
-            prompts = examples.pop(step)
-            scored = trainer.score(done.trajectories, prompts)
-            metrics = trainer.learn(step, prompts, *([s[i] for s in scored] for i in range(4)), [done.stats])
+            for traj in done.trajectories if done else ():
+                traj.prompt_index = indices[traj.prompt_index]  # the step-global group id
+            scored = trainer.score(done.trajectories, prompts) if done else []
+            # under torchrun, each rank's process sampled its share: the batch is gathered in prompt
+            # order, as the synchronous step's (one process: the identity)
+            t_ranks = time.perf_counter()
+            gathered = distributed.all_gather_objects((scored, done.stats if done else None), "the step's rollouts")
+            waited_ranks = time.perf_counter() - t_ranks
+            everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
+            stats = [st for _, st in gathered if st is not None]
+            metrics = trainer.learn(step, prompts, *([s[i] for s in everything] for i in range(4)), stats)
             push_s = 0.0
             if step + 1 < total:
                 push_s = process.push_weights(step + 1, trainer.policy.iter_weight_buckets(bucket_bytes))
@@ -113,10 +132,10 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
                 order(step + 1 + eta)
             trainer.resume_sampler_state = sampler_states.pop(step + 1, None) or trainer.sampler.state_dict()
             elapsed = time.perf_counter() - t0
-            tokens = float(sum(len(t.response_ids) for t in done.trajectories))
+            tokens = float(sum(len(s[0].response_ids) for s in everything))
             metrics.update({"time/wait_for_rollouts_s": waited, "time/weight_push_s": push_s, "time/step_s": elapsed,
-                            "time/rollout_s": done.seconds, "throughput/tokens_per_s": tokens / elapsed,
-                            **_engine_metrics(process.counters, before)})
+                            "time/rollout_s": done.seconds if done else 0.0, "time/wait_for_ranks": waited_ranks,
+                            "throughput/tokens_per_s": tokens / elapsed, **_engine_metrics(process.counters, before)})
             before = process.counters
             yield metrics
     finally:
