@@ -72,8 +72,9 @@ def worker_spec(trainer: Any, threads: int | None = None) -> WorkerSpec:
                               "rollout process drives one engine today (several are not built: docs/async.md); use "
                               "rollout_gpus = tensor_parallel_size")
         environment = (("CUDA_VISIBLE_DEVICES", devices[0]),)
-    return WorkerSpec(backend=cfg.backend, rollout=cfg.rollout, tools=trainer.tools_config,
-                      model_dir=str(trainer.model_dir), engine_seed=cfg.rollout.seed, seed=cfg.seed,
+    rollout = trainer.rollout.config  # the rank's own (its seed offset: ranks draw independently)
+    return WorkerSpec(backend=cfg.backend, rollout=rollout, tools=trainer.tools_config,
+                      model_dir=str(trainer.model_dir), engine_seed=rollout.seed, seed=cfg.seed,
                       threads=torch.get_num_threads() if threads is None else threads,
                       tool_barrier=cfg.train.max_staleness == 0,
                       environment=environment)
@@ -87,14 +88,14 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
     examples: dict[int, list] = {}
     sampler_states: dict[int, dict] = {}
 
-    mine: dict[int, list[int]] = {}  # step -> the indices of its prompts this rank's process samples
+    shares: dict[int, list[int]] = {}  # step -> the indices of its prompts this rank's process samples
 
     def order(step: int) -> None:
         sampler_states[step] = trainer.sampler.state_dict()  # before the step's draw: a checkpoint's resume point
         examples[step] = trainer.sampler.next_batch()  # every rank draws the whole step, as a synchronous run
-        mine[step] = trainer.layout.prompts(len(examples[step]))
-        if mine[step]:
-            process.order(step, [trainer.prompt_ids(examples[step][i]) for i in mine[step]],
+        shares[step] = trainer.layout.prompts(len(examples[step]))
+        if shares[step]:
+            process.order(step, [trainer.prompt_ids(examples[step][i]) for i in shares[step]],
                           admission_version(step, eta, start))
 
     cores = torch.get_num_threads()
@@ -111,7 +112,7 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         before = EngineCounters()
         for step in range(start, total):
             t0 = time.perf_counter()
-            indices, prompts = mine.pop(step), examples.pop(step)
+            indices, prompts = shares.pop(step), examples.pop(step)
             done = process.take(step) if indices else None
             waited = time.perf_counter() - t0
             for traj in done.trajectories if done else ():
