@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from aepo_engine.tools.search import stop_server
+
 
 @dataclass
 class LoadResult:
@@ -100,12 +102,7 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_server(self.proc)
 
 
 def write_corpus(path: Path, documents: int = 2000, seed: int = 0) -> list[str]:

@@ -271,16 +271,21 @@ class ServedCorpusBackend(HttpBackend):
         super().__init__(line.split()[2] + "/retrieve", topk=topk, timeout_s=timeout_s)
 
     def close(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 10 s)."""
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        """Stop the server (:func:`stop_server`)."""
+        stop_server(self._proc)
         self._proc.stdout.close()
         self._log.close()
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a server process: SIGTERM (uvicorn's graceful stop), SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def build_backend(config: SearchConfig) -> SearchBackend:
