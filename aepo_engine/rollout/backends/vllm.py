@@ -56,6 +56,8 @@ from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
 
 _EXTENSION = "aepo_engine.rollout.backends.vllm_ext.WeightLoaderExtension"
+# What vLLM's sleep mode frees and ``LLM.wake_up(tags)`` reallocates, in the order they are woken.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 @contextlib.contextmanager
@@ -172,7 +174,7 @@ class VLLMBackend:
             )
         self.in_process, self.sleep_level, self.group = in_process, sleep_level, group
         self.can_abort = False  # module docstring: no mid-call abort
-        self.asleep = False
+        self._awake = set(SLEEP_TAGS)  # what of the engine is allocated (sleep mode frees either)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
         self.logprobs_topk = logprobs_topk
@@ -246,11 +248,12 @@ class VLLMBackend:
             self.group.broadcast(None)
 
     def _generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+        if self.asleep:
+            raise RuntimeError(f"generate() while the engine sleeps ({sorted(set(SLEEP_TAGS) - self._awake)} "
+                               "freed): call wake_up() first")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:
-            raise RuntimeError("generate() while the engine sleeps: call wake_up() first")
         prompts, params, slots = [], [], []
         outputs: list[GenOutput | None] = [None] * len(requests)
         for i, req in enumerate(requests):
@@ -302,19 +305,32 @@ class VLLMBackend:
 
     # -----------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """Free the KV cache (and offload or drop the weights, ``sleep_level``) until :meth:`wake_up`."""
+        """Free the KV cache (and offload or drop the weights, ``sleep_level``) until :meth:`wake_up`.
+        A no-op when nothing is awake; an engine partly awake (weights woken for a push, cache
+        not yet) is put to sleep whole."""
         if self.sleep_level is None:
             raise RuntimeError("the engine was built without sleep mode (sleep_level=None)")
-        if not self.asleep:
+        if self._awake:
             self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+            self._awake = set()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Reallocate ``tags`` of ``("weights", "kv_cache")`` (None: all). A weight push after the
-        weights are awake and before the cache is keeps the two from peaking together."""
-        if self.asleep:
-            self.llm.wake_up(list(tags) if tags is not None else None)
-            self.asleep = tags is not None and set(tags) != {"weights", "kv_cache"}
+        """Reallocate ``tags`` of :data:`SLEEP_TAGS` (None: all) that are asleep; the others are
+        left as they are. The trainer wakes the weights, pushes new ones, then wakes the KV cache:
+        the two never peak together, and the engine is whole (not :attr:`asleep`) afterwards."""
+        wanted = set(SLEEP_TAGS) if tags is None else set(tags)
+        unknown = wanted - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown sleep tags {sorted(unknown)}: expected some of {list(SLEEP_TAGS)}")
+        missing = [tag for tag in SLEEP_TAGS if tag in wanted and tag not in self._awake]
+        if missing:
+            self.llm.wake_up(missing)
+            self._awake.update(missing)
+
+    @property
+    def asleep(self) -> bool:
+        """True while any part (weights or KV cache) is asleep: the engine cannot generate."""
+        return self._awake != set(SLEEP_TAGS)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Push HF-named weights (any subset) into the running engine, then drop cached KV."""
