@@ -42,7 +42,7 @@ from aepo_engine.tools import ToolRunner, build_tools
 from aepo_engine.tools.config import ToolsConfig
 from aepo_engine.tools.formats import build_tool_format
 
-__all__ = ["WorkerSpec", "worker_main"]
+__all__ = ["RENDEZVOUS_VARIABLES", "WorkerSpec", "own_environment", "worker_main"]
 
 _POLL_S = 0.05  # how long a wait on tools lasts before the loop looks for weights and orders again
 
@@ -75,9 +75,28 @@ class WorkerSpec:
     environment: tuple[tuple[str, str], ...] = ()
 
 
+# What torchrun gives each rank to find the others (torch.distributed.run, torchelastic). A spawned
+# process inherits them; the rollout process is no rank of the trainer's world, and vLLM's
+# in-process engine (external launcher) or any init_process_group in it would rendezvous at the
+# trainer's MASTER_PORT as the trainer's rank: EADDRINUSE, or a hang in the trainer's store.
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                        "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                        "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def own_environment(environment: tuple[tuple[str, str], ...] = ()) -> None:
+    """Make this process a world of its own: drop the trainer's rendezvous variables
+    (:data:`RENDEZVOUS_VARIABLES`; an engine that needs a world then makes one of one on a free
+    port, ``backends.vllm``), then set ``environment`` (the spec's, e.g. ``CUDA_VISIBLE_DEVICES``)."""
+    for name in RENDEZVOUS_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.update(dict(environment))
+
+
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     """The rollout process (module docstring); ``inbox``/``outbox`` are ``multiprocessing`` queues."""
-    os.environ.update(dict(spec.environment))
+    own_environment(spec.environment)
     tools = None
     try:
         torch.set_num_threads(spec.threads)
