@@ -270,6 +270,10 @@ def test_two_fsdp_ranks_on_trees_match_one_process_on_rows(tmp_path):
     run(str(model_dir), str(tmp_path / "rows.pt"), hand_made=True)
     rows, tree = torch.load(tmp_path / "rows.pt"), torch.load(tmp_path / "tree.pt")
     assert (tree["world_size"], tree["fsdp"]) == (2, True)
+    # each micro-batch's mask is planned once for all its layers and passes (FSDP2 copies the
+    # mask per wrapped layer: before the shared plans, 2 layers x the passes planned it again)
+    assert rows["tree_masks"] == rows["mask_plans"] == 0 and tree["tree_masks"] > 0
+    assert tree["mask_plans"] == tree["tree_masks"], (tree["mask_plans"], tree["tree_masks"])
     torch.testing.assert_close(tree["logprobs"], rows["logprobs"], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(tree["entropy"], rows["entropy"], rtol=1e-5, atol=2e-5)
     m_r, m_t = rows["metrics"], tree["metrics"]

@@ -60,6 +60,20 @@ class _Bucket:
     used_index: Tensor  # [used] long, the query slots (of the n * C) that are nodes
 
 
+class _Plans:
+    """A mask's plans (the CPU path's buckets, FlexAttention's block mask), shared by every copy of
+    the mask. FSDP2 copies a dataclass argument per wrapped layer before its forward
+    (``torch.distributed.utils._apply_to_tensors``: ``dataclasses.replace`` with each field mapped,
+    a ``dict`` field copied), so with a dict field the plans one layer made never reached the next
+    and every layer planned the mask again (a 3-layer model built 3 block masks per micro-batch);
+    an object of another class is passed through as it is, and with it the first layer's plans."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self):
+        self.memo: dict = {}
+
+
 @dataclass
 class TreeMask:
     """Who attends to whom in a forest (nodes ``0..N-1``), and the plans of both kernels.
@@ -77,7 +91,12 @@ class TreeMask:
     path: Tensor
     own_start: Tensor
     chunk: int | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
+    _plans: _Plans = field(default_factory=_Plans, repr=False, compare=False)
+
+    @property
+    def _cache(self) -> dict:
+        """The plans made for this mask, shared by its copies (:class:`_Plans`)."""
+        return self._plans.memo
 
     def to(self, device: torch.device | str) -> "TreeMask":
         return TreeMask(self.depth.to(device), self.owner.to(device), self.path.to(device), self.own_start.to(device),

@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_scripts/policy_update.py MODEL_DIR OUT.pt \
         --max-tokens 30 --activation-checkpointing [--fsdp off]
 
-Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size"} to OUT.pt, and a
+Rank 0 saves {"logprobs", "entropy", "metrics", "state", "fsdp", "world_size", "tree_masks",
+"mask_plans"} (tree masks made by the worker, plans of their attention) to OUT.pt, and a
 CheckpointManager checkpoint (sharded train state + HF export) goes to OUT.pt_ckpt. Batch:
 5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
 ranks get masked-out filler rows); with ``--max-tokens`` the micro-batches are cut by a token
@@ -60,8 +61,23 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
         batch = hand_made_batch(seed=1)
     else:
         batch = random_batch(vocab_of(model_dir), group_sizes=(2, 3, 1, 2, 3), seed=1)
+    # the tree masks the worker makes (one per micro-batch and pass) and the plans of their
+    # attention (CPU: the SDPA buckets) that the layers make
+    from aepo_engine.training.tree import TreeMicroBatch
+    from aepo_engine.training.tree_attention import TreeMask
+
+    counts, plan, inputs = {"masks": 0, "plans": 0}, TreeMask._plan_buckets, TreeMicroBatch.model_inputs
+
+    def counted(name, fn):
+        def wrapper(self):
+            counts[name] += 1
+            return fn(self)
+        return wrapper
+
+    TreeMask._plan_buckets, TreeMicroBatch.model_inputs = counted("plans", plan), counted("masks", inputs)
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
+    TreeMask._plan_buckets, TreeMicroBatch.model_inputs = plan, inputs
     state = worker.full_state_dict()
     everywhere = worker.full_state_dict(rank0_only=False)  # the whole model on every rank
     assert everywhere and (worker.rank != 0 or all(torch.equal(v, state[k]) for k, v in everywhere.items()))
@@ -84,7 +100,8 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
         torch.save({"logprobs": logprobs, "entropy": entropy, "metrics": metrics, "state": state,
-                    "fsdp": worker.use_fsdp, "world_size": worker.world_size}, out)
+                    "fsdp": worker.use_fsdp, "world_size": worker.world_size,
+                    "tree_masks": counts["masks"], "mask_plans": counts["plans"]}, out)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
