@@ -773,14 +773,23 @@ def check_varlen_packing(ctx: EngineContext) -> dict:
     lp_ref, h_ref = reference.compute_logprobs(batch)
     unpacked = ctx.worker(param_dtype=dtype, attn_implementation="sdpa", pack_sequences="off", **common)
     packed = ctx.worker(param_dtype=dtype, attn_implementation="varlen", **common)
-    errors = {}
+    from aepo_engine.training import attention
+
+    errors, calls = {}, {}
     for name, worker in (("unpacked", unpacked), ("packed", packed)):
+        before = dict(attention.KERNEL_CALLS)
         lp, h = worker.compute_logprobs(batch)
         errors[name] = max((lp - lp_ref).abs().max().item(), (h - h_ref).abs().max().item())
+        calls[name] = {k: v - before.get(k, 0) for k, v in attention.KERNEL_CALLS.items() if v > before.get(k, 0)}
     bound = 2 * errors["unpacked"] + 1e-4
-    ok = errors["packed"] <= bound
+    # which kernel served the packed layers: on CUDA torch's varlen kernel, every layer call (under
+    # one GPU's autocast too: the attention casts fp32 q/k to the compute dtype); SDPA row by row on CPU
+    kernel = "varlen" if DEVICE == "cuda" else "sdpa_rows"
+    ran = calls["packed"]
+    ok = errors["packed"] <= bound and set(ran) == {kernel}
     return dict(status="PASS" if ok else "FAIL", value=errors["packed"], target=bound, unpacked_error=errors["unpacked"],
-                detail=f"varlen {dtype}: max |log-prob/entropy error| packed vs unpacked-{dtype} {errors['unpacked']:.2g}")
+                kernel_calls=ran, detail=f"varlen {dtype}: max |log-prob/entropy error| packed vs unpacked-{dtype} "
+                                         f"{errors['unpacked']:.2g}; layer calls by kernel {ran} (want only {kernel})")
 
 
 def check_varlen_kernel(ctx: EngineContext) -> dict:

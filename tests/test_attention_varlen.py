@@ -129,6 +129,55 @@ def test_the_cuda_branch_calls_torchs_varlen_kernel_right(fake, monkeypatch):
         assert call["heads"] == (4, 4)
 
 
+def test_under_autocast_the_kernel_sees_the_compute_dtype(monkeypatch):
+    """GPU review 2, point 6: under autocast Qwen3's q/k norms hand back fp32 queries and keys
+    (fp32 norm weights) beside bf16 values, so the varlen kernel (half precision only) was never
+    chosen on one GPU. The attention now casts them to autocast's dtype; here on CPU the dtype
+    the kernel choice sees is recorded, and the output is close to the fp32 reference."""
+    seen = []
+    monkeypatch.setattr(attention, "_uses_varlen", lambda query: seen.append(query.dtype) or False)
+    q, k, v, positions = _packed([[5, 3]], dtype=torch.float32)
+    before = dict(attention.KERNEL_CALLS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention_forward(Module(), q, k, v.bfloat16(), None, position_ids=positions)
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    assert attention.KERNEL_CALLS["sdpa_rows"] == before.get("sdpa_rows", 0) + 1
+    reference = _block_diagonal_sdpa(q, k, v.bfloat16().float(), positions, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.05)
+    out, _ = varlen_attention_forward(Module(), q, k, v, None, position_ids=positions)  # no autocast: as given
+    assert seen[-1] == torch.float32 and out.dtype == torch.float32
+
+
+def test_the_rows_bounds_are_found_once_per_micro_batch_not_per_layer(tiny_model, monkeypatch):
+    """GPU review 2, point 8: each layer's call found the packed rows again from the position ids
+    (two host syncs a layer). The worker now hands the bounds down once per micro-batch
+    (``packed_row_kwargs``, transformers' flash-attention keyword names); the attention uses them
+    and the log-probs are unchanged."""
+    batch = random_batch(vocab_of(tiny_model))
+    packed = make_worker(tiny_model, attn_implementation="varlen", micro_batch_size=3)
+    reference = packed.compute_logprobs(batch)
+    found, bounds, original = [], [], attention.packed_rows
+    monkeypatch.setattr(attention, "packed_rows", lambda *a: found.append(a) or original(*a))
+    forward = attention.varlen_attention_forward
+
+    def recording(*args, **kwargs):
+        bounds.append(kwargs.get("cu_seq_lens_q"))
+        return forward(*args, **kwargs)
+
+    from transformers import AttentionInterface
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.VARLEN, recording)
+    lp, h = packed.compute_logprobs(batch)
+    layers = packed.model.config.num_hidden_layers
+    assert not found and bounds and len(bounds) % layers == 0 and all(b is not None for b in bounds)
+    per_micro_batch = [bounds[i:i + layers] for i in range(0, len(bounds), layers)]
+    assert len(per_micro_batch) > 1 and all(all(b is calls[0] for b in calls) for calls in per_micro_batch)
+    torch.testing.assert_close(lp, reference[0], rtol=0, atol=0)
+    torch.testing.assert_close(h, reference[1], rtol=0, atol=0)
+    kwargs = attention.packed_row_kwargs(torch.tensor([3, 0, 5, 1]))
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 8, 9] and kwargs["max_length_q"] == 5
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32 and kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"]
+
+
 def test_padding_masks_dropout_and_windows_are_refused():
     q, k, v, positions = _packed([[4]])
     with pytest.raises(ValueError, match="pack_sequences"):

@@ -20,6 +20,7 @@ dropout, sliding windows, KV caches (training and log-prob passes only).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import math
@@ -28,11 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["VARLEN", "hf_attn_implementation", "packed_rows", "register_attention", "varlen_attention_forward"]
+__all__ = ["KERNEL_CALLS", "VARLEN", "hf_attn_implementation", "packed_row_kwargs", "packed_rows", "register_attention",
+           "varlen_attention_forward"]
 
 VARLEN = "aepo_varlen"  # the name transformers knows the kernel by
 # policy.attn_implementation values that name a kernel of this module -> the registered name
 REGISTERED = {"varlen": VARLEN}
+# Which kernel served each layer call of varlen_attention_forward since the process started:
+# "varlen" (torch's FlashAttention varlen kernel) or "sdpa_rows" (SDPA row by row). What a GPU
+# check reads to tell that the packed path really ran the varlen kernel (bench/gpu_check.py).
+KERNEL_CALLS: collections.Counter = collections.Counter()
 
 
 def packed_rows(position_ids: Tensor | None, batch: int, length: int) -> tuple[Tensor, int]:
@@ -49,7 +55,7 @@ def packed_rows(position_ids: Tensor | None, batch: int, length: int) -> tuple[T
     starts[:, 0] = True
     index = starts.reshape(-1).nonzero().reshape(-1)
     cu = torch.cat([index, index.new_tensor([total])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())  # one host sync per layer call, as flash-attn's varlen path
+    return cu, int((cu[1:] - cu[:-1]).max())  # host syncs: packed_row_kwargs spares the layers them
 
 
 @functools.cache
@@ -117,13 +123,36 @@ def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor
         raise ValueError("varlen attention has no attention dropout and no sliding window")
     batch, heads, length, dim = query.shape
     scale = scaling if scaling is not None else dim**-0.5
-    cu, longest = packed_rows(position_ids, batch, length)
+    if torch.is_autocast_enabled(query.device.type):
+        # Under autocast the projections are in its dtype, but Qwen3's q/k norms (fp32 weights)
+        # hand back fp32 queries and keys: the attention runs in the compute dtype, as SDPA would.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is not None:  # the rows' bounds, computed once per micro-batch by the caller
+        cu, longest = bounds, int(kwargs["max_length_q"])
+    else:
+        cu, longest = packed_rows(position_ids, batch, length)
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]  # [T, H, D]
     if _uses_varlen(query):
-        out = _varlen(*flat, cu.to(query.device), longest, scale)
+        KERNEL_CALLS["varlen"] += 1
+        out = _varlen(*flat, cu.to(device=query.device, dtype=torch.int32), longest, scale)
     else:
-        out = _per_row_sdpa(*flat, cu, scale)
+        KERNEL_CALLS["sdpa_rows"] += 1
+        out = _per_row_sdpa(*flat, cu.cpu(), scale)
     return out.reshape(batch, length, heads, dim), None
+
+
+def packed_row_kwargs(lengths: Tensor) -> dict:
+    """The keyword arguments that carry packed rows' bounds through a transformers model to its
+    attention (the names of transformers' ``FlashAttentionKwargs``, which its flash-attn path
+    reads too): ``cu_seq_lens_q/k`` (int32, on ``lengths``' device) and ``max_length_q/k``. Made
+    once per micro-batch from the rows' token counts (``lengths`` [R]; rows of 0 are dropped), so
+    no layer syncs with the host to find them: one ``.item()`` here instead of two per layer."""
+    lengths = lengths[lengths > 0]
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def register_attention() -> None:

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
 from aepo_engine.training import counterfactual, tree_attention
+from aepo_engine.training.attention import packed_row_kwargs
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.config import OptimConfig, PolicyConfig  # PolicyConfig re-exported: its old home
 from aepo_engine.training.optim import build_lr_scheduler
@@ -147,10 +148,11 @@ class PolicyModel(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int | None,
-                 loss_config: LossConfig | None = None, pack: bool = False):
+                 loss_config: LossConfig | None = None, pack: bool = False, row_bounds: bool = False):
         super().__init__()
         self.hf = hf_model
         self.temperature, self.fused, self.pack = temperature, fused, pack
+        self.row_bounds = pack and row_bounds  # hand the attention the packed rows' bounds
         self.chunk_bytes, self.loss_config = chunk_bytes, loss_config or LossConfig()
 
     @property
@@ -174,8 +176,10 @@ class PolicyModel(nn.Module):
         # original row, which is how HF detects the packed rows (varlen / block-diagonal mask).
         real = attention_mask.bool()  # [B, L]
         positions = (attention_mask.cumsum(-1) - 1)[real]  # [T]
+        # the rows' bounds once per micro-batch, not per layer (varlen / flash-attn kernels)
+        bounds = packed_row_kwargs(real.sum(-1)) if self.row_bounds else {}
         hidden = self.decoder(input_ids=input_ids[real][None], position_ids=positions[None],
-                              attention_mask=None, use_cache=False).last_hidden_state  # [1, T, D]
+                              attention_mask=None, use_cache=False, **bounds).last_hidden_state  # [1, T, D]
         if loss_inputs is not None:
             return self._loss(hidden, labels[real][None], loss_inputs.packed(real))
         logprobs, entropy = self._head(hidden, labels[real][None])  # [1, T] each
@@ -290,7 +294,8 @@ class PolicyWorker:
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
-                                  loss_config=config.loss, pack=config.packs)
+                                  loss_config=config.loss, pack=config.packs,
+                                  row_bounds=config.attn_implementation in ("varlen", "flash_attention_2"))
         self._shard_or_place()
         if on_meta:  # the shards exist now: allocate them and read this rank's rows
             load_sharded_weights(self.model, model_path, self.device)
