@@ -133,8 +133,16 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
     """Supervised warm-start settings: the optimizer fields of :class:`OptimConfig` (AdamW and
     its schedule, the same keys and checks) plus the warm start's own.
 
-    The embedded preset (``presets/embedded.toml``) sets 800 steps at lr 2e-2, measured on its
-    4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md).
+    The embedded preset (``presets/embedded.toml``) sets lr 2e-2 and the adaptive decay below,
+    measured on its 4-layer, 128-wide tied-embedding Qwen3 (docs/experiments.md, "The warm start").
+
+    The decay can wait for the skill: a tiny model learns to copy names and values (what the tool
+    calls need) suddenly, at a step that varies several-fold with the initialisation and the batch
+    order. With ``decay_steps`` > 0 the lr stays at its peak after warm-up and decays (cosine) over
+    the last ``decay_steps`` steps; with ``decay_at_score`` it starts decaying as soon as the model
+    reproduces that share of ``val_questions`` held-aside demonstrations, and the warm start ends
+    ``decay_steps`` later: a seed that learns early stops early, a late one still gets its decay
+    within ``steps``.
 
     Attributes:
         lr: peak AdamW learning rate; tiny freshly initialized models take large rates.
@@ -144,7 +152,17 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
         min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
         compute_dtype: "bfloat16" runs forward and backward under CPU/GPU autocast (the weights
             and optimizer stay float32): ~4x less CPU time per matmul where the CPU has AMX.
-        steps: optimizer steps.
+        steps: optimizer steps; with ``decay_at_score``, the most it may take.
+        decay_steps: 0: ``schedule`` over all ``steps``; > 0 (``schedule = "cosine"``): constant lr
+            after warm-up, then the cosine over the last ``decay_steps`` steps (or from when
+            ``decay_at_score`` is reached).
+        val_questions: train questions held aside from the demonstrations (synthetic task): their
+            gold demonstrations score the warm start every ``score_every`` steps and at its end (the
+            share the model writes token for token, greedy under teacher forcing:
+            :func:`aepo_engine.sft.exact_match_share`). They remain RL prompts.
+        score_every: steps between scores (with ``val_questions``).
+        decay_at_score: with ``decay_steps``, start the decay once the score reaches this (0: decay
+            at ``steps - decay_steps`` whatever the score).
         batch_size: sequences per step (padded to the longest in the batch).
         max_length: longer examples are rejected (truncation would cut off the answer).
         seed: fixes the example order; the model's init is the caller's. none = derived from the run's root seed (``aepo_engine.seeding``).
@@ -158,6 +176,10 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
     schedule: Literal["constant", "cosine"] = "cosine"
     min_lr_ratio: float = 0.1
     steps: int = 400
+    decay_steps: int = 0
+    val_questions: int = 0
+    score_every: int = 25
+    decay_at_score: float = 0.0
     batch_size: int = 16
     max_length: int = 512
     seed: int | None = None
@@ -168,3 +190,13 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
         require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         require(self.warmup_steps <= self.steps,
                 "warmup_steps must lie in [0, steps] because the schedule decays after it")
+        require(0 <= self.decay_steps <= self.steps - self.warmup_steps,
+                f"decay_steps={self.decay_steps} must lie in [0, steps - warmup_steps] = "
+                f"[0, {self.steps - self.warmup_steps}]")
+        require(self.decay_steps == 0 or self.schedule == "cosine",
+                f'decay_steps > 0 is the cosine decay\'s length: it needs schedule = "cosine", not "{self.schedule}"')
+        require(self.val_questions >= 0 and self.score_every >= 1,
+                "val_questions must be >= 0 and score_every >= 1")
+        require(0.0 <= self.decay_at_score <= 1.0, f"decay_at_score must lie in [0, 1], got {self.decay_at_score}")
+        require(self.decay_at_score == 0.0 or (self.decay_steps > 0 and self.val_questions > 0),
+                "decay_at_score needs decay_steps > 0 (the decay it starts) and val_questions > 0 (what it scores)")

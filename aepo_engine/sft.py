@@ -14,6 +14,7 @@ accumulation, mixed precision, distributed training - this runs for a few minute
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -176,10 +177,37 @@ def _decoder_and_head(model: torch.nn.Module):
     return decoder, head
 
 
-def learning_rate(step: int, config: SFTConfig) -> float:
-    """The warm start's lr at ``step``: :func:`~aepo_engine.training.optim.scheduled_lr` over
-    ``config.steps`` peaking at ``config.lr`` (linear warm-up, then cosine to ``lr * min_lr_ratio``)."""
-    return scheduled_lr(step, config, config.steps, peak=config.lr)
+def learning_rate(step: int, config: SFTConfig, decay_start: int | None = None) -> float:
+    """The warm start's lr at ``step``. With ``config.decay_steps`` = 0:
+    :func:`~aepo_engine.training.optim.scheduled_lr` over ``config.steps`` peaking at ``config.lr``
+    (linear warm-up, then cosine to ``lr * min_lr_ratio``, or constant). With ``decay_steps`` > 0:
+    the warm-up, ``lr`` until ``decay_start`` (default ``steps - decay_steps``), then the cosine
+    to ``lr * min_lr_ratio`` over ``decay_steps`` steps."""
+    if config.decay_steps == 0 or step < config.warmup_steps:
+        return scheduled_lr(step, config, config.steps, peak=config.lr)
+    start = config.steps - config.decay_steps if decay_start is None else decay_start
+    progress = min(1.0, max(0, step - start) / config.decay_steps)
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def exact_match_share(model: torch.nn.Module, examples: Sequence[SFTExample], pad_id: int = 0,
+                      batch_size: int = 32) -> float:
+    """The share of ``examples`` whose every loss-mask token is the model's greedy choice given
+    the tokens before it (teacher forcing): the demonstrations it would write token for token.
+    The model is left in the mode it was in."""
+    if not examples:
+        raise ValueError("no examples to score")
+    was_training = model.training
+    model.eval()
+    matched = 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start:start + batch_size], pad_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        wrong = (logits.argmax(-1) != batch["input_ids"][:, 1:]) & (batch["loss_mask"][:, 1:] > 0)
+        matched += int((~wrong.any(dim=1)).sum())
+    model.train(was_training)
+    return matched / len(examples)
 
 
 def _batches(num_examples: int, batch_size: int, generator: torch.Generator):
@@ -194,20 +222,30 @@ def _batches(num_examples: int, batch_size: int, generator: torch.Generator):
 
 def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SFTConfig,
               log: Callable[[dict[str, float]], None] | None = None,
-              pad_id: int = 0) -> torch.nn.Module:
-    """Train ``model`` in place on the masked next-token loss and return it (in eval mode).
+              pad_id: int = 0, val_examples: Sequence[SFTExample] = ()) -> dict[str, float]:
+    """Train ``model`` in place on the masked next-token loss (left in eval mode).
 
     Args:
         model: a causal LM taking ``input_ids``/``attention_mask`` and returning ``.logits``.
         examples: from :func:`build_examples`.
-        config: steps, batch size, learning-rate schedule, seed.
-        log: called after every step with ``{"step", "loss", "lr", "tokens"}``.
+        config: steps, batch size, learning-rate schedule (and its score-triggered decay), seed.
+        log: called after every step with ``{"step", "loss", "lr", "tokens"}``, plus
+            ``"val_exact"`` on the steps that score ``val_examples``.
         pad_id: id used for padding (masked out of attention and loss, so any id works).
+        val_examples: held-aside demonstrations scored with :func:`exact_match_share` every
+            ``config.score_every`` steps and at the end; with ``config.decay_at_score`` their
+            score starts the decay (:class:`SFTConfig`).
+
+    Returns:
+        ``{"steps": steps taken, "final_loss", "decay_start": the step the decay began (-1:
+        none), "val_exact": the final score (absent without val_examples)}``.
 
     Deterministic for a given model state, examples and config on the same machine.
     """
     if not examples:
         raise ValueError("no SFT examples")
+    if config.decay_at_score > 0 and not val_examples:
+        raise ValueError("config.decay_at_score needs val_examples to score")
     generator = torch.Generator().manual_seed(section_seed(config.seed, "task.warm_start.seed"))
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -216,9 +254,11 @@ def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SF
                                   lr=config.lr, betas=config.betas, eps=config.eps)
     model.train()
     batches = _batches(len(examples), config.batch_size, generator)
-    for step in range(config.steps):
+    decay_start = config.steps - config.decay_steps if config.decay_steps else None
+    end, step, loss = config.steps, 0, torch.tensor(float("nan"))
+    while step < end:
         batch = collate([examples[i] for i in next(batches)], pad_id)
-        lr = learning_rate(step, config)
+        lr = learning_rate(step, config, decay_start)
         for group in optimizer.param_groups:
             group["lr"] = lr
         device = next(model.parameters()).device.type
@@ -229,8 +269,17 @@ def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SF
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
+        step += 1
+        row = {"step": step - 1, "loss": loss.item(), "lr": lr, "tokens": float(batch["loss_mask"].sum())}
+        if val_examples and step % config.score_every == 0 and step < end:
+            row["val_exact"] = exact_match_share(model, val_examples, pad_id)
+            if (config.decay_at_score > 0 and decay_start is not None and step < decay_start
+                    and row["val_exact"] >= config.decay_at_score):
+                decay_start, end = step, step + config.decay_steps  # the skill is there: consolidate it
         if log is not None:
-            log({"step": step, "loss": loss.item(), "lr": lr,
-                 "tokens": float(batch["loss_mask"].sum())})
+            log(row)
     model.eval()
-    return model
+    result = {"steps": step, "final_loss": loss.item(), "decay_start": -1 if decay_start is None else decay_start}
+    if val_examples:
+        result["val_exact"] = exact_match_share(model, val_examples, pad_id)
+    return result

@@ -1,17 +1,24 @@
-"""The embedded default run as a benchmark: wall time and held-out accuracy before/after RL, per seed.
+"""Does a preset learn? Held-out accuracy before and after RL, per seed and thread count, and the gate.
 
-Runs ``python -m aepo_engine.train --seed N`` once per seed, each in a fresh run folder. Every
-seed of the run (world and questions, tiny-model init, warm start, data order, rollouts, evaluation
-draws) derives from the root seed (``aepo_engine.seeding``), so the spread over seeds is the whole
-seed-to-seed noise of the result; each row records the derived seeds from the run's config.toml. Rows go to
-``bench/results/default_run.jsonl``; the summary prints the gain (after - before) per seed, its
-mean, sample standard deviation and a paired t statistic (mean / (sd / sqrt(n))).
+Runs ``python -m aepo_engine.train --seed N`` (with ``--train.torch_threads=T`` for each of
+``--threads``) once per seed, each in a fresh run folder. Every seed of the run (world and
+questions, tiny-model init, warm start, data order, rollouts, evaluation draws) derives from the
+root seed (``aepo_engine.seeding``), so the spread over seeds is the whole seed-to-seed noise of
+the result; each row records the derived seeds from the run's config.toml. With no ``--preset``
+the job is the embedded default (``python -m aepo_engine.train``) and the rows go to
+``bench/results/main_job.jsonl``; with presets (``--preset smollm2``, ``--preset embedded --preset
+web_search``) to ``bench/results/learning_runs.jsonl``. The summary prints the gain (after - before)
+per run, its mean, median, sample standard deviation and a paired t statistic (mean / (sd / sqrt(n))).
 
-    python bench/bench_default_run.py --seeds 0 1 2 3
+    python bench/bench_default_run.py --seeds 0 1 2 3 4 --threads 1 2
+    python bench/bench_default_run.py --seeds 0 1 2 --preset embedded --preset grpo
+    python bench/bench_default_run.py --seeds 0 --gate --results ''     # CI's learning gate
     python bench/bench_default_run.py --seeds 0 --extra --train.steps=2   # extra args go to the trainer
 
-Run it alone on the machine: the wall time is part of the result (the default must finish in
-10 minutes on a 2-core CPU).
+``--gate`` fails (exit 1) when a run's held-out accuracy after the warm start or its RL gain is
+below the gate's floor (:data:`GATES`, per preset set; derived from the 5-seed rows in
+docs/experiments.md), printing both figures. Run it alone on the machine: the wall time is part of
+the result (the default must finish in 6 minutes on a 2-core CPU).
 """
 from __future__ import annotations
 
@@ -28,24 +35,44 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, print_table, write_rows  # noqa: E402
 
-def run_one(seed: int, base_dir: Path, extra: list[str]) -> dict:
-    run_dir = base_dir / f"seed{seed}"
+# The learning gate's floors, by the presets the job runs with (() = the embedded default). Each
+# is below the worst of the 5 seeds x 2 thread counts measured at the commit that set it
+# (bench/results/main_job.jsonl, docs/experiments.md "The learning gate"), by about two standard
+# errors of one figure (200 questions x 2 samples: ~2.5 points), so a run that learns as those did
+# passes and one that learns as the broken warm start did (6% after it, +0.5 points of RL) fails.
+GATES: dict[tuple[str, ...], dict[str, float]] = {
+    (): {"acc_before": 0.20, "gain": 0.08},
+}
+
+
+def run_one(seed: int, threads: int | None, base_dir: Path, presets: list[str], extra: list[str]) -> dict:
+    name = f"seed{seed}" + (f"-t{threads}" if threads is not None else "")
+    run_dir = base_dir / name
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: remove it or choose another --base-dir (a reused run "
                          "would resume instead of measuring a fresh one)")
-    command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", f"--seed={seed}", *extra]
+    command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", f"--seed={seed}",
+               *(arg for p in presets for arg in ("--preset", p)),
+               *([f"--train.torch_threads={threads}"] if threads is not None else []), *extra]
     print("$", " ".join(command), flush=True)
     t0 = time.perf_counter()
-    with (base_dir / f"seed{seed}.log").open("w") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+    with (base_dir / f"{name}.log").open("w") as log:
+        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (base_dir / f"{name}.log").read_text().splitlines()[-30:]
+        raise SystemExit("\n".join(tail) + f"\nthe run failed (exit {proc.returncode}): {base_dir / name}.log")
     summary = json.loads((run_dir / "summary.json").read_text())
     config = tomllib.loads((run_dir / "config.toml").read_text())
-    warm = run_dir / "setup" / "warm_start" / "warm_start.json"
+    warm_path = run_dir / "setup" / "warm_start" / "warm_start.json"
+    warm = json.loads(warm_path.read_text()) if warm_path.exists() else {}
     before, after = summary["eval_before"], summary["eval_after"]
     return {
-        "seed": seed, "extra_args": extra, "wall_s": round(wall, 1), "rl_s": round(summary["rl_seconds"], 1),
-        "warm_start_s": round(json.loads(warm.read_text())["seconds"], 1) if warm.exists() else None,
+        "seed": seed, "threads": config["train"]["torch_threads"] or None, "presets": presets, "extra_args": extra,
+        "wall_s": round(wall, 1), "rl_s": round(summary["rl_seconds"], 1),
+        "warm_start_s": round(warm["seconds"], 1) if warm else None,
+        "warm_start_loss": round(warm["final_loss"], 4) if warm else None,
+        "warm_start_steps": warm.get("steps"), "warm_start_val_exact": warm.get("val_exact"),
         "steps": summary["steps"], "samples": int(before["questions"]) * config["eval"]["samples"],
         "seeds": derived_seeds(config),
         "acc_before": before["accuracy"], "acc_after": after["accuracy"],
@@ -75,31 +102,64 @@ def summarize(rows: list[dict]) -> dict:
     sd = statistics.stdev(gains) if len(gains) > 1 else float("nan")
     t = mean / (sd / math.sqrt(len(gains))) if len(gains) > 1 and sd > 0 else float("nan")
     befores = [r["acc_before"] for r in rows]
-    return {"seeds": len(rows), "gain_mean": mean, "gain_sd": sd, "paired_t": t,
-            "before_mean": statistics.fmean(befores),
+    return {"seeds": len(rows), "gain_mean": mean, "gain_median": statistics.median(gains), "gain_sd": sd,
+            "paired_t": t, "before_mean": statistics.fmean(befores),
             "before_sd": statistics.stdev(befores) if len(befores) > 1 else float("nan"),
-            "min_gain": min(gains), "max_wall_s": max(r["wall_s"] for r in rows)}
+            "min_before": min(befores), "min_gain": min(gains), "max_wall_s": max(r["wall_s"] for r in rows)}
 
 
-def main() -> None:
+def gate_failures(rows: list[dict], floors: dict[str, float]) -> list[str]:
+    """One line per run and figure below its floor (empty: the gate passes)."""
+    return [f"seed {r['seed']}" + (f" ({r['threads']} threads)" if r.get("threads") else "")
+            + f": {key} {r[key]:.4f} < {floor:.4f}"
+            for r in rows for key, floor in floors.items() if r[key] < floor]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="run each seed with each of these train.torch_threads (default: the config's)")
+    parser.add_argument("--preset", action="append", default=[],
+                        help="presets, in order (none: the embedded default); repeat for several")
     parser.add_argument("--base-dir", type=Path, default=Path("runs/bench-default"))
-    parser.add_argument("--results", default="default_run", help="bench/results/<name>.jsonl ('' = do not write)")
+    parser.add_argument("--results", default=None,
+                        help="bench/results/<name>.jsonl ('' = do not write; default main_job, or "
+                             "learning_runs with --preset)")
+    parser.add_argument("--gate", action="store_true",
+                        help="exit 1 when a run's accuracy after the warm start or its RL gain is below the "
+                             "floor in GATES for these presets")
+    parser.add_argument("--note", default="", help="recorded in each row (e.g. what else ran on the machine)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to the trainer")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    floors = GATES.get(tuple(p for p in args.preset if p != "embedded"))
+    if args.gate and floors is None:
+        parser.error(f"no gate is defined for presets {args.preset} (GATES has {sorted(GATES)})")
+    results = args.results if args.results is not None else ("learning_runs" if args.preset else "main_job")
     args.base_dir.mkdir(parents=True, exist_ok=True)
     info = machine()  # the commit the runs start from (the checkout may move during a long run)
     rows = []
     for seed in args.seeds:
-        rows.append(run_one(seed, args.base_dir, args.extra))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.results:
-        print("rows appended to", write_rows(args.results, rows, info))
-    print_table(rows, ["seed", "acc_before", "acc_after", "gain", "no_tool_before", "no_tool_after",
-                       "warm_start_s", "rl_s", "wall_s"])
+        for threads in args.threads or [None]:
+            rows.append(run_one(seed, threads, args.base_dir, args.preset, args.extra))
+            print(json.dumps(rows[-1]), flush=True)
+    if results:
+        print("rows appended to", write_rows(results, [{**r, "note": args.note} if args.note else r for r in rows],
+                                             info))
+    print_table(rows, ["seed", "threads", "warm_start_loss", "acc_before", "acc_after", "gain", "no_tool_before",
+                       "no_tool_after", "warm_start_s", "rl_s", "wall_s"])
     print(json.dumps(summarize(rows), indent=1))
+    if args.gate:
+        failures = gate_failures(rows, floors)
+        floor_text = ", ".join(f"{k} >= {v:.2f}" for k, v in floors.items())
+        if failures:
+            print(f"learning gate FAILED (needs {floor_text}):\n  " + "\n  ".join(failures))
+            return 1
+        print(f"learning gate passed ({floor_text}): "
+              + "; ".join(f"seed {r['seed']}: {r['acc_before']:.4f} after the warm start, gain {r['gain']:+.4f}"
+                          for r in rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -45,6 +45,7 @@ def test_gpu_check_smoke(tmp_path):
     assert any(r["check"].startswith("fused_linear_aepo_policy_loss") and r["over_gemms"] > 0 for r in fused)
     engine = {r["check"]: r for r in rows if r["section"] == "engine"}
     assert engine["packing: varlen_packing"]["status"] == "PASS" and engine["fsdp: fsdp_one_rank"]["status"] == "PASS"
+    assert set(engine["packing: varlen_packing"]["kernel_calls"]) == {"sdpa_rows"}  # CPU: row-by-row SDPA ran
     assert engine["fsdp: fsdp_one_rank"]["backend"] == "gloo"
     bf16 = engine["fsdp: bf16_fsdp_step"]  # the tiny model, gloo: loss inputs fp32 as handed, ratio 1
     assert bf16["status"] == "PASS" and bf16["loss_inputs_fp32"] and bf16["bit_equal"] and bf16["token_count_exact"]
@@ -166,19 +167,41 @@ def test_default_run_bench_summary_hand_worked():
     assert summary["gain_mean"] == pytest.approx(0.2) and summary["gain_sd"] == pytest.approx(0.1)
     assert summary["paired_t"] == pytest.approx(0.2 / (0.1 / 3 ** 0.5))
     assert summary["min_gain"] == pytest.approx(0.1) and summary["max_wall_s"] == 420.0
+    assert summary["gain_median"] == pytest.approx(0.2) and summary["min_before"] == pytest.approx(0.3)
+
+
+def test_learning_gate_names_each_run_and_figure_below_its_floor():
+    sys.path.insert(0, str(BENCH))
+    from bench_default_run import GATES, gate_failures, main
+
+    floors = {"acc_before": 0.25, "gain": 0.10}
+    rows = [{"seed": 0, "threads": 2, "acc_before": 0.30, "gain": 0.12},
+            {"seed": 1, "threads": None, "acc_before": 0.06, "gain": 0.005},  # the broken warm start's figures
+            {"seed": 2, "threads": 1, "acc_before": 0.25, "gain": 0.099}]
+    assert gate_failures(rows, floors) == ["seed 1: acc_before 0.0600 < 0.2500", "seed 1: gain 0.0050 < 0.1000",
+                                           "seed 2 (1 threads): gain 0.0990 < 0.1000"]
+    assert gate_failures(rows[:1], floors) == []
+    # The default's floors are below what it measured and above the broken state's 6% / +0.5 points.
+    assert 0.06 < GATES[()]["acc_before"] <= 0.25 and 0.005 < GATES[()]["gain"] <= 0.10
+    with pytest.raises(SystemExit):  # no floors were derived for this preset: refused, not passed
+        main(["--seeds", "0", "--gate", "--preset", "embedded", "--preset", "grpo", "--results", ""])
 
 
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_default_run_bench_smoke(tmp_path):
-    """One seed of a shrunken default run through the benchmark script (the real trainer)."""
+    """One seed of a shrunken default run through the benchmark script (the real trainer), with the
+    default's learning gate on: a 6-step warm start and one RL step learn nothing, and the gate
+    says so (the tiny preset goes in as the trainer's own arguments, so the default's floors apply)."""
     tiny = [*TINY, "--train.steps=1", "--eval.num_questions=4", "--eval.samples=2", "--checkpoint.every_n_steps=0"]
     proc = subprocess.run([sys.executable, str(BENCH / "bench_default_run.py"), "--seeds", "5", "--base-dir",
-                           str(tmp_path), "--results", "", "--extra", *tiny],
+                           str(tmp_path), "--results", "", "--gate", "--extra", *tiny],
                           capture_output=True, text=True, timeout=600, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "learning gate FAILED" in proc.stdout and "seed 5: acc_before 0.0000 < " in proc.stdout, proc.stdout[-2000:]
     row = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"seed": 5')))
     assert row["steps"] == 1 and row["samples"] == 8 and 0.0 <= row["acc_before"] <= 1.0
+    assert row["extra_args"][:4] == TINY and row["warm_start_steps"] == 6 and row["warm_start_loss"] > 0
     # every sub-seed derived from --seed 5 (eval draws offset by 12345)
     assert row["seeds"] == {"data.shuffle_seed": 5, "model.tiny.seed": 5, "task.synthetic.seed": 5,
                             "task.warm_start.seed": 5, "rollout.seed": 5, "eval.seed": 12350}

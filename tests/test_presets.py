@@ -46,7 +46,9 @@ EXPECTED = {
         "rollout.max_tokens_per_segment": 64, "tools.search.topk": 1, "policy.param_dtype": "float32",
         "policy.micro_batch_size": 32, "policy.tree_batches": "on", "policy.micro_batch_max_tokens": 5280,
         "optim.lr": 3e-4, "optim.weight_decay": 0.0, "train.steps": 60,
-        "train.prompts_per_step": 16, "task.warm_start.steps": 800, "task.warm_start.lr": 0.02,
+        "train.prompts_per_step": 16, "task.warm_start.steps": 1400, "task.warm_start.lr": 0.02,
+        "task.warm_start.decay_steps": 400, "task.warm_start.val_questions": 64,
+        "task.warm_start.decay_at_score": 0.2,
         "eval.num_questions": 200, "eval.samples": 2, "checkpoint.every_n_steps": 10,
         "run_dir": "runs/aepo-default",
     },
@@ -59,7 +61,8 @@ EXPECTED = {
     },
     "offpolicy": {"policy.ppo_mini_batch_size": 2, "policy.ppo_epochs": 2, "run_dir": "runs/offpolicy"},
     "tiny": {"task.synthetic.num_people": 24, "task.synthetic.num_train": 32, "task.synthetic.num_heldout": 4,
-             "task.warm_start.steps": 6, "model.tiny.hidden_size": 64, "rollout.k": 2,
+             "task.warm_start.steps": 6, "task.warm_start.decay_steps": 3, "task.warm_start.val_questions": 8,
+             "task.warm_start.score_every": 2, "model.tiny.hidden_size": 64, "rollout.k": 2,
              "rollout.max_response_tokens": 40, "train.steps": 3, "train.prompts_per_step": 2,
              "policy.ppo_mini_batch_size": 1, "eval.num_questions": 2, "eval.samples": 1, "run_dir": "runs/tiny"},
     "web_search": {"tools.search.backend": "served", "tools.search.latency.median_s": 1.0,
@@ -69,7 +72,9 @@ EXPECTED = {
                 "policy.param_dtype": "bfloat16", "policy.micro_batch_size": 4, "optim.lr": 1e-5, "rollout.k": 4,
                 "tools.format": "tags", "run_dir": "runs/smollm2"},
     "namesakes_easy": {"task.synthetic.namesake_listing": "value_first", "task.synthetic.namesake_note": True,
-                       "task.warm_start.steps": 2400, "run_dir": "runs/namesakes-easy"},
+                       "task.warm_start.steps": 2400, "task.warm_start.decay_steps": 0,
+                       "task.warm_start.val_questions": 0, "task.warm_start.decay_at_score": 0.0,
+                       "run_dir": "runs/namesakes-easy"},
     "aepo": {"rollout.pre_monitoring": True, "rollout.branching": True, "rollout.branch_penalty": True,
              "policy.loss.clip": "aepo", "policy.loss.entropy_adv_alpha": 0.2},
     "arpo": {"rollout.pre_monitoring": False, "rollout.branching": True, "rollout.branch_penalty": False,
@@ -123,7 +128,8 @@ def test_namesakes_easy_stacks_on_namesakes_and_changes_only_listing_note_and_wa
     assert easy == msgspec.structs.replace(base, run_dir="runs/namesakes-easy", task=msgspec.structs.replace(
         base.task, synthetic=msgspec.structs.replace(base.task.synthetic, namesake_listing="value_first",
                                                      namesake_note=True),
-        warm_start=msgspec.structs.replace(base.task.warm_start, steps=2400)))
+        warm_start=msgspec.structs.replace(base.task.warm_start, steps=2400, decay_steps=0, val_questions=0,
+                                           decay_at_score=0.0)))
 
 
 def test_web_search_stacks_on_the_embedded_job_and_changes_only_the_search_tool():

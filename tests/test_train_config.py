@@ -49,7 +49,7 @@ def test_section_classes_are_the_only_default_source():
 def test_override_keeps_the_presets_other_values():
     cfg = load_train_config(["--rollout.seed=1", "--task.warm_start.seed=1", "--policy.ppo_mini_batch_size=4"])
     assert cfg.rollout.seed == 1 and cfg.rollout.k == 8 and cfg.rollout.max_response_tokens == 160
-    assert cfg.task.warm_start.seed == 1 and cfg.task.warm_start.steps == 800
+    assert cfg.task.warm_start.seed == 1 and cfg.task.warm_start.steps == 1400
     assert cfg.policy.ppo_mini_batch_size == 4 and cfg.policy.param_dtype == "float32"
 
 

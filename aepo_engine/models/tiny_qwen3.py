@@ -91,6 +91,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
     return wrapped
 
 
+def render_chat(messages: Iterable[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """``messages`` as text in :data:`CHAT_TEMPLATE` (what ``apply_chat_template(...,
+    tokenize=False)`` of the tiny tokenizer gives), before any tokenizer exists: the synthetic
+    task trains its tokenizer on its rendered prompts, so that the system prompt and the role
+    lines are a few tokens each rather than one per letter."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
+    return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+
+
 def _corpus(texts: Iterable[str] | None) -> list[str]:
     texts = list(texts) if texts is not None else []
     return texts or list(DEFAULT_TEXTS)

@@ -34,7 +34,7 @@ from aepo_engine import distributed
 from aepo_engine.config_loader import ConfigError, dump_config, load_config
 from aepo_engine.data import Example
 from aepo_engine.errors import ToolUnavailable, Unavailable, entry_point
-from aepo_engine.models import build_tiny_qwen3
+from aepo_engine.models import build_tiny_qwen3, render_chat
 from aepo_engine.seeding import section_seed
 from aepo_engine.sft import SFTConfig, build_examples, train_sft
 from aepo_engine.tasks.config import SyntheticSetupConfig
@@ -200,15 +200,26 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
         return SyntheticRun(task, corpus_path, model_dir, tools_config)
 
     t0 = time.perf_counter()
+    held_aside = setup.task.warm_start.val_questions if setup.task.warm_start_enabled else 0
+    if held_aside >= len(task.train):
+        raise ValueError(f"task.warm_start.val_questions={held_aside} leaves no train question for the "
+                         f"warm start ({len(task.train)} in all)")
+    taught = task.train[:len(task.train) - held_aside]
     with ToolRunner(build_tools(tools_config), max_workers=tools_config.max_workers) as runner:
-        demos = make_demonstrations(task.train, tool_fn_from_runner(runner),
-                                    guess_rate=synthetic.demo_guess_rate,
+        tool_fn = tool_fn_from_runner(runner)
+        demos = make_demonstrations(taught, tool_fn, guess_rate=synthetic.demo_guess_rate,
                                     seed=section_seed(synthetic.seed, "task.synthetic.seed"),
                                     wrong_pick_rate=synthetic.demo_wrong_pick_rate)
+        # the held-aside questions' gold responses (no guesses): what the warm start is scored on
+        val_demos = make_demonstrations(task.train[len(taught):], tool_fn) if held_aside else []
     log(f"[setup] task: {len(task.train)} train / {len(task.heldout)} held-out questions, "
-        f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s")
+        f"{len(task.corpus)} documents; demonstrations with real tool results in {time.perf_counter() - t0:.1f}s"
+        + (f" ({held_aside} train questions held aside to score the warm start)" if held_aside else ""))
     if not setup.model_path:
-        texts = [row["contents"] for row in task.corpus] + demos + [q.text for q in task.train]
+        # The tokenizer learns the prompts as the model reads them (system prompt, role lines):
+        # without them a prompt was ~96 tokens, mostly single letters, of a ~133-token example.
+        texts = ([row["contents"] for row in task.corpus] + demos
+                 + [render_chat(q.messages()) for q in task.train])
         tiny = setup.tiny
         build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                          num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
@@ -217,17 +228,21 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
                          seed=section_seed(tiny.seed, "model.tiny.seed"))
         (random_dir / "DONE").write_text("ok")
     if setup.task.warm_start_enabled:
-        warm_start(base_dir, warm_dir, task, demos, setup.task.warm_start, log, tools=tools_config)
+        warm_start(base_dir, warm_dir, task, demos, setup.task.warm_start, log, tools=tools_config,
+                   val_demos=val_demos)
         (warm_dir / "DONE").write_text("ok")
     return SyntheticRun(task, corpus_path, model_dir, tools_config)
 
 
 def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: list[str], sft_cfg: SFTConfig,
-               log: Callable[[str], None] = print, tools: ToolsConfig | None = None) -> dict[str, float]:
-    """Supervised warm start: load the model in ``src``, train it on ``demos`` (one per train
-    question, loss on model-written tokens only; in ``tools.format``, the demonstrations being
-    written in tags), save model and tokenizer to ``dst`` (may be ``src``) with ``warm_start.json``
-    (steps, seconds, final loss), which is also returned."""
+               log: Callable[[str], None] = print, tools: ToolsConfig | None = None,
+               val_demos: list[str] = ()) -> dict[str, float]:
+    """Supervised warm start: load the model in ``src``, train it on ``demos`` (for the first
+    ``len(demos)`` train questions, loss on model-written tokens only; in ``tools.format``, the
+    demonstrations being written in tags), scored on ``val_demos`` (the gold responses of the
+    train questions after those, :class:`SFTConfig`'s ``val_questions``), save model and tokenizer
+    to ``dst`` (may be ``src``) with ``warm_start.json`` (steps, seconds, final loss, the decay's
+    start and the final score ``val_exact``), which is also returned."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from aepo_engine.tools.formats import build_tool_format
@@ -237,25 +252,34 @@ def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: lis
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     tools = tools or ToolsConfig()
     tool_format = build_tool_format(tools.format, tokenizer, tools.enabled)
-    examples = build_examples(tokenizer, [q.messages() for q in task.train], demos, sft_cfg.max_length,
-                              tool_format=tool_format)
+    messages = [q.messages() for q in task.train]
+    examples = build_examples(tokenizer, messages[:len(demos)], demos, sft_cfg.max_length, tool_format=tool_format)
+    val_examples = build_examples(tokenizer, messages[len(demos):len(demos) + len(val_demos)], list(val_demos),
+                                  sft_cfg.max_length, tool_format=tool_format) if val_demos else []
     t0 = time.perf_counter()
     losses: list[float] = []
+    every = max(1, min(50, sft_cfg.steps // 10))
+    score = {"val_exact": None}
 
     def on_step(row: dict[str, float]) -> None:
         losses.append(row["loss"])
-        every = max(1, min(50, sft_cfg.steps // 10))
+        score["val_exact"] = row.get("val_exact", score["val_exact"])
         if (row["step"] + 1) % every == 0:
+            shown = f", held-aside exact {score['val_exact']:.2f}" if score["val_exact"] is not None else ""
             log(f"[warm start] step {row['step'] + 1}/{sft_cfg.steps} loss {sum(losses[-every:]) / every:.4f} "
-                f"({time.perf_counter() - t0:.0f}s)")
+                f"(lr {row['lr']:.2g}{shown}, {time.perf_counter() - t0:.0f}s)")
 
-    train_sft(model, examples, sft_cfg, log=on_step, pad_id=tokenizer.pad_token_id or 0)
+    result = train_sft(model, examples, sft_cfg, log=on_step, pad_id=tokenizer.pad_token_id or 0,
+                       val_examples=val_examples)
     model.save_pretrained(dst)
     tokenizer.save_pretrained(dst)
-    info = {"steps": sft_cfg.steps, "seconds": time.perf_counter() - t0, "final_loss": losses[-1],
-            "params": sum(p.numel() for p in model.parameters())}
+    info = {**result, "seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters())}
     (dst / "warm_start.json").write_text(json.dumps(info))
-    log(f"[warm start] {sft_cfg.steps} steps in {info['seconds']:.0f}s, final loss {losses[-1]:.4f}")
+    early = f", the decay from step {result['decay_start']}" if sft_cfg.decay_steps else ""
+    scored = (f"; writes {result['val_exact']:.0%} of {len(val_examples)} held-aside demonstrations token for token"
+              if val_examples else "")
+    log(f"[warm start] {result['steps']} steps in {info['seconds']:.0f}s{early}, final loss "
+        f"{result['final_loss']:.4f}{scored}")
     return info
 
 
