@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 import runs
 from aepo_engine.asynchronous.client import RolloutProcess, RolloutProcessDied
 from aepo_engine.asynchronous.loop import _engine_metrics
-from aepo_engine.asynchronous.messages import EngineCounters, StepDone, decode_buckets, encode_buckets
+from aepo_engine.asynchronous.messages import (EngineCounters, StepDone, WeightBucket, WeightsBegin, WeightsEnd,
+                                               WeightsReceived, decode_buckets, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec
 from aepo_engine.metrics import read_metrics
 from runs import TINY_RUN
@@ -217,3 +218,58 @@ def test_cpu_threads_are_split_between_the_processes_only_when_they_overlap():
     assert cpu_thread_split(2, 0, 0, cuda=False) == (2, 2)
     assert cpu_thread_split(16, 1, 0, cuda=True) == (16, 16)
     assert cpu_thread_split(2, 1, 3, cuda=False) == (3, 3)
+
+
+class _Alive:
+    """A process that stays alive (or not) for the message handling below."""
+
+    def __init__(self, alive: bool = True):
+        self.alive, self.exitcode = alive, None if alive else 1
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_push_waits_until_the_previous_one_is_received():
+    """GPU review 2, point 5: at most one weight version on its way to the rollout process. The
+    second push first takes the receipt of the first (keeping a step's trajectories that come
+    before it); with no receipt and the process gone, it raises instead of queueing another."""
+    import queue
+
+    process = object.__new__(RolloutProcess)
+    process.inbox, process.outbox, process.process = queue.Queue(), queue.Queue(), _Alive()
+    process._done, process.counters, process.push_s, process._in_flight = {}, EngineCounters(), 0.0, None
+    state = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)}
+    process.push_weights(0, [state])
+    sent = [process.inbox.get_nowait() for _ in range(process.inbox.qsize())]
+    assert [type(m) for m in sent] == [WeightsBegin, WeightBucket, WeightsEnd] and process._in_flight == 0
+    process.outbox.put(StepDone(3, [], None, EngineCounters(version=0), 1.0))
+    process.outbox.put(WeightsReceived(0))
+    process.push_weights(1, [state])
+    assert process._in_flight == 1 and 3 in process._done  # the receipt taken, the trajectories kept
+    process.process = _Alive(False)  # the rollout process died before receiving version 1
+    with pytest.raises(RolloutProcessDied, match="exited"):
+        process.push_weights(2, [state])
+    assert process.inbox.qsize() == 3  # version 2 was not queued
+
+
+@pytest.mark.slow
+def test_the_rollout_process_reports_its_engines_dtype_and_receipts(tiny_model):
+    """The rollout process's Ready carries the engine's weight dtype (the async loop gathers its
+    pushes in it, as the synchronous sync does: it sent fp32 to a bf16 engine), and every complete
+    push is acknowledged."""
+    import dataclasses
+
+    import msgspec
+    from transformers import AutoModelForCausalLM
+
+    spec = _spec(tiny_model)
+    spec = dataclasses.replace(spec, backend=msgspec.structs.replace(spec.backend, dtype="bfloat16"))
+    state = {k: v.to(torch.bfloat16) for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    with RolloutProcess(spec) as process:
+        assert process.weight_dtype == torch.bfloat16
+        for version in range(3):  # each push waits for the previous one's receipt
+            process.push_weights(version, [state])
+        process.order(0, [[5, 6, 7]], min_version=2)
+        done = process.take(0, timeout_s=300)
+    assert done.counters.version == 2 and process._in_flight in (None, 2)

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 import torch
 
 from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Order, Ready, StepDone, Stop, WeightsBegin,
-                                               WeightsEnd, encode_buckets)
+                                               WeightsEnd, WeightsReceived, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec, worker_main
 
 __all__ = ["RolloutProcess", "RolloutProcessDied"]
@@ -44,12 +44,14 @@ class RolloutProcess:
         # the rollout process's counters in the newest message received: steps may end out of order
         # (a later step's short prompts before an earlier one's), so a step's own are not the newest
         self.counters = EngineCounters()
-        self.push_s = 0.0  # seconds the trainer spent handing weights to the queue
+        self.push_s = 0.0  # seconds the trainer spent handing weights to the queue (and waiting to)
+        self._in_flight: int | None = None  # a pushed version the rollout process has not received yet
         try:
             message = self._receive(start_timeout_s)
             if not isinstance(message, Ready):
                 raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
             self.pid = message.pid
+            self.weight_dtype = message.weight_dtype  # pushes are gathered in it (None: as they are)
         except BaseException:
             self.close()
             raise
@@ -58,12 +60,18 @@ class RolloutProcess:
 
     def push_weights(self, version: int, buckets: Iterable[Mapping[str, torch.Tensor]]) -> float:
         """Send the weights of policy ``version`` (a bucket at a time, as bytes; the call returns
-        once they are queued, the queue writes them while the trainer goes on). Returns seconds."""
+        once they are queued, the queue writes them while the trainer goes on). At most one
+        version is on its way: a push first waits until the rollout process has received the
+        previous one (a slow reader cannot pile versions up in the queue's buffer). Gather the
+        buckets in :attr:`weight_dtype`. Returns seconds."""
         start = time.perf_counter()
+        while self._in_flight is not None:
+            self._handle(self._receive(None))
         self.inbox.put(WeightsBegin(version))
         for bucket in encode_buckets(buckets):
             self.inbox.put(bucket)
         self.inbox.put(WeightsEnd(version))
+        self._in_flight = version
         seconds = time.perf_counter() - start
         self.push_s += seconds
         return seconds
@@ -86,11 +94,16 @@ class RolloutProcess:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no trajectories for step {step} within {timeout_s}s")
-            message = self._receive(left)
-            if isinstance(message, StepDone):
-                self._done[message.step] = message
-                self.counters = message.counters
+            self._handle(self._receive(left))
         return self._done.pop(step)
+
+    def _handle(self, message) -> None:
+        """Keep a step's trajectories; note a push's receipt."""
+        if isinstance(message, StepDone):
+            self._done[message.step] = message
+            self.counters = message.counters
+        elif isinstance(message, WeightsReceived) and message.version == self._in_flight:
+            self._in_flight = None
 
     def _receive(self, timeout_s: float | None):
         """The next message; raises if the process failed or died meanwhile."""

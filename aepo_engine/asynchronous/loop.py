@@ -26,6 +26,7 @@ sampled for them is lost with it (the only place trajectories are dropped).
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Iterator
 
@@ -106,7 +107,8 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
           f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}; "
           f"torch threads: trainer {mine}, rollout process {theirs}", flush=True)
     try:
-        process.push_weights(start, trainer.policy.iter_weight_buckets(bucket_bytes))
+        weights = functools.partial(trainer.policy.iter_weight_buckets, bucket_bytes, dtype=process.weight_dtype)
+        process.push_weights(start, weights())
         for step in range(start, min(start + eta + 1, total)):
             order(step)
         before = EngineCounters()
@@ -128,7 +130,7 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             metrics = trainer.learn(step, prompts, *([s[i] for s in everything] for i in range(4)), stats)
             push_s = 0.0
             if step + 1 < total:
-                push_s = process.push_weights(step + 1, trainer.policy.iter_weight_buckets(bucket_bytes))
+                push_s = process.push_weights(step + 1, weights())
             if step + 1 + eta < total:
                 order(step + 1 + eta)
             trainer.resume_sampler_state = sampler_states.pop(step + 1, None) or trainer.sampler.state_dict()

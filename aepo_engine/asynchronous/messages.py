@@ -3,8 +3,10 @@ queues), and the byte path the weights take.
 
 Trainer -> rollout process: :class:`Order` (a step's prompts, to start once the engine holds at
 least ``min_version``), a weight push (:class:`WeightsBegin`, one :class:`WeightBucket` per bucket,
-:class:`WeightsEnd`), :class:`Stop`. Rollout process -> trainer: :class:`Ready`, :class:`StepDone`
-(a step's trajectories), :class:`Failed`.
+:class:`WeightsEnd`), :class:`Stop`. Rollout process -> trainer: :class:`Ready` (with the engine's
+weight dtype, the one pushes are gathered in), :class:`WeightsReceived` (a push is in: the trainer
+starts the next one only then, so at most one version is on its way), :class:`StepDone` (a step's
+trajectories), :class:`Failed`.
 
 Weights cross the process boundary as raw bytes, a bucket at a time (``encode_bucket``: name,
 dtype, shape, bytes; the same encoding the out-of-process vLLM engine takes), so the sender never
@@ -23,7 +25,7 @@ from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.rollout.trajectory import Trajectory
 
 __all__ = ["EngineCounters", "Failed", "Order", "Ready", "Stop", "StepDone", "WeightBucket", "WeightsBegin",
-           "WeightsEnd", "decode_buckets", "encode_buckets"]
+           "WeightsEnd", "WeightsReceived", "decode_buckets", "encode_buckets"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,19 @@ class EngineCounters:
 
 @dataclass(frozen=True)
 class Ready:
+    """The engine and tools are up. ``weight_dtype``: the dtype the engine holds its weights in
+    (pushes are gathered and sent in it: half the bytes of fp32 for a bf16 engine); None: the
+    trainer's own."""
+
     pid: int
+    weight_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class WeightsReceived:
+    """Every bucket of push ``version`` is in the rollout process (staged, maybe not loaded yet)."""
+
+    version: int
 
 
 @dataclass(frozen=True)

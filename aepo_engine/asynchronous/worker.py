@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Order, Ready, StepDone, Stop, WeightBucket,
-                                               WeightsBegin, WeightsEnd, decode_buckets)
+                                               WeightsBegin, WeightsEnd, WeightsReceived, decode_buckets)
 from aepo_engine.rollout.backends import BackendConfig, build_backend
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.continuous import ContinuousRollout
@@ -113,7 +113,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,
                                     tool_barrier=spec.tool_barrier,
                                     max_batch=None if spec.tool_barrier else getattr(backend, "max_batch_size", None))
-        outbox.put(Ready(os.getpid()))
+        outbox.put(Ready(os.getpid(), getattr(backend, "weight_dtype", None)))
         _EngineLoop(rollout, backend, inbox, outbox).run()
     except BaseException:  # noqa: BLE001 - the trainer must hear of any failure
         outbox.put(Failed(traceback.format_exc()))
@@ -127,9 +127,10 @@ class _Inbox(threading.Thread):
     """Reads the trainer's messages while the loop samples: orders, weight buckets (kept until their
     push is complete), stop."""
 
-    def __init__(self, inbox: Any, abort: threading.Event, wake: threading.Event, counters: EngineCounters):
+    def __init__(self, inbox: Any, abort: threading.Event, wake: threading.Event, counters: EngineCounters,
+                 outbox: Any = None):
         super().__init__(name="aepo-rollout-inbox", daemon=True)
-        self.inbox, self.abort, self.wake, self.counters = inbox, abort, wake, counters
+        self.inbox, self.abort, self.wake, self.counters, self.outbox = inbox, abort, wake, counters, outbox
         self.lock = threading.Lock()
         self.orders: list[Order] = []
         self.staged: tuple[int, list[WeightBucket]] | None = None  # the newest complete push
@@ -152,6 +153,8 @@ class _Inbox(threading.Thread):
                     self.staged = (message.version, buckets)  # a newer push replaces an unloaded one
                     self.counters.weight_receive_s += time.perf_counter() - started
                 buckets = []
+                if self.outbox is not None:  # the trainer may send the next version now
+                    self.outbox.put(WeightsReceived(message.version))
                 self.abort.set()  # cut the segments being sampled: they go on under the new weights
             elif isinstance(message, Order):
                 with self.lock:
@@ -181,7 +184,7 @@ class _EngineLoop:
         self.rollout, self.backend, self.outbox = rollout, backend, outbox
         self.counters = EngineCounters(version=-1)
         self.abort, self.wake = threading.Event(), threading.Event()
-        self.inbox = _Inbox(inbox, self.abort, self.wake, self.counters)
+        self.inbox = _Inbox(inbox, self.abort, self.wake, self.counters, outbox)
         self.admitted: dict[int, float] = {}  # step -> when it was admitted
         self.can_abort = bool(getattr(backend, "can_abort", False))
 
