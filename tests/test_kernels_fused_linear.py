@@ -20,7 +20,11 @@ def _inputs(n, d, vocab, dtype, seed):
 @pytest.mark.parametrize("token_chunk,vocab_chunk", [(16, 300), (7, 1000), (64, 4096)])
 def test_matches_materialised_logits(dtype, token_chunk, vocab_chunk):
     hidden, weight, bias, labels = _inputs(45, 24, 1003, dtype, seed=token_chunk)
-    g_lp, g_h = torch.randn(45), torch.randn(45)
+    # upstream gradients from a seeded generator: torch's global one is wherever the tests before
+    # this one on the worker left it, and the bf16 error relative to the largest gradient moves
+    # with them (2.1-3.3% over 40 draws, the materialised head's as much as the fused path's)
+    gen = torch.Generator().manual_seed(token_chunk)
+    g_lp, g_h = torch.randn(45, generator=gen), torch.randn(45, generator=gen)
 
     def grads(fn):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
@@ -38,12 +42,16 @@ def test_matches_materialised_logits(dtype, token_chunk, vocab_chunk):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for g, r in zip(got[2], ref[2]):
         torch.testing.assert_close(g, r, **tol)
-    if dtype == torch.bfloat16:  # and within bf16 rounding of fp32 maths on the same inputs
+    if dtype == torch.bfloat16:  # and as close to fp32 maths on the same inputs as the bf16 head is
         exact = grads(lambda h, w, b: logprob_entropy_reference(h.float() @ w.float().T + b.float(), labels, 0.8))
         for value, want in zip(got[:2], exact[:2]):
             torch.testing.assert_close(value, want, atol=0.1, rtol=2e-2)
-        for g, r in zip(got[2], exact[2]):
-            assert (g - r).abs().max() <= 3e-2 * r.abs().max()
+        # The CPU bf16 path accumulates d_weight / d_hidden in fp32 across chunks, each chunk's
+        # GEMM product rounded once to bf16 (fused_linear.addmm_accumulate); its error against
+        # fp32 maths is the bf16 inputs' (at most 1.33x the materialised bf16 head's over 40 draws)
+        for g, m, r in zip(got[2], ref[2], exact[2]):
+            assert (g - r).abs().max() <= 2 * (m - r).abs().max() + 1e-3 * r.abs().max()
+            assert (g - r).abs().max() <= 5e-2 * r.abs().max()
 
 
 def test_float64_gradcheck_hidden_weight_bias():
