@@ -92,7 +92,12 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             gather or barrier before the run stops with an error naming this setting. Each rank
             samples its own agentic rollouts (tool calls, HTTP search) and rank 0 alone writes
             checkpoint exports and asks the judge, so a rank may wait long for a slower one:
-            hours, not torch's 10-minute NCCL default. Lower it to find a hung rank sooner.
+            hours, not torch's 10-minute NCCL default. Lower it to find a hung rank sooner. It is
+            the timeout of the gloo group those waits run on (``aepo_engine.distributed``).
+        device_collective_timeout_minutes: on CUDA, the NCCL group's timeout: FSDP2's and the
+            weight sync's collectives, which start only once every rank has passed the step's
+            gather of rollouts, so they never wait for a slower rank's tools: a hung GPU
+            collective stops the run after this long, not after collective_timeout_minutes.
         torch_threads: CPU threads of torch's intra-op pool in this process
             (``torch.set_num_threads``, set before the warm start, the policy and the HF backend
             are built); 0 leaves torch's default (one per core). On a CPU shared with other jobs,
@@ -110,6 +115,7 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1
     collective_timeout_minutes: float = 180.0
+    device_collective_timeout_minutes: float = 10.0
     torch_threads: int = 0
 
     def __post_init__(self) -> None:
@@ -119,6 +125,9 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             raise ValueError("epochs and prompts_per_step must be >= 1")
         if not self.collective_timeout_minutes > 0:
             raise ValueError(f"collective_timeout_minutes must be > 0, got {self.collective_timeout_minutes}")
+        if not self.device_collective_timeout_minutes > 0:
+            raise ValueError(f"device_collective_timeout_minutes must be > 0, got "
+                             f"{self.device_collective_timeout_minutes}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0 (0 = torch's default), got {self.torch_threads}")
         if self.max_staleness < 0:

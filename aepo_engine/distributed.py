@@ -4,13 +4,20 @@ broadcast and all-gather of Python objects.
 Every helper is a no-op (or the identity) in a single process without a process group, so the
 same code runs plain, under torchrun with gloo on CPU and with nccl on CUDA.
 
-Waiting for other ranks. Ranks sample their own agentic rollouts (tools, HTTP search) and rank 0
-alone writes checkpoint exports, so a rank may wait long for a slower one at the next gather or
-barrier. Every collective gives up after the timeout given to :func:`init_distributed` (torch's
-default is 10 minutes for NCCL, 30 for gloo; the trainer passes ``train.collective_timeout_minutes``);
-a gather or barrier that gives up raises :class:`CollectiveTimeout` naming the setting to raise.
-Python objects and barriers go through a gloo group of their own on CUDA (host memory, no NCCL
-kernel waiting on the GPU, the same timeout); on CPU the default group is gloo already.
+Waiting for other ranks: two waits, two timeouts.
+- **Waiting for a slower rank** (the long wait). Ranks sample their own agentic rollouts (tools,
+  HTTP search) and rank 0 alone writes checkpoint exports, so a rank may wait long for a slower one
+  at the next gather or barrier. Those waits are the Python-object gathers and barriers of this
+  module, and they run on a gloo group (host memory, no kernel waiting on a GPU): the default group
+  on CPU, a group of their own on CUDA. It gets ``timeout`` (the trainer passes
+  ``train.collective_timeout_minutes``, hours); a gather or barrier that gives up raises
+  :class:`CollectiveTimeout` naming the setting to raise.
+- **Device collectives** (NCCL on CUDA: FSDP2's all-gathers and reduce-scatters, the weight
+  sync's gathers). They start only after every rank has passed an object gather (the step's
+  rollouts), so none of them waits for a rollout: they keep a short ``device_timeout`` (the
+  trainer passes ``train.device_collective_timeout_minutes``; torch's NCCL default is 10 minutes),
+  with NCCL's watchdog and its heartbeat monitor as torch sets them, so a hung GPU collective stops
+  the run in minutes instead of hours. (Before, NCCL got the long timeout too.)
 """
 from __future__ import annotations
 
@@ -37,21 +44,22 @@ class CollectiveTimeout(Unavailable):
     """Ranks waited longer than the collective timeout for each other (a slow rank or a dead one)."""
 
 
-def init_distributed(timeout: datetime.timedelta | None = None,
-                     timeout_setting: str = "") -> tuple[int, int, torch.device]:
+def init_distributed(timeout: datetime.timedelta | None = None, timeout_setting: str = "",
+                     device_timeout: datetime.timedelta | None = None) -> tuple[int, int, torch.device]:
     """Join the torchrun process group if launched by torchrun; return ``(rank, world, device)``.
 
     Args:
-        timeout: how long any collective waits for the other ranks (None: torch's default). Only
-            the call that creates the group sets it.
+        timeout: how long a gather or barrier of Python objects waits for the other ranks (the
+            gloo group's; None: torch's default). Only the call that creates the groups sets it.
         timeout_setting: the config field that holds ``timeout``, named when a wait gives up.
+        device_timeout: on CUDA, the NCCL group's (device collectives; None: torch's default).
     """
     global _TIMEOUT, _TIMEOUT_SETTING, _OBJECT_GROUP
     cuda = torch.cuda.is_available()
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=device_timeout if cuda else timeout)
         _TIMEOUT, _TIMEOUT_SETTING = timeout, timeout_setting
         if dist.get_backend() != "gloo":  # collective: every rank makes it, in the same order
             _OBJECT_GROUP = dist.new_group(backend="gloo", timeout=timeout)
@@ -62,8 +70,9 @@ def init_distributed(timeout: datetime.timedelta | None = None,
 
 
 def collective_timeout() -> datetime.timedelta | None:
-    """The timeout :func:`init_distributed` gave the groups (None: torch's default): for the
-    other groups a caller makes (``dist.new_group(..., timeout=collective_timeout())``)."""
+    """The timeout :func:`init_distributed` gave the gloo group of objects (None: torch's
+    default): for the other object groups a caller makes (``dist.new_group(..., backend="gloo",
+    timeout=collective_timeout())``)."""
     return _TIMEOUT
 
 

@@ -101,7 +101,8 @@ class Trainer:
         apply_torch_threads(cfg.train.torch_threads)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed(
-            datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes")
+            datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes",
+            device_timeout=datetime.timedelta(minutes=cfg.train.device_collective_timeout_minutes))
         if cfg.train.asynchronous and self.world > 1 and (torch.cuda.is_available() or
                                                           cfg.backend.tensor_parallel_size > 1):
             raise ConfigError(f"train.mode='async' with {self.world} trainer ranks runs on CPU, one engine per rank: "

@@ -1,7 +1,7 @@
 """The collective timeout (issue 35, point 3): torch's default (10 minutes for NCCL) stopped a run
 whenever one rank's agentic rollouts took 10 minutes longer than another's. The trainer now gives
-``train.collective_timeout_minutes`` to every process group, gathers Python objects on a gloo
-group, reports a rank's wait (``time/wait_for_ranks``) and stops with an error naming the setting
+``train.collective_timeout_minutes`` to the gloo group Python objects and barriers go through (NCCL
+keeps ``train.device_collective_timeout_minutes``), reports a rank's wait (``time/wait_for_ranks``) and stops with an error naming the setting
 when a wait gives up.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ from aepo_engine import distributed
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "slow_rank_train.py"
 
 
-def test_the_timeout_reaches_init_process_group_and_the_object_group(monkeypatch):
-    """On CUDA (recorded fakes of the calls that need it): NCCL gets the timeout, and so does the
-    gloo group that objects and barriers go through."""
+def test_the_long_wait_goes_to_the_object_group_and_nccl_keeps_a_short_one(monkeypatch):
+    """On CUDA (recorded fakes of the calls that need it): the gloo group that objects and barriers
+    go through (the waits for a slower rank's rollouts) gets the long timeout, NCCL the device
+    timeout (GPU review 2, point 10: NCCL got the 180-minute wait too)."""
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
@@ -41,15 +42,33 @@ def test_the_timeout_reaches_init_process_group_and_the_object_group(monkeypatch
     monkeypatch.setenv("LOCAL_RANK", "1")
     for name, value in (("_TIMEOUT", None), ("_TIMEOUT_SETTING", ""), ("_OBJECT_GROUP", None)):
         monkeypatch.setattr(distributed, name, value)
-    timeout = datetime.timedelta(minutes=7)
+    timeout, device_timeout = datetime.timedelta(minutes=180), datetime.timedelta(minutes=10)
 
-    rank, world, device = distributed.init_distributed(timeout, "train.collective_timeout_minutes")
+    rank, world, device = distributed.init_distributed(timeout, "train.collective_timeout_minutes",
+                                                       device_timeout=device_timeout)
 
     assert (rank, world, device) == (1, 2, torch.device("cuda", 1))
     assert calls[0] == ("set_device", 1, {})
-    assert calls[1] == ("init", "nccl", {"timeout": timeout})
+    assert calls[1] == ("init", "nccl", {"timeout": device_timeout})
     assert calls[2][:2] == ("new_group", "gloo") and calls[2][2]["timeout"] == timeout
     assert distributed.collective_timeout() == timeout
+
+
+def test_on_cpu_the_one_gloo_group_waits_long(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("_TIMEOUT", None), ("_TIMEOUT_SETTING", ""), ("_OBJECT_GROUP", None)):
+        monkeypatch.setattr(distributed, name, value)
+    timeout = datetime.timedelta(minutes=180)
+    distributed.init_distributed(timeout, "train.collective_timeout_minutes", device_timeout=datetime.timedelta(1))
+    assert calls == [("gloo", {"timeout": timeout})] and distributed._OBJECT_GROUP is None
 
 
 def _train(run_dir: Path, timeout_minutes: float, delay_s: float) -> subprocess.CompletedProcess:
