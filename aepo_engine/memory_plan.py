@@ -304,6 +304,21 @@ def engine_kv_cache(cfg: Any, shape: ModelShape, world: int, gpu: int, gpu_name:
                     per_engine=per_engine, profile_bytes=profile)
 
 
+def engine_awake_bytes(weights_bytes: float, kv_cache_gib: float) -> float:
+    """An engine's footprint on one GPU with its KV cache given in GiB (``backend.kv_cache_gib``):
+    its weights' share, the cache, its activations (half of :data:`CUDA_OVERHEAD`, assumed)."""
+    return weights_bytes + kv_cache_gib * GIB + CUDA_OVERHEAD / 2
+
+
+def kv_budget_utilization(weights_bytes: float, kv_cache_gib: float, gpu_total: int) -> float:
+    """The ``gpu_memory_utilization`` to start vLLM with when ``backend.kv_cache_gib`` sizes its
+    cache: vLLM still requires ``gpu_memory_utilization`` of the GPU free at start-up whatever
+    the cache's size, so the share the plan gives the engine (:func:`engine_awake_bytes`) is
+    what it is told, and the plan and the engine agree (a default 0.5 asked for 40 GiB free on an
+    80 GiB GPU where the plan had room for less)."""
+    return min(1.0, engine_awake_bytes(weights_bytes, kv_cache_gib) / gpu_total)
+
+
 def engine_dtype_bytes(cfg: Any, checkpoint_bytes: int = 2) -> int:
     """Bytes per element of the rollout engine's weights (``backend.dtype``; "auto": the checkpoint's)."""
     return checkpoint_bytes if cfg.backend.dtype == "auto" else DTYPE_BYTES[cfg.backend.dtype]
@@ -422,8 +437,10 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     engine_weights = e * p / tp
     if engine:
         if backend.kv_cache_gib is not None:
-            awake = engine_weights + backend.kv_cache_gib * GIB + CUDA_OVERHEAD / 2
-            note = f"weights / {tp} + kv_cache_gib + activations"
+            awake = engine_awake_bytes(engine_weights, backend.kv_cache_gib)
+            note = (f"weights / {tp} + kv_cache_gib + activations; vLLM started with gpu_memory_utilization "
+                    f"{kv_budget_utilization(engine_weights, backend.kv_cache_gib, gpu):.3f}" if gpu else
+                    f"weights / {tp} + kv_cache_gib + activations")
         else:
             awake = backend.gpu_memory_utilization * gpu if gpu else engine_weights
             note = f"gpu_memory_utilization {backend.gpu_memory_utilization} of the GPU"

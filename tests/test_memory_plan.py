@@ -264,3 +264,41 @@ def test_terms_match_one_measured_step_at_qwen3_06b_widths(tmp_path):
     from bench_sharded_load import build_model
 
     _measure(str(build_model(tmp_path / "qwen3_06b_4_layers", layers=4)), tmp_path, 2, 512, True)
+
+
+def test_a_kv_budget_in_gib_starts_vllm_with_the_plans_share(tmp_path, monkeypatch):
+    """GPU review 2, point 12: with backend.kv_cache_gib the plan gave the engine its weights, the
+    cache and activations, but vLLM was started with gpu_memory_utilization 0.5, and vLLM asks
+    that share of the GPU free at start-up whatever the cache's size. The engine now gets the
+    plan's share (recorded arguments of the engine; CUDA faked: an 80 GiB GPU)."""
+    import aepo_engine.rollout.backends.vllm as vllm_backend
+    from aepo_engine.config import load_train_config
+    from aepo_engine.memory_plan import kv_budget_utilization
+    from aepo_engine.rollout.backends import build_backend
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_14B, "torch_dtype": "bfloat16"}))
+    got = {}
+
+    class Recorder:
+        def __init__(self, model_dir, **kwargs):
+            got.update(kwargs)
+
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", Recorder)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 80 * GIB}))
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research", "--backend.kv_cache_gib=20",
+                             "--backend.tensor_parallel_size=2"])
+    build_backend(cfg.backend, str(tmp_path), tokenizer=None, seed=0)
+    weights = ModelShape.from_config(QWEN3_14B).params() * 2 / 2  # bf16 over 2 GPUs
+    assert got["kv_cache_memory_bytes"] == 20 * GIB
+    assert got["gpu_memory_utilization"] == pytest.approx(kv_budget_utilization(weights, 20, 80 * GIB))
+    assert 0.43 < got["gpu_memory_utilization"] < 0.44  # 13.7 GiB of weights (bf16, TP 2) + 20 + 1, of 80
+    # the plan's engine term is the same share of the GPU
+    plan = plan_memory(cfg, ModelShape.from_config(QWEN3_14B), 8, 80 * GIB, gpu_name="h100-80gb")
+    awake = plan.terms["vllm_awake"]
+    assert awake.bytes == pytest.approx(got["gpu_memory_utilization"] * 80 * GIB)
+    # without a GiB budget the configured share goes through as it is
+    got.clear()
+    build_backend(load_train_config(["--preset", "qwen3_14b_deep_research"]).backend, str(tmp_path), None, 0)
+    assert got["gpu_memory_utilization"] == load_train_config(["--preset", "qwen3_14b_deep_research"]).backend.gpu_memory_utilization

@@ -105,6 +105,25 @@ def engine_devices(tensor_parallel_size: int, local_rank: int) -> str:
     return ",".join(names[i] if names else str(i) for i in own)
 
 
+def _kv_budget_utilization(cfg: BackendConfig, model_dir: str, local_rank: int) -> float:
+    """``gpu_memory_utilization`` for an engine whose KV cache ``cfg.kv_cache_gib`` sizes: its
+    weights on one GPU (config.json's shape in the engine's dtype, over the tensor-parallel GPUs),
+    the cache and its activations, over this rank's GPU (``memory_plan.kv_budget_utilization``)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from aepo_engine.memory_plan import DTYPE_BYTES, ModelShape, kv_budget_utilization
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    checkpoint = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    element = DTYPE_BYTES.get(cfg.dtype if cfg.dtype != "auto" else checkpoint, 2)
+    weights = ModelShape.from_config(config).params() * element / cfg.tensor_parallel_size
+    total = torch.cuda.get_device_properties(local_rank if not cfg.in_process else torch.cuda.current_device())
+    return kv_budget_utilization(weights, cfg.kv_cache_gib, total.total_memory)
+
+
 def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0,
                   group: Any = None) -> Any:
     """The backend ``cfg`` names, loaded from ``model_dir``.
@@ -125,15 +144,18 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
         from aepo_engine.rollout.backends.vllm import VLLMBackend
 
         extra: dict[str, Any] = {}
+        utilization = cfg.gpu_memory_utilization
         if cfg.max_num_seqs is not None:
             extra["max_num_seqs"] = cfg.max_num_seqs
         if cfg.kv_cache_gib is not None:
             extra["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+            if torch.cuda.is_available():  # vLLM's start-up check then asks the plan's share free
+                utilization = _kv_budget_utilization(cfg, model_dir, local_rank)
         if torch.cuda.is_available() and not cfg.in_process:
             extra["devices"] = engine_devices(cfg.tensor_parallel_size, local_rank)
         sleep_level = cfg.sleep_level if cfg.sleeps(torch.cuda.is_available()) else None
         return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
-                           gpu_memory_utilization=cfg.gpu_memory_utilization, logprobs_topk=cfg.logprobs_topk,
+                           gpu_memory_utilization=utilization, logprobs_topk=cfg.logprobs_topk,
                            enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
                            enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
                            in_process=cfg.in_process, sleep_level=sleep_level, group=group, **extra)

@@ -29,7 +29,10 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             compilation costs start-up time and buys nothing for tiny models).
         max_num_seqs: most sequences one vLLM engine schedules at once; none = vLLM's default.
         kv_cache_gib: KV-cache budget of one engine in GiB (vLLM's kv_cache_memory_bytes, which
-            then replaces gpu_memory_utilization's share); none = from gpu_memory_utilization.
+            then replaces gpu_memory_utilization's share: the engine is started with the
+            utilization its weights, this cache and its activations need, the memory plan's
+            figure, since vLLM asks that share of the GPU free at start-up whatever the cache's
+            size); none = from gpu_memory_utilization.
             vLLM-CPU sizes its cache from VLLM_CPU_KVCACHE_SPACE instead. For the HF backend:
             the keys/values it keeps across calls for prefix reuse; none = ``HFBackend``'s default.
         enable_prefix_caching: reuse the KV of shared prefixes (branches share their parent's
