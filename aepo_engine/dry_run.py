@@ -68,13 +68,16 @@ class DryRunReport:
         return 0 if self.ok else 2
 
 
-def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None = None) -> DryRunReport:
+def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None = None,
+              gpus_per_node: str | None = None) -> DryRunReport:
     """Run every check on a resolved config.
 
     Args:
         cfg: the resolved ``TrainConfig``.
         gpu, world_size: plan the run's memory per GPU (``--gpu``, ``--world-size``; world size
             default 8, one node); see :mod:`aepo_engine.memory_plan`.
+        gpus_per_node: GPUs of a node (``--gpus-per-node``, default 8): with the split placement
+            a node's trainer ranks and engine GPUs must add up to it.
 
     Returns:
         The report; nothing is raised for a problem in the config or its inputs.
@@ -111,6 +114,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     _check_checkpoint_disk(cfg, report)
     if gpu is not None or world_size is not None:
         _plan_memory(cfg, gpu, world_size, report)
+        _check_node_layout(cfg, world_size, gpus_per_node, report)
     elif _cpu_run(cfg):
         _plan_cpu_memory(cfg, report)
     if (cfg.train.asynchronous and gpu is not None and world_size is not None and world_size.isdigit()
@@ -122,7 +126,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
 
 
 def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | None = None,
-            world_size: str | None = None) -> int:
+            world_size: str | None = None, gpus_per_node: str | None = None) -> int:
     """Print the resolved config (stdout) and the report (stderr); return the exit status.
 
     Args:
@@ -131,7 +135,7 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
         gpu, world_size: print the memory plan for that GPU and world size (see :func:`check_run`).
     """
     out, err = out or sys.stdout, err or sys.stderr
-    report = check_run(cfg, gpu, world_size)
+    report = check_run(cfg, gpu, world_size, gpus_per_node)
     if source:
         out.write(f"# resolved from: {source}\n")
     out.write(dump_config(cfg))
@@ -431,6 +435,36 @@ def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
     problem = space_problem(Path(cfg.run_dir) / cfg.checkpoint.dir, footprint)
     if problem:
         report.problems.append(problem)
+
+
+def _check_node_layout(cfg: TrainConfig, world_size: str | None, gpus_per_node: str | None,
+                       report: DryRunReport) -> None:
+    """With ``backend.placement = "split"`` a node's G GPUs are its trainer ranks and its
+    ``rollout_gpus`` engine GPUs (:mod:`aepo_engine.placement`): the trainer ranks fill nodes of
+    G - rollout_gpus. A layout that cannot start (more ranks on a node than trainer GPUs, or ranks
+    that do not fill whole nodes) is a problem naming the knobs."""
+    if cfg.backend.placement != "split":
+        return
+    try:
+        world = int(world_size) if world_size is not None else 8
+        node = int(gpus_per_node) if gpus_per_node is not None else 8
+        if node < 1:
+            raise ValueError(f"--gpus-per-node {gpus_per_node!r} must be >= 1")
+    except ValueError as exc:
+        report.problems.append(f"node layout: {exc}")
+        return
+    engines = cfg.backend.rollout_gpus
+    trainers = node - engines
+    if trainers < 1:
+        report.problems.append(f"node layout: backend.rollout_gpus={engines} leaves no trainer GPU on a node of "
+                               f"{node}; turn: backend.rollout_gpus < {node}, or --gpus-per-node")
+    elif world % trainers if world > trainers else False:
+        report.problems.append(f"node layout: {world} trainer ranks do not fill nodes of {trainers} trainer GPUs "
+                               f"({node} GPUs - backend.rollout_gpus {engines}); turn: --world-size (torchrun's "
+                               f"ranks) a multiple of {trainers}, backend.rollout_gpus, or --gpus-per-node")
+    else:
+        report.notes.append(f"node layout: {min(world, trainers)} trainer ranks + {engines} engine GPUs per node of "
+                            f"{node}" + (f", {world // trainers} nodes" if world > trainers else ""))
 
 
 def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, report: DryRunReport) -> None:

@@ -524,13 +524,14 @@ def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:
 @entry_point
 def main(argv: list[str]) -> dict[str, Any] | None:
     """``python -m aepo_engine.train [--preset NAME ...] [--config FILE ...] [--section.key=value ...]
-    [--dry-run [--gpu NAME|GiB] [--world-size N]] [--debug] [-h]``: exit status 2 on bad input or an
+    [--dry-run [--gpu NAME|GiB] [--world-size N] [--gpus-per-node N]] [--debug] [-h]``: exit status 2 on bad input or an
     unavailable part (and on problems found by --dry-run, a memory plan that does not fit included),
     with one ``error:`` line (:mod:`aepo_engine.errors`)."""
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     gpu, argv = _take_flag(argv, "--gpu")
     world_size, argv = _take_flag(argv, "--world-size")
+    gpus_per_node, argv = _take_flag(argv, "--gpus-per-node")
     args = split_train_args(argv)
     if "-h" in argv or "--help" in argv:
         overrides = [a for a in args.overrides if a not in ("-h", "--help")]
@@ -538,15 +539,16 @@ def main(argv: list[str]) -> dict[str, Any] | None:
         source = f"{args.describe()}\n(presets, for --preset: {', '.join(list_presets())})"
         print(format_help(TrainConfig, PROG, defaults=cfg, defaults_from=source,
                           usage="[--preset NAME ...] [--config FILE ...] [--section.key=value ...] "
-                                "[--dry-run [--gpu h100-80gb|h200|a100-80gb|GiB] [--world-size N]] [--debug]"))
+                                "[--dry-run [--gpu h100-80gb|h200|a100-80gb|GiB] [--world-size N] "
+                                "[--gpus-per-node N]] [--debug]"))
         return None
     cfg = load_config(TrainConfig, path=args.files, overrides=args.overrides)
-    if (gpu or world_size) and not dry_run:
-        raise ConfigError("--gpu and --world-size plan a run's memory: use them with --dry-run")
+    if (gpu or world_size or gpus_per_node) and not dry_run:
+        raise ConfigError("--gpu, --world-size and --gpus-per-node plan a run's memory: use them with --dry-run")
     if dry_run:
         from aepo_engine.dry_run import dry_run as check
 
-        raise SystemExit(check(cfg, args.describe(), gpu=gpu, world_size=world_size))
+        raise SystemExit(check(cfg, args.describe(), gpu=gpu, world_size=world_size, gpus_per_node=gpus_per_node))
     return Trainer(cfg).run()
 
 

@@ -89,3 +89,25 @@ def test_dry_run_prints_both_roles_and_names_a_role_that_does_not_fit(tmp_path):
                           "--backend.tensor_parallel_size=1", "--backend.gpu_memory_utilization=0.5",
                           "--backend.rollout_gpus=1", "--train.mode=async")
     assert code == 2 and "no room for a KV cache" in text
+
+
+def test_dry_run_refuses_a_node_layout_that_cannot_start(tmp_path):
+    """GPU review 2, point 9: 8 trainer ranks and 2 engine GPUs do not fit an 8-GPU node (the
+    trainer ranks fill nodes of 8 - 2 = 6 GPUs); the dry run names the knobs. 6 ranks (one node)
+    or 12 (two) plan; --gpus-per-node changes the node."""
+    split = ("--backend.placement=split", "--backend.in_process=false", "--backend.rollout_gpus=2",
+             "--train.mode=async")
+    code, text = _dry_run(tmp_path, "--gpu", "h200", "--world-size", "8", *split)
+    problem = next(line for line in text.splitlines() if line.startswith("problem: node layout"))
+    assert code == 2 and "8 trainer ranks do not fill nodes of 6 trainer GPUs" in problem
+    for knob in ("--world-size", "a multiple of 6", "backend.rollout_gpus", "--gpus-per-node"):
+        assert knob in problem
+    for world, nodes in (("6", ""), ("12", ", 2 nodes")):
+        _, text = _dry_run(tmp_path, "--gpu", "h200", "--world-size", world, *split)
+        assert "problem: node layout" not in text and f"node layout: 6 trainer ranks + 2 engine GPUs per node of 8{nodes}" in text
+    _, text = _dry_run(tmp_path, "--gpu", "h200", "--world-size", "8", "--gpus-per-node", "10", *split)
+    assert "problem: node layout" not in text and "8 trainer ranks + 2 engine GPUs per node of 10" in text
+    _, text = _dry_run(tmp_path, "--gpu", "h200", "--world-size", "1", "--gpus-per-node", "2",
+                       "--backend.placement=split", "--backend.in_process=false", "--backend.rollout_gpus=2",
+                       "--train.mode=async")
+    assert "leaves no trainer GPU on a node of 2" in text
