@@ -221,6 +221,25 @@ def test_tree_update_equals_rows_for_every_clip_rule(tiny_model, clip):
     _assert_same(_run(tiny_model, batch, False, **config), _run(tiny_model, batch, True, **config))
 
 
+def test_deterministic_mode_runs_the_tree_update_and_repeats_it_bit_for_bit(tiny_model, monkeypatch):
+    """GPU review 2, point 11: ``policy.deterministic`` turns on torch's deterministic algorithms
+    when the worker starts (every op of the tree update has a deterministic kernel: none raises),
+    and the update repeats bit for bit. On CUDA the same switch replaces the scatter-adds' atomics;
+    CPU kernels are deterministic anyway, so here it checks the wiring and that nothing refuses."""
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the worker's setdefault is undone after
+    batch = hand_made_batch()
+    try:
+        runs = [_run(tiny_model, batch, True, deterministic=True, micro_batch_size=6, ppo_mini_batch_size=2)
+                for _ in range(2)]
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (lp_a, _, m_a, g_a), (lp_b, _, m_b, g_b) = runs
+    assert torch.equal(lp_a, lp_b) and m_a["loss"] == m_b["loss"] and len(g_a) == len(g_b) > 0
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(g_a, g_b) for n in a)
+
+
 def test_tree_update_on_scheduler_rollouts_with_everything_on(tiny_model):
     """Branched rollouts of the real scheduler; KL to reference log-probs, entropy bonus, dual clip,
     rollout-correction weights and a sequence masked out, node-budget micro-batches, logits path."""

@@ -75,6 +75,13 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             as the rows. Ranks get whole groups; micro-batches are whole groups, up to
             micro_batch_max_tokens tree nodes (or micro_batch_size rows). "off": one row per
             trajectory. Measured, and what is left out: docs/trees.md.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` for this process from the
+            worker's start (and cuBLAS's fixed workspace, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, when
+            the environment sets none): on CUDA the scatter-adds of the tree layout (the loss's
+            per-node folding, the gathered parent states' backward) and of the row layout use
+            atomics by default, so two runs of one update differ in the last bits; with it they do
+            not, at some speed (not measured: no GPU run yet, docs/trees.md). An op with no
+            deterministic kernel then raises instead of running.
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -95,6 +102,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pack_sequences: Literal["auto", "on", "off"] = "auto"
     counterfactual_stats: bool = True
     tree_batches: Literal["on", "off"] = "off"
+    deterministic: bool = False
 
     @property
     def trees(self) -> bool:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from typing import Iterator
 
@@ -282,6 +283,9 @@ class PolicyWorker:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.config, self.optim_config = config, optim
+        if config.deterministic:  # before anything runs on the device (PolicyConfig.deterministic)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         self.rank, self.world_size, self.device = init_distributed()
         self.use_fsdp = config.fsdp == "on" or (config.fsdp == "auto" and self.world_size > 1)
         if self.use_fsdp and not dist.is_initialized():
