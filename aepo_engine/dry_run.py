@@ -437,6 +437,18 @@ def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
         report.problems.append(problem)
 
 
+def _count_flag(value: str | None, flag: str, default: int = 8) -> int:
+    """A count given on the command line (``--world-size``, ``--gpus-per-node``; default 8, a node).
+
+    Raises:
+        ValueError: not an integer, or below 1.
+    """
+    count = int(value) if value is not None else default
+    if count < 1:
+        raise ValueError(f"{flag} {value!r} must be >= 1")
+    return count
+
+
 def _check_node_layout(cfg: TrainConfig, world_size: str | None, gpus_per_node: str | None,
                        report: DryRunReport) -> None:
     """With ``backend.placement = "split"`` a node's G GPUs are its trainer ranks and its
@@ -446,10 +458,7 @@ def _check_node_layout(cfg: TrainConfig, world_size: str | None, gpus_per_node: 
     if cfg.backend.placement != "split":
         return
     try:
-        world = int(world_size) if world_size is not None else 8
-        node = int(gpus_per_node) if gpus_per_node is not None else 8
-        if node < 1:
-            raise ValueError(f"--gpus-per-node {gpus_per_node!r} must be >= 1")
+        world, node = _count_flag(world_size, "--world-size"), _count_flag(gpus_per_node, "--gpus-per-node")
     except ValueError as exc:
         report.problems.append(f"node layout: {exc}")
         return
@@ -458,7 +467,7 @@ def _check_node_layout(cfg: TrainConfig, world_size: str | None, gpus_per_node: 
     if trainers < 1:
         report.problems.append(f"node layout: backend.rollout_gpus={engines} leaves no trainer GPU on a node of "
                                f"{node}; turn: backend.rollout_gpus < {node}, or --gpus-per-node")
-    elif world % trainers if world > trainers else False:
+    elif world > trainers and world % trainers:
         report.problems.append(f"node layout: {world} trainer ranks do not fill nodes of {trainers} trainer GPUs "
                                f"({node} GPUs - backend.rollout_gpus {engines}); turn: --world-size (torchrun's "
                                f"ranks) a multiple of {trainers}, backend.rollout_gpus, or --gpus-per-node")
@@ -474,9 +483,7 @@ def _plan_memory(cfg: TrainConfig, gpu: str | None, world_size: str | None, repo
 
     try:
         capacity = gpu_bytes(gpu) if gpu is not None else 0
-        world = int(world_size) if world_size is not None else 8
-        if world < 1:
-            raise ValueError(f"--world-size {world_size!r} must be >= 1")
+        world = _count_flag(world_size, "--world-size")
     except ValueError as exc:
         report.problems.append(f"memory plan: {exc}")
         return
