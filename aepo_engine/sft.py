@@ -154,7 +154,11 @@ def masked_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.
 
     The head runs on those positions only (a real vocabulary's [B, T, V] logits for every prompt
     and tool token would be most of the step's memory and a good share of its time); models
-    without a separate decoder get the full logits."""
+    without a separate decoder get the full logits. Against the full-logits form every gradient
+    is bit-identical but the head's weight's, which differs by float rounding (its sum runs over
+    fewer rows); on the tiny model that was enough to move the warm start's copying skill by
+    hundreds of steps, which is why the embedded preset's decay waits for the skill
+    (docs/experiments.md, "Why the main job stopped learning")."""
     targets = batch["input_ids"][:, 1:]
     mask = batch["loss_mask"][:, 1:] > 0
     decoder, head = _decoder_and_head(model)

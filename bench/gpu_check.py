@@ -977,6 +977,20 @@ def check_memory_plan(ctx: EngineContext) -> dict:
                        + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items()))
 
 
+def train_vllm_args(bf16: bool) -> list[str]:
+    """The flags :func:`check_train_vllm` gives ``python -m aepo_engine.train``: the embedded preset
+    shrunk (a 20-step warm start with its decay shortened to match, 5 RL steps of 4 prompts), FSDP2
+    and a vLLM engine in bf16 on CUDA (fp32 elsewhere)."""
+    dtype = "bfloat16" if bf16 else "float32"
+    return ["--task.synthetic.num_train=32", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=20",
+            "--task.warm_start.warmup_steps=2", "--task.warm_start.decay_steps=4", "--rollout.k=4",
+            "--rollout.max_response_tokens=64", "--train.steps=5", "--train.prompts_per_step=4",
+            "--policy.ppo_mini_batch_size=4", "--policy.fsdp=on", f"--policy.param_dtype={dtype}",
+            "--eval.num_questions=4", "--eval.samples=1", "--checkpoint.every_n_steps=0", "--logging.tensorboard=off",
+            "--backend.kind=vllm", f"--backend.dtype={dtype}", "--backend.gpu_memory_utilization=0.25",
+            "--backend.max_model_len=4096"]
+
+
 def check_train_vllm(ctx: EngineContext) -> dict:
     """``python -m aepo_engine.train`` under torchrun (one rank) on the embedded task, shrunk to 5 RL
     steps, as the paper's run is set up: FSDP2 in bf16, an in-process vLLM engine in bf16 that
@@ -987,13 +1001,7 @@ def check_train_vllm(ctx: EngineContext) -> dict:
 
     run_dir = ctx.workdir / "train_vllm"
     bf16 = DEVICE == "cuda"
-    args = ["--task.synthetic.num_train=32", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=20",
-            "--task.warm_start.warmup_steps=2", "--rollout.k=4", "--rollout.max_response_tokens=64",
-            "--train.steps=5", "--train.prompts_per_step=4", "--policy.ppo_mini_batch_size=4", "--policy.fsdp=on",
-            f"--policy.param_dtype={'bfloat16' if bf16 else 'float32'}", "--eval.num_questions=4", "--eval.samples=1",
-            "--checkpoint.every_n_steps=0", "--logging.tensorboard=off", "--backend.kind=vllm",
-            f"--backend.dtype={'bfloat16' if bf16 else 'float32'}", "--backend.gpu_memory_utilization=0.25",
-            "--backend.max_model_len=4096"]
+    args = train_vllm_args(bf16)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1",
                "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "aepo_engine.train",
                f"--run_dir={run_dir}", *args]

@@ -130,7 +130,7 @@ def _help(*args: str) -> str:
 def test_help_shows_the_defaults_a_run_gets_and_where_they_come_from():
     text = _help()
     assert "preset 'embedded'" in text and "qwen3_14b_deep_research" in text
-    for flag in ("--rollout.k  int = 8\n", "--optim.lr  float = 0.0003\n", "--task.warm_start.steps  int = 800\n",
+    for flag in ("--rollout.k  int = 8\n", "--optim.lr  float = 0.0003\n", "--task.warm_start.steps  int = 1400\n",
                  "--data.max_examples  int | None = none\n", "--rollout.seed  int | None = 0\n"):
         assert flag in text, flag
     paper = _help("--preset", "qwen3_14b_deep_research")
@@ -153,3 +153,35 @@ def test_torch_threads_sizes_torchs_pool_and_rejects_negatives():
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="torch_threads must be >= 0"):
         load_config(TrainConfig, overrides=["--train.torch_threads=-1"])
+
+
+def test_a_shortened_warm_start_names_the_decay_to_shorten_with_it():
+    # The embedded preset decays over its last 400 of 1,400 warm-start steps: 50 steps alone is an
+    # inconsistent config, refused with the flag that fixes it; with that flag the run is valid.
+    with pytest.raises(ConfigError, match=r"decay_steps=400 must lie in \[0, steps - warmup_steps\] = \[0, 30\]"
+                                          r".*--task.warm_start.decay_steps=N"):
+        load_train_config(["--task.warm_start.steps=50"])
+    cfg = load_train_config(["--task.warm_start.steps=50", "--task.warm_start.decay_steps=10"])
+    assert cfg.task.warm_start.decay_steps == 10 and config_problems(cfg) == []
+
+
+def test_the_shortened_main_jobs_of_ci_and_gpu_check_are_valid_configs():
+    # CI's newcomer step and the GPU acceptance script run the main job shrunk by flags; a preset
+    # change that makes those flags an invalid config must fail here, not after CI's install.
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / ".ci" / "newcomer.sh").read_text()
+    call = script[script.index("-m aepo_engine.train"):]
+    call = call[:call.index(">")]
+    flags = [f for f in re.findall(r"--[\w.]+=\S+", call) if not f.startswith("--run_dir")]
+    assert "--task.warm_start.steps=50" in flags, flags
+    assert config_problems(load_train_config(flags)) == []
+
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(root / "bench"))
+    for bf16 in (True, False):
+        assert config_problems(load_train_config(gpu_check.train_vllm_args(bf16))) == []
