@@ -127,13 +127,17 @@ class Trainer:
         self.reward_fn = build_reward_fn(cfg.reward)
         # The backend before the tools: a vLLM engine must start before the search index loads
         # numba. An in-process engine is built on every rank of its group (the host drives it,
-        # the others replay its calls); otherwise ranks that host no engine sample nothing.
+        # the others replay its calls); otherwise ranks that host no engine sample nothing. An
+        # asynchronous run builds none here: its rollout process's engine is the run's only one
+        # (started by run(); the evaluations sample through it, asynchronous.client.RemoteEngine).
         in_process = cfg.backend.kind == "vllm" and cfg.backend.in_process
         group = engine_group(self.layout, self.world) if in_process else None
         self.backend = (build_backend(cfg.backend, self.model_dir, self.tokenizer,
                                       seed=cfg.rollout.seed + self.layout.group[0],
                                       local_rank=distributed.local_rank(), group=group)
-                        if self.layout.host or in_process else None)
+                        if (self.layout.host or in_process) and not cfg.train.asynchronous else None)
+        self.engine_process = None  # an asynchronous run's rollout process (run())
+        self.version = 0  # the policy version the weights are at: the steps trained
         self.sleeps = self.backend is not None and cfg.backend.sleeps(torch.cuda.is_available())
         # The dtype the weight sync gathers in: the engine's (rank 0 always holds one; every rank
         # must gather alike, including those that hold none).
@@ -179,6 +183,8 @@ class Trainer:
         try:
             return self._run()
         finally:
+            if self.engine_process is not None:
+                self.engine_process.close()
             self.tools.close()
 
     def _run(self) -> dict[str, Any]:
@@ -188,6 +194,11 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(self.config_text)
         self._check_checkpoint_space()
         start, extra = self._resume()
+        self.version = start
+        if self.cfg.train.asynchronous:
+            from aepo_engine.asynchronous.loop import start_rollout_process
+
+            self.engine_process, self.backend = start_rollout_process(self)
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
         bar = ProgressBar(self.total_steps, start)
         every = self.cfg.logging.print_every_n_steps
@@ -195,11 +206,12 @@ class Trainer:
         if self.cfg.train.asynchronous:
             from aepo_engine.asynchronous.loop import async_steps
 
-            steps = async_steps(self, start)
+            steps = async_steps(self, self.engine_process, start)
         else:
             steps = (self.train_step(step) for step in range(start, self.total_steps))
         try:
             for step, metrics in zip(range(start, self.total_steps), steps):
+                self.version = step + 1
                 metrics["time/loop_s"] = time.perf_counter() - t0 - eval_s  # the loop so far, evaluations excluded
                 if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
                     t_eval = time.perf_counter()
@@ -212,7 +224,7 @@ class Trainer:
                     self.save(step, eval_before)
                 fault_point("after_step", step + 1)
         finally:
-            steps.close()  # an asynchronous run stops its rollout process
+            steps.close()  # an asynchronous run: its steps in flight are abandoned (the process stops in run())
         bar.close()
         eval_after = self.evaluate("after RL")
         return self._finish(eval_before, eval_after, time.perf_counter() - t0)
@@ -348,8 +360,12 @@ class Trainer:
         the questions are shared out over the engines (``engine_layout``) like rollout prompts."""
         if not self.eval_examples and not self.eval_sets:
             return {}
-        if self.cfg.train.asynchronous:  # this process's engine only evaluates: it gets the weights then
-            self._sync_weights()
+        if self.engine_process is not None:  # the rollout process's engine samples them, at these weights
+            from aepo_engine.asynchronous.loop import push_weights
+
+            if self.engine_process.pushed != self.version:
+                push_weights(self, self.engine_process, self.version)
+            self.backend.version = self.version
         t0 = time.perf_counter()
         result = {}
         if self.eval_examples:

@@ -273,3 +273,54 @@ def test_the_rollout_process_reports_its_engines_dtype_and_receipts(tiny_model):
         process.order(0, [[5, 6, 7]], min_version=2)
         done = process.take(0, timeout_s=300)
     assert done.counters.version == 2 and process._in_flight in (None, 2)
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_an_asynchronous_run_has_one_engine_and_evaluates_with_it(tmp_path, monkeypatch):
+    """GPU review 2, point 3: the trainer of an asynchronous run built an engine of its own (for its
+    evaluations) beside the rollout process's; on one GPU the two fail vLLM's start-up check and
+    the placement plans one. Now the trainer builds none: the evaluations before and after RL
+    sample with the rollout process's engine (``engine/serve_s`` of step 0 holds the first)."""
+    import aepo_engine.train as train_module
+    from aepo_engine.asynchronous.client import RemoteEngine
+
+    built, engines = [], []
+    real_build, real_evaluate = train_module.build_backend, train_module.Trainer.evaluate
+
+    def counting_build(*args, **kwargs):
+        built.append(args[0].kind)
+        return real_build(*args, **kwargs)
+
+    def recording_evaluate(self, label):
+        engines.append(type(self.backend))
+        return real_evaluate(self, label)
+
+    monkeypatch.setattr(train_module, "build_backend", counting_build)
+    monkeypatch.setattr(train_module.Trainer, "evaluate", recording_evaluate)
+    monkeypatch.setenv("AEPO_FAULT", "")
+    run_dir = tmp_path / "one_engine"
+    proc = runs.run_main(train_module.main, [*runs.TINY, f"--run_dir={run_dir}", "--train.mode=async",
+                                             "--train.max_staleness=1", "--train.steps=2", "--checkpoint.every_n_steps=0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert built == [] and engines == [RemoteEngine, RemoteEngine]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_before"]["questions"] > 0 and "accuracy" in summary["eval_after"]
+    rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    assert rows[0]["engine/serve_s"] > 0 and rows[1]["engine/serve_s"] == 0  # no evaluation between the steps
+
+
+def test_the_trainers_requests_wait_for_their_version():
+    """A Generate waits, like an order, until the engine holds the weights it asks for."""
+    import threading
+
+    from aepo_engine.asynchronous.messages import Generate, Order
+    from aepo_engine.asynchronous.worker import _Inbox
+
+    inbox = _Inbox(None, threading.Event(), threading.Event(), EngineCounters())
+    inbox.requests = [Generate(1, [], min_version=2), Generate(2, [], min_version=1)]
+    inbox.orders = [Order(5, [[1]], min_version=1)]
+    assert [r.request_id for r in inbox.take_requests(1)] == [2]
+    assert [r.request_id for r in inbox.take_requests(1)] == []
+    assert [r.request_id for r in inbox.take_requests(3)] == [1]
+    assert [o.step for o in inbox.take_orders(1)] == [5]

@@ -1,4 +1,5 @@
-"""The trainer's handle on the rollout process: start it, push weights, order steps, take results.
+"""The trainer's handle on the rollout process: start it, push weights, order steps, take results,
+and sample with its engine (:class:`RemoteEngine`: an asynchronous run's evaluations).
 
 The process is started with ``multiprocessing``'s spawn method (a fresh interpreter: no torch or
 thread state inherited from the trainer) and is not a daemon, because its tools and engine start
@@ -9,15 +10,16 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import time
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Order, Ready, StepDone, Stop, WeightsBegin,
-                                               WeightsEnd, WeightsReceived, encode_buckets)
+from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Generate, Generated, Order, Ready, StepDone,
+                                               Stop, WeightsBegin, WeightsEnd, WeightsReceived, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec, worker_main
+from aepo_engine.rollout.protocol import GenOutput, GenRequest
 
-__all__ = ["RolloutProcess", "RolloutProcessDied"]
+__all__ = ["RemoteEngine", "RolloutProcess", "RolloutProcessDied"]
 
 
 class RolloutProcessDied(RuntimeError):
@@ -46,12 +48,16 @@ class RolloutProcess:
         self.counters = EngineCounters()
         self.push_s = 0.0  # seconds the trainer spent handing weights to the queue (and waiting to)
         self._in_flight: int | None = None  # a pushed version the rollout process has not received yet
+        self.pushed: int | None = None  # the newest version pushed
+        self._generated: dict[int, Generated] = {}
+        self._requests = 0
         try:
             message = self._receive(start_timeout_s)
             if not isinstance(message, Ready):
                 raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
             self.pid = message.pid
             self.weight_dtype = message.weight_dtype  # pushes are gathered in it (None: as they are)
+            self.ready = message
         except BaseException:
             self.close()
             raise
@@ -71,7 +77,7 @@ class RolloutProcess:
         for bucket in encode_buckets(buckets):
             self.inbox.put(bucket)
         self.inbox.put(WeightsEnd(version))
-        self._in_flight = version
+        self._in_flight = self.pushed = version
         seconds = time.perf_counter() - start
         self.push_s += seconds
         return seconds
@@ -79,6 +85,16 @@ class RolloutProcess:
     def order(self, step: int, prompts: list[list[int]], min_version: int) -> None:
         """Have step ``step``'s prompts started once the engine holds weights of ``min_version`` or later."""
         self.inbox.put(Order(step, prompts, min_version))
+
+    def generate(self, requests: Sequence[GenRequest], min_version: int, threads: int = 0) -> list[GenOutput]:
+        """Sample ``requests`` with the process's engine once it holds ``min_version`` (it answers
+        before its next rollout round; ``threads``: its torch threads meanwhile, 0 = its own)."""
+        self._requests += 1
+        request_id = self._requests
+        self.inbox.put(Generate(request_id, list(requests), min_version, threads))
+        while request_id not in self._generated:
+            self._handle(self._receive(None))
+        return self._generated.pop(request_id).outputs
 
     # -- rollout process -> trainer ------------------------------------------------------------
 
@@ -104,6 +120,8 @@ class RolloutProcess:
             self.counters = message.counters
         elif isinstance(message, WeightsReceived) and message.version == self._in_flight:
             self._in_flight = None
+        elif isinstance(message, Generated):
+            self._generated[message.request_id] = message
 
     def _receive(self, timeout_s: float | None):
         """The next message; raises if the process failed or died meanwhile."""
@@ -146,3 +164,31 @@ class RolloutProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RemoteEngine:
+    """A generation backend (``aepo_engine.rollout.protocol``) that samples with a rollout process's
+    engine: an asynchronous run's trainer evaluates through it instead of starting a second engine
+    beside the process's (on a GPU that second one would not fit vLLM's start-up check, and the
+    placement plans one engine: GPU review 2, point 3). Its requests wait for the weights of
+    :attr:`version`, which the trainer sets (and pushes) before it evaluates; weights reach the
+    engine only through :meth:`RolloutProcess.push_weights`.
+
+    Args:
+        process: the running rollout process.
+        tokenizer: the trainer's tokenizer (the engine's model's).
+        threads: the process's torch threads while it samples these (0: its own); on CPU the
+            trainer only waits meanwhile, so it may take every core.
+    """
+
+    def __init__(self, process: RolloutProcess, tokenizer: Any, threads: int = 0):
+        self.process, self.tokenizer, self.threads = process, tokenizer, threads
+        self.entropy_is_exact = process.ready.entropy_is_exact
+        self.version = 0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.process.ready.eos_token_ids
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+        return self.process.generate(requests, self.version, self.threads)

@@ -1,9 +1,12 @@
 """The trainer's side of ``train.mode = "async"``: rollouts of later steps run while this step updates.
 
-:func:`async_steps` is what :meth:`aepo_engine.train.Trainer.run` iterates instead of its synchronous
-steps. With eta = ``train.max_staleness``:
+:func:`start_rollout_process` starts the run's rollout process before the evaluation before RL; the
+process's engine is the run's only one (the trainer builds none: its evaluations sample through
+:class:`~aepo_engine.asynchronous.client.RemoteEngine`, after :func:`push_weights` of the version they
+measure). :func:`async_steps` is what :meth:`aepo_engine.train.Trainer.run` iterates instead of its
+synchronous steps. With eta = ``train.max_staleness``:
 
-    start the rollout process; push the weights (version = start step)
+    push the weights (version = start step) unless the process holds them
     order steps start .. start + eta (each: its prompts, admitted from version step - eta)
     for each step s:
         wait for step s's trajectories (the oldest first: steps are trained in order)
@@ -26,21 +29,20 @@ sampled for them is lost with it (the only place trajectories are dropped).
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Iterator
 
 import torch
 
 from aepo_engine import distributed
-from aepo_engine.asynchronous.client import RolloutProcess
+from aepo_engine.asynchronous.client import RemoteEngine, RolloutProcess
 from aepo_engine.asynchronous.messages import EngineCounters
 from aepo_engine.asynchronous.staleness import admission_version
 from aepo_engine.asynchronous.worker import WorkerSpec
 from aepo_engine.config_loader import ConfigError
 from aepo_engine.placement import engine_devices
 
-__all__ = ["async_steps", "cpu_thread_split", "worker_spec"]
+__all__ = ["async_steps", "cpu_thread_split", "push_weights", "start_rollout_process", "worker_spec"]
 
 
 def cpu_thread_split(cores: int, eta: int, torch_threads: int, cuda: bool) -> tuple[int, int]:
@@ -81,11 +83,33 @@ def worker_spec(trainer: Any, threads: int | None = None) -> WorkerSpec:
                       environment=environment)
 
 
-def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
-    """Run steps ``start .. trainer.total_steps - 1`` asynchronously; yields each step's metrics
-    (module docstring). Closing the generator stops the rollout process."""
-    eta, total = trainer.cfg.train.max_staleness, trainer.total_steps
+def start_rollout_process(trainer: Any) -> tuple[RolloutProcess, RemoteEngine]:
+    """Start ``trainer``'s rollout process (its torch threads: :func:`cpu_thread_split`'s share) and
+    the handle the trainer evaluates through (sampling with every core the trainer has: it waits
+    meanwhile)."""
+    cores = torch.get_num_threads()
+    eta = trainer.cfg.train.max_staleness
+    mine, theirs = cpu_thread_split(cores, eta, trainer.cfg.train.torch_threads, torch.cuda.is_available())
+    process = RolloutProcess(worker_spec(trainer, theirs))
+    print(f"[async] rollout process {process.pid}: max staleness {eta}, "
+          f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}; "
+          f"torch threads: trainer {mine}, rollout process {theirs} (its evaluations {cores}); "
+          "the run's only engine", flush=True)
+    return process, RemoteEngine(process, trainer.tokenizer, threads=cores)
+
+
+def push_weights(trainer: Any, process: RolloutProcess, version: int) -> float:
+    """Push the policy's weights as ``version`` (gathered in the engine's dtype, a bucket at a time;
+    collective under torchrun: every rank pushes into its own process). Returns seconds."""
     bucket_bytes = int(trainer.cfg.backend.weight_sync_bucket_mb * 2**20)
+    return process.push_weights(version, trainer.policy.iter_weight_buckets(bucket_bytes, dtype=process.weight_dtype))
+
+
+def async_steps(trainer: Any, process: RolloutProcess, start: int) -> Iterator[dict[str, Any]]:
+    """Run steps ``start .. trainer.total_steps - 1`` asynchronously with ``process``
+    (:func:`start_rollout_process`); yields each step's metrics (module docstring). The process
+    outlives the generator: the trainer evaluates through it after the last step, then closes it."""
+    eta, total = trainer.cfg.train.max_staleness, trainer.total_steps
     examples: dict[int, list] = {}
     sampler_states: dict[int, dict] = {}
 
@@ -100,15 +124,11 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
                           admission_version(step, eta, start))
 
     cores = torch.get_num_threads()
-    mine, theirs = cpu_thread_split(cores, eta, trainer.cfg.train.torch_threads, torch.cuda.is_available())
+    mine, _ = cpu_thread_split(cores, eta, trainer.cfg.train.torch_threads, torch.cuda.is_available())
     torch.set_num_threads(mine)
-    process = RolloutProcess(worker_spec(trainer, theirs))
-    print(f"[async] rollout process {process.pid}: max staleness {eta}, "
-          f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}; "
-          f"torch threads: trainer {mine}, rollout process {theirs}", flush=True)
     try:
-        weights = functools.partial(trainer.policy.iter_weight_buckets, bucket_bytes, dtype=process.weight_dtype)
-        process.push_weights(start, weights())
+        if process.pushed != start:
+            push_weights(trainer, process, start)
         for step in range(start, min(start + eta + 1, total)):
             order(step)
         before = EngineCounters()
@@ -130,7 +150,7 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             metrics = trainer.learn(step, prompts, *([s[i] for s in everything] for i in range(4)), stats)
             push_s = 0.0
             if step + 1 < total:
-                push_s = process.push_weights(step + 1, weights())
+                push_s = push_weights(trainer, process, step + 1)
             if step + 1 + eta < total:
                 order(step + 1 + eta)
             trainer.resume_sampler_state = sampler_states.pop(step + 1, None) or trainer.sampler.state_dict()
@@ -142,14 +162,14 @@ def async_steps(trainer: Any, start: int) -> Iterator[dict[str, Any]]:
             before = process.counters
             yield metrics
     finally:
-        process.close()
-        torch.set_num_threads(cores)  # the evaluation after RL runs alone again
+        torch.set_num_threads(cores)
 
 
 def _engine_metrics(now: EngineCounters, before: EngineCounters) -> dict[str, float]:
     """What the rollout process did between two steps' results."""
     out = {f"engine/{name}": getattr(now, name) - getattr(before, name)
-           for name in ("generate_s", "tool_wait_s", "idle_s", "weight_load_s", "weight_receive_s", "aborts")}
+           for name in ("generate_s", "tool_wait_s", "idle_s", "weight_load_s", "weight_receive_s", "aborts",
+                        "serve_s")}
     out["engine/version"] = float(now.version)
     out["engine/tokens"] = float(sum(now.tokens_by_version.values()) - sum(before.tokens_by_version.values()))
     return out

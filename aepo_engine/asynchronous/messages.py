@@ -3,10 +3,11 @@ queues), and the byte path the weights take.
 
 Trainer -> rollout process: :class:`Order` (a step's prompts, to start once the engine holds at
 least ``min_version``), a weight push (:class:`WeightsBegin`, one :class:`WeightBucket` per bucket,
-:class:`WeightsEnd`), :class:`Stop`. Rollout process -> trainer: :class:`Ready` (with the engine's
-weight dtype, the one pushes are gathered in), :class:`WeightsReceived` (a push is in: the trainer
-starts the next one only then, so at most one version is on its way), :class:`StepDone` (a step's
-trajectories), :class:`Failed`.
+:class:`WeightsEnd`), :class:`Generate` (the trainer's own requests: its evaluations sample with
+this engine, the run's only one), :class:`Stop`. Rollout process -> trainer: :class:`Ready` (with
+the engine's weight dtype, the one pushes are gathered in), :class:`WeightsReceived` (a push is
+in: the trainer starts the next one only then, so at most one version is on its way),
+:class:`StepDone` (a step's trajectories), :class:`Generated`, :class:`Failed`.
 
 Weights cross the process boundary as raw bytes, a bucket at a time (``encode_bucket``: name,
 dtype, shape, bytes; the same encoding the out-of-process vLLM engine takes), so the sender never
@@ -21,11 +22,12 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from aepo_engine.rollout.backends.vllm_ext import decode_bucket, encode_bucket
+from aepo_engine.rollout.protocol import GenOutput, GenRequest
 from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.rollout.trajectory import Trajectory
 
-__all__ = ["EngineCounters", "Failed", "Order", "Ready", "Stop", "StepDone", "WeightBucket", "WeightsBegin",
-           "WeightsEnd", "WeightsReceived", "decode_buckets", "encode_buckets"]
+__all__ = ["EngineCounters", "Failed", "Generate", "Generated", "Order", "Ready", "Stop", "StepDone", "WeightBucket",
+           "WeightsBegin", "WeightsEnd", "WeightsReceived", "decode_buckets", "encode_buckets"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,25 @@ class WeightsEnd:
 
 
 @dataclass(frozen=True)
+class Generate:
+    """Sample ``requests`` with the engine once it holds weights of ``min_version`` or later, before
+    its next rollout round, with ``threads`` torch threads (0: the process's own); answered by
+    :class:`Generated` with the same ``request_id``. The trainer's evaluations go this way, so an
+    asynchronous run has one engine (GPU review 2, point 3)."""
+
+    request_id: int
+    requests: list[GenRequest]
+    min_version: int
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Generated:
+    request_id: int
+    outputs: list[GenOutput]
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -70,6 +91,7 @@ class EngineCounters:
             its last (received while generating).
         tokens_by_version: tokens sampled under each policy version.
         aborts: segments cut short by weight updates (and continued).
+        serve_s: seconds sampling the trainer's own requests (:class:`Generate`: its evaluations).
     """
 
     version: int = 0
@@ -80,16 +102,20 @@ class EngineCounters:
     weight_receive_s: float = 0.0
     tokens_by_version: dict[int, int] = field(default_factory=dict)
     aborts: int = 0
+    serve_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Ready:
     """The engine and tools are up. ``weight_dtype``: the dtype the engine holds its weights in
     (pushes are gathered and sent in it: half the bytes of fp32 for a bf16 engine); None: the
-    trainer's own."""
+    trainer's own. ``entropy_is_exact``, ``eos_token_ids``: the engine's (the trainer's handle on
+    it, :class:`aepo_engine.asynchronous.client.RemoteEngine`, reports them)."""
 
     pid: int
     weight_dtype: torch.dtype | None = None
+    entropy_is_exact: bool = True
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

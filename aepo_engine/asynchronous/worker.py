@@ -9,9 +9,11 @@ and a :class:`~aepo_engine.rollout.continuous.ContinuousRollout`, then loops:
    ``abort`` event is set once the last bucket is in, so a segment being sampled is cut at its next
    token and continued under the new weights (partial rollouts), never dropped;
 2. start every ordered step whose ``min_version`` the engine holds (admission control);
-3. one round over the oldest ready trajectories; tool calls run in the background;
-4. send every step whose trajectories have all ended (:class:`StepDone`);
-5. nothing to sample: wait for a tool result, or, with no tool call in flight, for the trainer.
+3. answer the trainer's own requests (:class:`Generate`, its evaluations) whose version the engine
+   holds, before the next round: the trainer builds no engine of its own;
+4. one round over the oldest ready trajectories; tool calls run in the background;
+5. send every step whose trajectories have all ended (:class:`StepDone`);
+6. nothing to sample: wait for a tool result, or, with no tool call in flight, for the trainer.
 
 It stops on :class:`Stop`, and by itself when the trainer process is gone (killed: its queue
 closes, its process sentinel fires), so a killed run leaves no engine behind.
@@ -33,8 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Order, Ready, StepDone, Stop, WeightBucket,
-                                               WeightsBegin, WeightsEnd, WeightsReceived, decode_buckets)
+from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Generate, Generated, Order, Ready, StepDone,
+                                               Stop, WeightBucket, WeightsBegin, WeightsEnd, WeightsReceived,
+                                               decode_buckets)
 from aepo_engine.rollout.backends import BackendConfig, build_backend
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.continuous import ContinuousRollout
@@ -113,7 +116,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,
                                     tool_barrier=spec.tool_barrier,
                                     max_batch=None if spec.tool_barrier else getattr(backend, "max_batch_size", None))
-        outbox.put(Ready(os.getpid(), getattr(backend, "weight_dtype", None)))
+        outbox.put(Ready(os.getpid(), getattr(backend, "weight_dtype", None),
+                         entropy_is_exact=bool(getattr(backend, "entropy_is_exact", True)),
+                         eos_token_ids=tuple(getattr(backend, "eos_token_ids", ()))))
         _EngineLoop(rollout, backend, inbox, outbox).run()
     except BaseException:  # noqa: BLE001 - the trainer must hear of any failure
         outbox.put(Failed(traceback.format_exc()))
@@ -125,7 +130,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
 
 class _Inbox(threading.Thread):
     """Reads the trainer's messages while the loop samples: orders, weight buckets (kept until their
-    push is complete), stop."""
+    push is complete), the trainer's own requests, stop."""
 
     def __init__(self, inbox: Any, abort: threading.Event, wake: threading.Event, counters: EngineCounters,
                  outbox: Any = None):
@@ -133,6 +138,7 @@ class _Inbox(threading.Thread):
         self.inbox, self.abort, self.wake, self.counters, self.outbox = inbox, abort, wake, counters, outbox
         self.lock = threading.Lock()
         self.orders: list[Order] = []
+        self.requests: list[Generate] = []
         self.staged: tuple[int, list[WeightBucket]] | None = None  # the newest complete push
         self.stopped = False
 
@@ -159,6 +165,9 @@ class _Inbox(threading.Thread):
             elif isinstance(message, Order):
                 with self.lock:
                     self.orders.append(message)
+            elif isinstance(message, Generate):
+                with self.lock:
+                    self.requests.append(message)
             elif isinstance(message, Stop):
                 self.stopped = True
                 self.abort.set()
@@ -178,6 +187,13 @@ class _Inbox(threading.Thread):
             self.orders = [o for o in self.orders if o.min_version > version]
             return due
 
+    def take_requests(self, version: int) -> list[Generate]:
+        """The trainer's requests whose ``min_version`` the engine holds, in the order they came."""
+        with self.lock:
+            due = [r for r in self.requests if r.min_version <= version]
+            self.requests = [r for r in self.requests if r.min_version > version]
+            return due
+
 
 class _EngineLoop:
     def __init__(self, rollout: ContinuousRollout, backend: Any, inbox: Any, outbox: Any):
@@ -193,6 +209,8 @@ class _EngineLoop:
         parent = multiprocessing.parent_process()
         while not self.inbox.stopped and (parent is None or parent.is_alive()):
             self._load_weights()
+            for request in self.inbox.take_requests(self.counters.version):
+                self._serve(request)
             for order in self.inbox.take_orders(self.counters.version):
                 self.rollout.admit(order.prompts, order.step)
                 self.admitted[order.step] = time.perf_counter()
@@ -214,6 +232,18 @@ class _EngineLoop:
                 self.wake.wait(timeout=1.0)
                 self.wake.clear()
                 self.counters.idle_s += time.perf_counter() - start
+
+    def _serve(self, request: Generate) -> None:
+        """Sample the trainer's requests with the engine as it is (no abort: a push waits for them)."""
+        start, threads = time.perf_counter(), torch.get_num_threads()
+        if request.threads:
+            torch.set_num_threads(request.threads)  # on CPU the trainer waits meanwhile: its cores too
+        try:
+            outputs = self.backend.generate(request.requests)
+        finally:
+            torch.set_num_threads(threads)
+        self.counters.serve_s += time.perf_counter() - start
+        self.outbox.put(Generated(request.request_id, outputs))
 
     def _load_weights(self) -> None:
         staged = self.inbox.take_weights()
