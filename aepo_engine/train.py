@@ -87,6 +87,15 @@ def _warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def trainer_layout(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_world: int):
+    """Which ranks sample which prompts (``rollout.backends.engine_layout``). A synchronous run's
+    engines span ``backend.tensor_parallel_size`` of its ranks' GPUs; in an asynchronous run every
+    rank samples with its own rollout process's engine, whose GPUs are its own (the placement's:
+    with ``tensor_parallel_size = 2`` the one trainer rank is not half an engine)."""
+    tp = 1 if cfg.train.asynchronous else cfg.backend.tensor_parallel_size
+    return engine_layout(tp, rank, world, local_rank, local_world)
+
+
 class Trainer:
     """Builds the parts from a :class:`TrainConfig` and runs the RL loop."""
 
@@ -108,8 +117,8 @@ class Trainer:
             raise ConfigError(f"train.mode='async' with {self.world} trainer ranks runs on CPU, one engine per rank: "
                               "rollout processes beside several ranks on GPUs (each with its engine's GPUs) and "
                               "engines spanning ranks are not built (docs/async.md)")
-        self.layout = engine_layout(cfg.backend.tensor_parallel_size, self.rank, self.world,
-                                    distributed.local_rank(), distributed.local_world_size())
+        self.layout = trainer_layout(cfg, self.rank, self.world, distributed.local_rank(),
+                                     distributed.local_world_size())
         task = prepare_task(cfg.task, cfg.model, cfg.tools, cfg.data, self.run_dir,
                             setup_in_child=cfg.backend.kind == "vllm", log=_log)
         self.model_dir, self.tools_config = task.model_dir, task.tools_config

@@ -324,3 +324,21 @@ def test_the_trainers_requests_wait_for_their_version():
     assert [r.request_id for r in inbox.take_requests(1)] == []
     assert [r.request_id for r in inbox.take_requests(3)] == [1]
     assert [o.step for o in inbox.take_orders(1)] == [5]
+
+
+def test_an_asynchronous_trainer_rank_is_not_part_of_its_engines_tensor_parallel_group():
+    """GPU review 2, point 3: with ``tensor_parallel_size = 2`` the trainer's one rank was laid out
+    as half of a 2-GPU engine (and refused: 2 must divide the node's 1 rank); its rollout process's
+    engine has GPUs of its own (split placement), so the rank samples, through it, every prompt."""
+    from aepo_engine.config import load_train_config
+    from aepo_engine.train import trainer_layout
+
+    split = ["--backend.kind=vllm", "--backend.placement=split", "--backend.rollout_gpus=2",
+             "--backend.tensor_parallel_size=2", "--backend.in_process=false"]
+    layout = trainer_layout(load_train_config([*split, "--train.mode=async"]), 0, 1, 0, 1)
+    assert layout.hosts == (0,) and layout.host and layout.prompts(5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the 1 ranks"):
+        trainer_layout(load_train_config(split), 0, 1, 0, 1)  # a synchronous run's engine spans ranks
+    # two CPU ranks, each with its own process: prompts alternate, as a synchronous run's two engines
+    assert [trainer_layout(load_train_config(["--train.mode=async"]), r, 2, r, 2).prompts(4) for r in (0, 1)] \
+        == [[0, 2], [1, 3]]
