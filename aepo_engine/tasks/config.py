@@ -120,6 +120,13 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     warm_start: SFTConfig = msgspec.field(default_factory=SFTConfig)
     warm_start_enabled: bool = True
 
+    def __post_init__(self) -> None:
+        held_aside = self.warm_start.val_questions
+        if self.source == "synthetic" and self.warm_start_enabled and held_aside >= self.synthetic.num_train:
+            raise ValueError(f"warm_start.val_questions={held_aside} would leave none of synthetic.num_train="
+                             f"{self.synthetic.num_train} questions to teach: a smaller task holds fewer aside "
+                             f"(--task.warm_start.val_questions=N, 0: no score; decay_at_score needs N > 0)")
+
 
 class SyntheticSetupConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """What the synthetic task's set-up (task, corpus, tokenizer, tiny model, warm start) is built
