@@ -188,13 +188,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Resume if asked, evaluate, train, evaluate; returns the summary (also summary.json). The
-        tools close however it ends: a served search's server and the sandbox pool outlive no run."""
+        tools close however it ends (an asynchronous run's rollout process first): a served search's
+        server and the sandbox pool outlive no run."""
         try:
             return self._run()
         finally:
-            if self.engine_process is not None:
-                self.engine_process.close()
-            self.tools.close()
+            try:
+                if self.engine_process is not None:  # an asynchronous run's rollout process
+                    self.engine_process.close()
+            finally:
+                self.tools.close()
 
     def _run(self) -> dict[str, Any]:
         _log(f"[config]\n{self.config_text}")

@@ -70,5 +70,8 @@ def test_rollout_process_makes_a_world_of_its_own_under_torchrun(tmp_path):
         own = results["True"]
         assert own["ok"], own
         assert own["world"] == 1 and own["rank"] == 0 and own["port"] != trainer_port and own["probe"] == "1"
-        if rank == "0":  # the inherited rendezvous (the trainer's store and rank): no world of its own
-            assert not results["False"]["ok"], results["False"]
+        if rank == "0":  # the inherited rendezvous: no world of its own. It hangs in the trainer's store
+            # or fails; where the store's state lets it through (seen once under load), it rendezvoused
+            # at the trainer's own port as the trainer's rank: the defect either way
+            inherited = results["False"]
+            assert not inherited["ok"] or (inherited["port"] == trainer_port and inherited["rank"] == 0), inherited

@@ -152,10 +152,15 @@ def test_a_failed_run_closes_its_tools():
     def fail():
         raise RuntimeError("the rollout process failed")
 
-    trainer = SimpleNamespace(_run=fail, tools=SimpleNamespace(close=lambda: closed.append(True)))
-    with pytest.raises(RuntimeError, match="rollout process failed"):
+    def close_process():
+        closed.append("process")
+        raise RuntimeError("the rollout process would not stop")
+
+    trainer = SimpleNamespace(_run=fail, tools=SimpleNamespace(close=lambda: closed.append("tools")),
+                              engine_process=SimpleNamespace(close=close_process))
+    with pytest.raises(RuntimeError, match="rollout process"):
         Trainer.run(trainer)
-    assert closed == [True]
+    assert closed == ["process", "tools"]  # the tools close even when stopping the process fails
 
 
 def test_served_backend_that_cannot_start_says_why(tmp_path):
