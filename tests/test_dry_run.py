@@ -183,3 +183,47 @@ def test_a_damaged_resume_checkpoint_is_a_problem(tmp_path):
     assert f"note: resume: from {tmp_path / 'run' / 'checkpoints' / 'step_000001'}" in proc.stderr
     named = dry_run(*tiny, f"--checkpoint.resume={data.parent.parent}")
     assert named.returncode == 2 and any("step_000002' is damaged: train_state/__0_0.distcp" in p for p in problems(named))
+
+
+def test_a_gguf_file_that_cannot_be_read_is_one_problem(tmp_path, monkeypatch):
+    """Issue 50: without accelerate (the [real] extra had only gguf) the dry run said so, then that
+    model.path 'package:...' is not a directory. One problem now, naming what to install."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a))
+    monkeypatch.setenv("AEPO_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    found = problems(dry_run("--preset", "smollm2", f"--model.path={gguf}"))
+    assert len(found) == 1, found
+    assert "needs accelerate: pip install -e '.[real]'" in found[0] and "not a directory" not in found[0]
+
+
+def _base_model(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` with a tokenizer that has no chat template (a base model)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (out / name).unlink(missing_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
+    return out
+
+
+def test_a_base_model_runs_in_the_tag_format_and_the_chat_template_format_refuses_it(model_dir, tmp_path):
+    """Issue 50: a base model's tokenizer has no chat template; the dry run said "no problems
+    found" and the run stopped after the set-up. The tag format writes the plain layout (a note);
+    tools.format = 'chat_template' is a problem naming the alternative."""
+    base = _base_model(model_dir, tmp_path / "base")
+    tags = dry_run("--preset", "smollm2", f"--model.path={base}")
+    assert problems(tags) == [] and "note: model: no chat template (a base model)" in tags.stderr, tags.stderr[-2000:]
+    refused = problems(dry_run("--preset", "smollm2", f"--model.path={base}", "--tools.format=chat_template"))
+    assert len(refused) == 1 and "needs a tokenizer with a chat template" in refused[0], refused
+    assert "use tools.format = 'tags'" in refused[0]

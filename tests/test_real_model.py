@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +148,22 @@ def test_the_real_model_benchmark_measures_every_part(tmp_path):
                  "step 0: update", "step 0: weight sync"):
         assert f"'part': '{part}" in proc.stdout, part
     assert "tokens_per_s" in proc.stdout and "'load': [" in proc.stdout
+
+
+def test_a_base_model_without_a_chat_template_trains_in_the_tag_format(tmp_path):
+    """Issue 50: ``--preset smollm2`` on a base model (its tokenizer without a chat template) stopped
+    after the set-up with transformers' "Cannot use chat template functions". The tag format's
+    plain layout carries the cold start, the rollouts and the evaluations (a tiny Qwen3 stands in
+    for the base model: no download)."""
+    from aepo_engine.models import build_tiny_qwen3
+    from test_dry_run import _base_model
+
+    base = _base_model(Path(build_tiny_qwen3(tmp_path / "tiny", seed=0)), tmp_path / "base")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "aepo_engine.train", "--preset", "smollm2", f"--model.path={base}",
+                           f"--run_dir={run_dir}", *SMOKE], capture_output=True, text=True, timeout=900, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and "accuracy" in summary["eval_after"]
+    sample = next((run_dir / "logs" / "samples").glob("*.jsonl")).read_text().splitlines()[0]
+    assert "\\n\\nAssistant:" in sample and "<|im_start|>" not in sample  # the plain layout's prompt

@@ -227,3 +227,31 @@ def test_zero_drift_whatever_a_result_ends_with(tokenizer, ending):
     tool_format = ChatTemplateFormat(tokenizer, ["search", "python"])
     for traj in _rollout(tool_format, 2, Runner("RESULT# 61" + ending, numbered=False)):
         assert retokenization_drift(traj, MESSAGES, tool_format) == 0, tokenizer.decode(traj.response_ids)
+
+
+def _base_model_tokenizer():
+    tokenizer = load_tokenizer("smollm2")
+    tokenizer.chat_template = None  # a base model's tokenizer: no template
+    return tokenizer
+
+
+@pytest.mark.parametrize("n_calls", [0, 2])
+def test_a_base_model_gets_the_plain_layout_in_the_tag_format(n_calls):
+    """Issue 50: a tokenizer without a chat template stopped the run after the set-up
+    (transformers' "Cannot use chat template functions"). The tag format writes the plain layout
+    (aepo_engine.chat_text), and what the rollout trains on is its rendering, token for token."""
+    tokenizer = _base_model_tokenizer()
+    tool_format = build_tool_format("tags", tokenizer, ["search", "python"])
+    prompt = tokenizer.decode(tool_format.encode_prompt(MESSAGES))
+    assert prompt == "Answer with the tools.\n\nUser: What is the age of Zorva?\n\nAssistant:"
+    tool_format.render_call = lambda call: f"<search> {call.payload}</search>"
+    trajectories = _rollout(tool_format, n_calls)
+    assert all(t.tool_calls == n_calls and t.finish_reason == "eos" for t in trajectories)
+    assert all(retokenization_drift(t, MESSAGES, tool_format) == 0 for t in trajectories)
+
+
+def test_the_chat_template_format_refuses_a_base_model_in_one_line():
+    with pytest.raises(ValueError, match=r"^tools.format = 'chat_template' needs a tokenizer with a chat template"
+                                         r".*use tools.format = 'tags'") as err:
+        build_tool_format("chat_template", _base_model_tokenizer(), ["search"])
+    assert "\n" not in str(err.value)

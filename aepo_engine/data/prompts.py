@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
+from aepo_engine.chat_text import chat_text
 from aepo_engine.data.config import DataConfig
 from aepo_engine.data.examples import Example
 
@@ -22,7 +23,7 @@ def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[i
     """Token ids of a chat prompt with the generation prompt appended (the assistant turn starts
     next). The warm start, the RL rollouts and the benchmarks all encode prompts here, so the
     policy sees the same prompt tokens in each."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, messages)  # the template's, or the plain layout of a base model's
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -2,7 +2,7 @@
 or a folder holding one, instead of a Hugging Face folder.
 
 The file is dequantized once by transformers (``from_pretrained(..., gguf_file=...)``, which needs
-the ``gguf`` package: ``pip install aepo-engine[real]``) and saved as a plain HF folder
+the ``gguf`` and ``accelerate`` packages: the ``[real]`` extra) and saved as a plain HF folder
 (safetensors, config, tokenizer with its chat template) in a cache keyed by the file's SHA-256;
 every part of the engine (trainer, vLLM backend, eval command, ``--dry-run``) then loads that folder
 as any other. Unquantized files (F32, F16, BF16) keep their dtype; quantized ones (Q4_1, Q8_0, K
@@ -122,11 +122,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path, log: Callable[[str], None] = pr
     Returns:
         ``out_dir``.
     Raises:
-        ImportError: the ``gguf`` package is missing (with the command that installs it).
+        ImportError: ``gguf`` or ``accelerate`` is missing (with the command that installs them).
     """
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError("reading a GGUF checkpoint needs the gguf package: pip install 'aepo-engine[real]' "
-                          "(or pip install gguf)")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # transformers dequantizes GGUF through both
+        raise ImportError(f"reading a GGUF checkpoint needs {' and '.join(missing)}: pip install -e '.[real]' "
+                          f"(or pip install {' '.join(missing)})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -37,6 +37,7 @@ import json
 import re
 from typing import Any, Literal, Protocol, Sequence
 
+from aepo_engine.chat_text import chat_text, require_chat_template
 from aepo_engine.tools.base import MalformedToolCall, ToolCall
 from aepo_engine.tools.framing import encode_plain_text, encode_tool_result
 from aepo_engine.tools.parsing import find_tool_call
@@ -117,7 +118,7 @@ class TagFormat:
         self.stop_strings = tuple(f"</{name}>" for name in self.tool_names)
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = chat_text(self.tokenizer, messages)  # a base model's: the plain layout (aepo_engine.chat_text)
         return encode_in_context(self.tokenizer, text)
 
     def parse_call(self, text: str) -> ToolCall | MalformedToolCall | None:
@@ -145,13 +146,15 @@ class ChatTemplateFormat:
         tokenizer: a Hugging Face tokenizer with a chat template.
         tool_names: the enabled tools.
     Raises:
-        ValueError: a template whose call syntax is neither Hermes nor Llama-3 JSON, or whose
-            rendering of a conversation changes when a tool turn is appended (not prefix-stable).
+        ValueError: a tokenizer without a chat template (a base model: the tag format serves it),
+            a template whose call syntax is neither Hermes nor Llama-3 JSON, or whose rendering of
+            a conversation changes when a tool turn is appended (not prefix-stable).
     """
 
     name = "chat_template"
 
     def __init__(self, tokenizer: Any, tool_names: Sequence[str]):
+        require_chat_template(tokenizer, "tools.format = 'chat_template'")
         self.tokenizer = tokenizer
         self.tool_names = tuple(tool_names)
         self.schemas = tool_schemas(self.tool_names)
@@ -416,7 +419,7 @@ def retokenization_drift(trajectory: Any, messages: list[dict[str, str]], tool_f
     tokenizer = tool_format.tokenizer
     chat = tool_format.conversation(messages, trajectory_turns(trajectory, tool_format))
     tools = getattr(tool_format, "renders_tools", False)
-    text = tokenizer.apply_chat_template(chat, tools=tool_format.schemas if tools else None, tokenize=False)
+    text = chat_text(tokenizer, chat, add_generation_prompt=False, tools=tool_format.schemas if tools else None)
     rendered = list(tokenizer.encode(text, add_special_tokens=False))
     trained = list(trajectory.prompt_ids) + list(trajectory.response_ids)
     span = rendered[:len(trained)]
