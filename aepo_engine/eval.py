@@ -70,6 +70,9 @@ class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
         backend: the generation backend (hf on CPU, vllm on GPU).
         rollout: the tool loop's limits (max_response_tokens, max_tool_calls, ...); branching is off.
         tools: the search and python tools.
+        torch_threads: CPU threads of torch's intra-op pool (``torch.set_num_threads``); 0: torch's
+            default, or with a run folder the run's ``train.torch_threads`` (a run sized for a
+            shared CPU is evaluated the same way).
     """
 
     model: str = ""
@@ -80,10 +83,13 @@ class EvalCommandConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
     backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
+    torch_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.questions_per_batch < 1:
             raise ValueError(f"questions_per_batch must be >= 1, got {self.questions_per_batch}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0 (0 = torch's default), got {self.torch_threads}")
 
 
 # Short command-line names -> config keys. "many" options take several space-separated values.
@@ -224,6 +230,7 @@ def load_eval_command(argv: Sequence[str]) -> tuple[EvalCommandConfig, ModelSour
     if source.train_config is not None:
         run = source.train_config
         base |= {name: msgspec.to_builtins(getattr(run, name)) for name in ("backend", "rollout", "tools", "eval")}
+        base["torch_threads"] = run.train.torch_threads
         # The run's held-out set is what its folder is evaluated on unless --data names others.
         base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("every_n_steps", "files")}
     cfg = load_config(EvalCommandConfig, data=merge_trees(base, raw), overrides=overrides)
@@ -362,6 +369,9 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     from aepo_engine.tools import ToolRunner, build_tools
     from transformers import AutoTokenizer
 
+    from aepo_engine.config import apply_torch_threads
+
+    apply_torch_threads(cfg.torch_threads)  # before the backend and the task set-up are built
     out = output_dir(cfg, source)
     plan = build_plan(cfg, source)
     _print_skipped(plan.sets)

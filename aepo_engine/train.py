@@ -41,7 +41,7 @@ from aepo_engine.algorithms.advantages import group_advantages
 from aepo_engine.asynchronous.staleness import branching_version_gaps, staleness_metrics, token_staleness
 from aepo_engine.checkpoint import (CheckpointManager, CheckpointSaveError, checkpoint_footprint, model_dtype,
                                     space_problem)
-from aepo_engine.config import TrainConfig, config_problems, list_presets, split_train_args
+from aepo_engine.config import TrainConfig, apply_torch_threads, config_problems, list_presets, split_train_args
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, fit_prompts
@@ -107,7 +107,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)
         seed_everything(cfg.seed)
-        apply_torch_threads(cfg.train.torch_threads)
+        apply_torch_threads(cfg.train.torch_threads, _log)
         give_toolchain_notice(emit=lambda notice: _log(f"[kernels] {notice}"))  # no compiler: eager, said once
         self.rank, self.world, _ = distributed.init_distributed(
             datetime.timedelta(minutes=cfg.train.collective_timeout_minutes), "train.collective_timeout_minutes",
@@ -534,13 +534,6 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
         **premonitoring_metrics(m_values, [h for s in stats for h in s.h_root], [h for s in stats for h in s.h_tool]),
     }
-
-
-def apply_torch_threads(threads: int) -> None:
-    """``train.torch_threads``: size torch's intra-op pool (0 leaves torch's default)."""
-    if threads:
-        torch.set_num_threads(threads)
-        _log(f"[cpu] torch threads: {torch.get_num_threads()}")
 
 
 def _progress_fields(metrics: dict[str, Any]) -> dict[str, float]:

@@ -364,3 +364,32 @@ def test_samples_written_before_the_rename_of_references_resume(tmp_path, capsys
     assert [r["ground_truth"] for r in done] == [["Paris"], ["Paris"]] and all("references" not in r for r in done)
     assert capsys.readouterr().err.count("'references' is now called 'ground_truth'") == 1
     assert "references" not in (tmp_path / SAMPLES_FILE).read_text()  # the kept rows are rewritten
+
+
+def test_torch_threads_come_from_the_run_and_size_the_pool(tiny, tmp_path, monkeypatch, capsys):
+    """Issue 50: the eval command ignored train.torch_threads (on a shared 2-core CPU one thread
+    decoded SmolLM2 5x faster): a run folder's setting is the command's default, an option wins,
+    and the pool is sized before anything is built."""
+    import torch
+
+    import aepo_engine.eval as eval_module
+    from aepo_engine.config import load_train_config
+    from aepo_engine.eval import ModelSource, load_eval_command
+
+    run = load_train_config(["--train.torch_threads=1"])
+    monkeypatch.setattr(eval_module, "resolve_model",
+                        lambda spec: ModelSource(tiny / "model", tmp_path, run))
+    cfg, _ = load_eval_command(["--model", str(tmp_path)])
+    assert cfg.torch_threads == 1
+    assert load_eval_command(["--model", str(tmp_path), "--torch_threads=2"])[0].torch_threads == 2
+    with pytest.raises(ConfigError, match="torch_threads must be >= 0"):
+        load_eval_command(["--model", str(tmp_path), "--torch_threads=-1"])
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(eval_module, "build_plan", lambda *_: (_ for _ in ()).throw(RuntimeError("stop here")))
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            eval_module.run(cfg, ModelSource(tiny / "model"))
+        assert torch.get_num_threads() == 1 and "[cpu] torch threads: 1" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
