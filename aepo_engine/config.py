@@ -133,16 +133,6 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (policy versions), got {self.max_staleness}")
 
-
-def apply_torch_threads(threads: int, log=print) -> None:
-    """``train.torch_threads`` (and the eval command's ``torch_threads``): size torch's intra-op
-    pool (0 leaves torch's default) and say so."""
-    if threads > 0:
-        import torch
-
-        torch.set_num_threads(threads)
-        log(f"[cpu] torch threads: {torch.get_num_threads()}")
-
     @property
     def asynchronous(self) -> bool:
         return self.mode == "async"
@@ -157,6 +147,16 @@ def apply_torch_threads(threads: int, log=print) -> None:
         if self.steps is not None:
             return self.steps
         return -(-self.epochs * num_prompts // self.prompts_per_step)
+
+
+def apply_torch_threads(threads: int, log=print) -> None:
+    """``train.torch_threads`` (and the eval command's ``torch_threads``): size torch's intra-op
+    pool (0 leaves torch's default) and say so."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+        log(f"[cpu] torch threads: {torch.get_num_threads()}")
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

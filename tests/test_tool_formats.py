@@ -255,3 +255,20 @@ def test_the_chat_template_format_refuses_a_base_model_in_one_line():
                                          r".*use tools.format = 'tags'") as err:
         build_tool_format("chat_template", _base_model_tokenizer(), ["search"])
     assert "\n" not in str(err.value)
+
+
+def test_the_synthetic_tasks_prompt_describes_the_format_it_is_in(tokenizer):
+    """Issue 50: in the chat template's format the synthetic task's system prompt still taught the
+    tags' syntax (<search> ...</search>), which the template's tool list contradicts. The tags'
+    prompt is unchanged (the main job's prompts, token for token)."""
+    from aepo_engine.tasks.synthetic import SYSTEM_PROMPT, Question
+    from aepo_engine.tasks.synthetic_setup import synthetic_example
+
+    question = Question("q0", "lookup", "What is the age of Zorva?", "34", ())
+    assert question.messages()[0]["content"] == SYSTEM_PROMPT == (
+        "Tools: <search> name attribute</search> and <python> print(...)</python>, answered in <result>. "
+        "End with <answer> \\boxed{answer} </answer>.")
+    chat = synthetic_example(0, question, "chat_template").prompt_messages
+    assert "<search>" not in chat[0]["content"] and "\\boxed{answer}" in chat[0]["content"]
+    prompt = tokenizer.decode(ChatTemplateFormat(tokenizer, ["search", "python"]).encode_prompt(chat))
+    assert "<search>" not in prompt and "Zorva" in prompt

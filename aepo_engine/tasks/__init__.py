@@ -71,8 +71,10 @@ def prepare_task(task: TaskConfig, model: "ModelConfig", tools: "ToolsConfig", d
         setup = SyntheticSetupConfig(task=task, tiny=model.tiny, tools=tools, model_path=model.path)
         run = prepare_synthetic_task(setup, run_dir, in_child=setup_in_child, log=log)
         return PreparedTask(model_dir=str(run.model_dir), tools_config=run.tools_config,
-                            train_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.train)],
-                            eval_examples=[synthetic_example(i, q) for i, q in enumerate(run.task.heldout)])
+                            train_examples=[synthetic_example(i, q, run.tools_config.format)
+                                            for i, q in enumerate(run.task.train)],
+                            eval_examples=[synthetic_example(i, q, run.tools_config.format)
+                                           for i, q in enumerate(run.task.heldout)])
     from aepo_engine.data import load_examples
 
     train = load_examples(data.train_files, data)

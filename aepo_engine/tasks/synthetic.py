@@ -116,6 +116,14 @@ ToolFn = Callable[[str, str], str]
 # Short on purpose: every prompt token costs compute in every SFT and RL step of a tiny model.
 SYSTEM_PROMPT = ("Tools: <search> name attribute</search> and <python> print(...)</python>, "
                  "answered in <result>. End with <answer> \\boxed{answer} </answer>.")
+# tools.format = "chat_template": the template lists the tools and writes their calls, so the
+# prompt names them without the tags' syntax (which the model would then be told and not use).
+CHAT_TEMPLATE_SYSTEM_PROMPT = "Use the search and python tools. End with <answer> \\boxed{answer} </answer>."
+
+
+def system_prompt(tool_format: str = "tags") -> str:
+    """The task's system prompt in ``tools.format`` ``tool_format``."""
+    return CHAT_TEMPLATE_SYSTEM_PROMPT if tool_format == "chat_template" else SYSTEM_PROMPT
 
 PERSON_ATTRIBUTES = ("age", "score", "color", "city")
 DISAMBIGUATING_ATTRIBUTES = ("city", "color")  # differ within a namesake group
@@ -157,9 +165,10 @@ class Question:
     # namesake pick, SyntheticTaskConfig.namesake_note); "" = none.
     note: str = ""
 
-    def messages(self) -> list[dict[str, str]]:
-        """The chat prompt: system message describing the tags, user = the question."""
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.text}]
+    def messages(self, tool_format: str = "tags") -> list[dict[str, str]]:
+        """The chat prompt: the system message of ``tool_format`` (:func:`system_prompt`: the tags'
+        syntax, or for the chat template's format the tools by name), user = the question."""
+        return [{"role": "system", "content": system_prompt(tool_format)}, {"role": "user", "content": self.text}]
 
     def record(self) -> dict:
         """A JSON-able prompt record (chat prompt + ground truth) for RL datasets."""

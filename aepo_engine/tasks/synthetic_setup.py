@@ -125,9 +125,10 @@ def prepare_synthetic_task(setup: SyntheticSetupConfig, run_dir: Path, *, in_chi
     return prepare_synthetic_run(setup, run_dir, log=lambda _: None)
 
 
-def synthetic_example(index: int, question: Question) -> Example:
-    """A generated question as a data ``Example`` (its kind is the data source's category)."""
-    return Example(index=index, question=question.text, prompt_messages=question.messages(),
+def synthetic_example(index: int, question: Question, tool_format: str = "tags") -> Example:
+    """A generated question as a data ``Example`` (its kind is the data source's category), its
+    prompt in ``tools.format`` ``tool_format``."""
+    return Example(index=index, question=question.text, prompt_messages=question.messages(tool_format),
                    ground_truth=[question.answer], data_source=f"synthetic/{question.kind}",
                    meta={"kind": question.kind})
 
@@ -219,7 +220,7 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
         # The tokenizer learns the prompts as the model reads them (system prompt, role lines):
         # without them a prompt was ~96 tokens, mostly single letters, of a ~133-token example.
         texts = ([row["contents"] for row in task.corpus] + demos
-                 + [render_chat(q.messages()) for q in task.train])
+                 + [render_chat(q.messages(tools_config.format)) for q in task.train])
         tiny = setup.tiny
         build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                          num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
@@ -252,7 +253,7 @@ def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: lis
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     tools = tools or ToolsConfig()
     tool_format = build_tool_format(tools.format, tokenizer, tools.enabled)
-    messages = [q.messages() for q in task.train]
+    messages = [q.messages(tools.format) for q in task.train]
     examples = build_examples(tokenizer, messages[:len(demos)], demos, sft_cfg.max_length, tool_format=tool_format)
     val_examples = build_examples(tokenizer, messages[len(demos):len(demos) + len(val_demos)], list(val_demos),
                                   sft_cfg.max_length, tool_format=tool_format) if val_demos else []
