@@ -191,14 +191,14 @@ def test_a_gguf_file_that_cannot_be_read_is_one_problem(tmp_path, monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",  # gguf present or not (a newcomer's [cpu,dev] venv)
+                        lambda name, *a: None if name in ("gguf", "accelerate") else real_find_spec(name, *a))
     monkeypatch.setenv("AEPO_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF not really")
     found = problems(dry_run("--preset", "smollm2", f"--model.path={gguf}"))
     assert len(found) == 1, found
-    assert "needs accelerate: pip install -e '.[real]'" in found[0] and "not a directory" not in found[0]
+    assert "needs gguf and accelerate: pip install -e '.[real]'" in found[0] and "not a directory" not in found[0]
 
 
 def _base_model(model_dir: Path, out: Path) -> Path:
