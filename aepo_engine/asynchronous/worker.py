@@ -8,9 +8,9 @@ and a :class:`~aepo_engine.rollout.continuous.ContinuousRollout`, then loops:
    Load them; from then on tokens record the new version. While they arrive, the backend's
    ``abort`` event is set once the last bucket is in, so a segment being sampled is cut at its next
    token and continued under the new weights (partial rollouts), never dropped;
-2. start every ordered step whose ``min_version`` the engine holds (admission control);
-3. answer the trainer's own requests (:class:`Generate`, its evaluations) whose version the engine
+2. answer the trainer's own requests (:class:`Generate`, its evaluations) whose version the engine
    holds, before the next round: the trainer builds no engine of its own;
+3. start every ordered step whose ``min_version`` the engine holds (admission control);
 4. one round over the oldest ready trajectories; tool calls run in the background;
 5. send every step whose trajectories have all ended (:class:`StepDone`);
 6. nothing to sample: wait for a tool result, or, with no tool call in flight, for the trainer.
