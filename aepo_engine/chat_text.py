@@ -12,8 +12,8 @@ prompt with the assistant's label, where the model continues::
 
 so a base model's completion is the assistant's turn; it ends at the model's end-of-sequence
 token (or the length cap), which a rendered conversation writes after the turn (as a chat
-template writes its end-of-turn token: the ids trained on are the rendering's), and the tag format's calls and results go inside it as they do in a
-chat model's turn. Only ``tools.format = "tags"`` uses it: ``"chat_template"`` is the template's
+template writes its end-of-turn token: the ids trained on are the rendering's), and the tag
+format's calls and results go inside it as they do in a chat model's turn. Only ``tools.format = "tags"`` uses it: ``"chat_template"`` is the template's
 own tool syntax and refuses a tokenizer without one (:func:`require_chat_template`).
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Sequence
 __all__ = ["PLAIN_LAYOUT", "PLAIN_GENERATION_PROMPT", "chat_text", "has_chat_template", "require_chat_template"]
 
 # role -> how a message of it is written; a prompt then ends with PLAIN_GENERATION_PROMPT.
+# (No tool role: the tag format writes results inside the assistant's turn.)
 PLAIN_LAYOUT = {"system": "{content}\n\n", "user": "User: {content}\n\n",
-                "assistant": "Assistant:{content}{eos}\n\n", "tool": "Tool: {content}\n\n"}
+                "assistant": "Assistant:{content}{eos}\n\n"}
 PLAIN_GENERATION_PROMPT = "Assistant:"
 
 

@@ -86,13 +86,14 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     report.problems += config_problems(cfg)
     cfg, readable = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
+    encode_prompt = None
     if cfg.model.path and readable:  # (a GGUF file that cannot be converted is reported once, above)
         check_model_dir(Path(cfg.model.path), report)
-        _check_tool_format(cfg, report)
+        encode_prompt = _prompt_encoder(cfg, report)
     elif not files_task:
         report.notes.append("model: the synthetic task builds and warm-starts a tiny Qwen3 under run_dir/setup")
     if files_task:
-        counts = _check_data(cfg, report)
+        counts = _check_data(cfg, report, encode_prompt)
         if counts.get("train"):
             steps = cfg.train.resolved_steps(counts["train"])
             report.notes.append(f"train: {steps} RL steps of {cfg.train.prompts_per_step} prompts x "
@@ -166,12 +167,15 @@ def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> tuple[TrainConfig
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=folder)), True
 
 
-def _check_tool_format(cfg: TrainConfig, report: DryRunReport) -> None:
-    """The model's tokenizer in the run's tool format renders a prompt (a base model without a
-    chat template: the tag format's plain layout; ``chat_template`` refuses it)."""
+def _prompt_encoder(cfg: TrainConfig, report: DryRunReport) -> Callable[[list[dict[str, str]]], list[int]] | None:
+    """The run's prompt encoding: the model's tokenizer in ``tools.format`` (no weights loaded), what
+    the trainer measures prompts with, so the dry run's length check is the run's (the chat
+    template's tool list included). None, with a problem, when it cannot render a prompt (a base
+    model without a chat template under ``chat_template``); a base model in the tag format gets a
+    note (the plain layout)."""
     path = Path(cfg.model.path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return  # check_model_dir reports it
+        return None  # check_model_dir reports it
     try:
         from transformers import AutoTokenizer
 
@@ -179,15 +183,16 @@ def _check_tool_format(cfg: TrainConfig, report: DryRunReport) -> None:
         from aepo_engine.tools.formats import build_tool_format
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        build_tool_format(cfg.tools.format, tokenizer, cfg.tools.enabled).encode_prompt(
-            [{"role": "system", "content": "s"}, {"role": "user", "content": "?"}])
+        tool_format = build_tool_format(cfg.tools.format, tokenizer, cfg.tools.enabled)
+        tool_format.encode_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "?"}])
     except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot render the run's prompts is a finding
         report.problems.append(f"tools.format={cfg.tools.format!r} with model.path {cfg.model.path!r}: "
                                f"{type(exc).__name__}: {str(exc)[:300]}")
-        return
+        return None
     if not has_chat_template(tokenizer):
         report.notes.append("model: no chat template (a base model): prompts in the plain layout of "
                             "aepo_engine.chat_text (tools.format = 'tags')")
+    return tool_format.encode_prompt
 
 
 def check_model_dir(path: Path, report: DryRunReport, field: str = "model.path") -> None:
@@ -214,11 +219,13 @@ def check_model_dir(path: Path, report: DryRunReport, field: str = "model.path")
         report.problems.append(f"{field} {str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)")
 
 
-def _check_data(cfg: TrainConfig, report: DryRunReport) -> dict[str, int]:
-    """Parse every data source; returns the usable row count per split."""
+def _check_data(cfg: TrainConfig, report: DryRunReport,
+                encode_prompt: Callable[[list[dict[str, str]]], list[int]] | None = None) -> dict[str, int]:
+    """Parse every data source; returns the usable row count per split. With ``encode_prompt`` (the
+    run's, :func:`_prompt_encoder`) it also counts the prompts over ``data.max_prompt_tokens``."""
     from aepo_engine.data import HF_PREFIX, load_source
 
-    count_tokens = _prompt_token_counter(cfg, report)
+    count_tokens = None if encode_prompt is None else (lambda example: len(encode_prompt(example.messages())))
     counts: dict[str, int] = {}
     for split, sources in (("train", cfg.data.train_files), ("eval", cfg.data.eval_files)):
         for spec in sources:
@@ -274,30 +281,6 @@ def _skipping(data_cfg: Any) -> Any:
     import msgspec
 
     return msgspec.structs.replace(data_cfg, bad_rows="skip")
-
-
-def _prompt_token_counter(cfg: TrainConfig, report: DryRunReport) -> Callable[[Any], int] | None:
-    """Prompt length in tokens with the model's tokenizer and chat template (no weights loaded),
-    or None when there is no loadable tokenizer."""
-    path = Path(cfg.model.path) if cfg.model.path else None
-    if path is None or not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None  # check_model_dir reports the missing tokenizer
-    try:
-        from transformers import AutoTokenizer
-
-        from aepo_engine.data import encode_chat_prompt
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        encode_chat_prompt(tokenizer, [{"role": "user", "content": "?"}])
-    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot render a prompt is a finding
-        report.problems.append(f"model.path {cfg.model.path!r}: the tokenizer cannot render a chat prompt: "
-                               f"{type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
-    def count(example: Any) -> int:
-        return len(encode_chat_prompt(tokenizer, example.messages()))
-
-    return count
 
 
 def check_tools(tools: ToolsConfig, report: DryRunReport, search: bool = True) -> None:

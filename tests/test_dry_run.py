@@ -227,3 +227,19 @@ def test_a_base_model_runs_in_the_tag_format_and_the_chat_template_format_refuse
     refused = problems(dry_run("--preset", "smollm2", f"--model.path={base}", "--tools.format=chat_template"))
     assert len(refused) == 1 and "needs a tokenizer with a chat template" in refused[0], refused
     assert "use tools.format = 'tags'" in refused[0]
+
+
+@pytest.mark.sandbox
+def test_prompt_lengths_are_measured_in_the_runs_tool_format(model_dir, qa_file, tmp_path):
+    """The dry run counted prompts with the bare chat template while the trainer measures them in
+    tools.format: under "chat_template" the tool list (here ~370 tokens) went uncounted, so a
+    limit every prompt exceeds was reported as met."""
+    common = [*PAPER, *CPU, f"--model.path={model_dir}", f"--data.train_files={qa_file}",
+              "--tools.search.backend=corpus", f"--tools.search.corpus_path={qa_file}", "--data.max_prompt_tokens=200"]
+
+    def over(proc):
+        note = next(line for line in proc.stderr.splitlines() if line.startswith(f"note: train: {qa_file}"))
+        return int(note.split(" prompts over data.max_prompt_tokens")[0].rsplit(" ", 1)[-1])
+
+    assert over(dry_run(*common, "--tools.format=tags")) == 1  # the one over-long question
+    assert over(dry_run(*common, "--tools.format=chat_template")) == 4  # every prompt, with the tool list
