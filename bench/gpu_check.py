@@ -25,8 +25,8 @@ then runs four sections, each a list of checks that become PASS / FAIL / SKIP(re
    packed micro-batches through it; FSDP2 on one rank over NCCL, a bf16 FSDP2 step of a ~0.5B
    Qwen3 built locally (the loss's inputs fp32, the on-policy ratio 1) and the memory plan's terms
    against ``torch.cuda.max_memory_allocated``; tree batches (FlexAttention) under FSDP2 against
-   rows; a 4-step asynchronous training run (HF backend); vLLM (CUDA) generating from a tiny Qwen3, the
-   weight sync into it, sleep/wake; a 5-step training run (torchrun, bf16 FSDP2, in-process vLLM
+   rows; a 4-step asynchronous training run (HF backend); vLLM (CUDA) generating from a tiny
+   Qwen3, the weight sync into it, sleep/wake; a 5-step training run (torchrun, bf16 FSDP2, in-process vLLM
    that sleeps) whose ``rollout/logprob_gap`` is small. A group whose modules do not import (a bare
    GPU machine: torch and triton only; ``bench/gpu_wheels.txt`` lists the wheels to bring) is SKIP
    with their names. A new engine check is one function added to a group.
@@ -36,8 +36,9 @@ run's environment). Exit status 1 when any row FAILs.
 ``--smoke`` runs the same check functions at tiny shapes on the CPU (Triton interpreter), so the
 script cannot rot: kernels and timings as above (targets reported as INFO: they are for a GPU),
 the packing checks (varlen's CPU path), FSDP2 on one gloo rank (the bf16 step on the tiny
-model, the tree layout's chunked SDPA) and the asynchronous run; the CUDA-only checks, the vLLM and training groups report SKIP with the reason (their
-cost on CPU; tests/test_backends_vllm.py and tests/test_train_e2e.py run those paths on CPU).
+model, the tree layout's chunked SDPA) and the asynchronous run; the CUDA-only checks, the vLLM
+and training groups report SKIP with the reason (their cost on CPU; tests/test_backends_vllm.py
+and tests/test_train_e2e.py run those paths on CPU).
 """
 from __future__ import annotations
 
@@ -337,7 +338,7 @@ def check_tree_loss(shapes: Shapes, dtype: torch.dtype) -> dict:
     3 occurrences per node with advantages of both signs (a shared node holds both columns), the
     statistics over the occurrences from a first float64 pass, then per chunk of nodes the literal
     per-occurrence loss (``token_loss_reference`` at its node's log-prob and entropy) / token count."""
-    from aepo_kernels.tree_loss import Occurrences, aepo_tree_policy_loss
+    from aepo_kernels.tree_loss import Occurrences, aepo_tree_policy_loss, fold_occurrences
 
     t0 = time.perf_counter()
     _, view, labels = masked_logits(shapes, dtype, seed=6)
@@ -360,8 +361,8 @@ def check_tree_loss(shapes: Shapes, dtype: torch.dtype) -> dict:
     count = weights.sum()
     mean = (entropy64[node] * weights).sum() / count
     std = (((entropy64[node] - mean) ** 2 * weights).sum() / count).sqrt()
-    both = int(((torch.zeros(n, device=DEVICE).index_add_(0, node, (advantages > 0).float() * mask) > 0)
-                & (torch.zeros(n, device=DEVICE).index_add_(0, node, (advantages < 0).float() * mask) > 0)).sum())
+    positive, negative, _ = fold_occurrences(node, advantages, mask, n)  # the kernel's two columns
+    both = int(((positive != 0) & (negative != 0)).sum())
     loss, stats = aepo_tree_policy_loss(flat, node_labels, old, Occurrences(node, advantages, mask), config=config,
                                         temperature=0.9, backend="triton", entropy_mean=mean.float(),
                                         entropy_std=std.float(), global_token_count=count.float(),

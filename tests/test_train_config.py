@@ -168,15 +168,15 @@ def test_a_shortened_warm_start_names_the_decay_to_shorten_with_it():
 def test_the_shortened_main_jobs_of_ci_and_gpu_check_are_valid_configs():
     # CI's newcomer step and the GPU acceptance script run the main job shrunk by flags; a preset
     # change that makes those flags an invalid config must fail here, not after CI's install.
-    import re
+    import shlex
 
     root = Path(__file__).resolve().parents[1]
-    script = (root / ".ci" / "newcomer.sh").read_text()
-    call = script[script.index("-m aepo_engine.train"):]
-    call = call[:call.index(">")]
-    flags = [f for f in re.findall(r"--[\w.]+=\S+", call) if not f.startswith("--run_dir")]
-    assert "--task.warm_start.steps=50" in flags, flags
-    assert config_problems(load_train_config(flags)) == []
+    script = (root / ".ci" / "newcomer.sh").read_text().replace("\\\n", " ")
+    calls = [shlex.split(call[:call.index(">")]) for call in script.split("-m aepo_engine.train")[1:]]
+    calls = [[a for a in call if not a.startswith("--run_dir") and a != "--dry-run"] for call in calls]
+    assert len(calls) == 3 and "--task.warm_start.steps=50" in calls[0], calls  # the main job, smollm2 x 2
+    for args in calls:
+        assert config_problems(load_train_config(args)) == [], args
 
     sys.path.insert(0, str(root / "bench"))
     try:

@@ -56,11 +56,15 @@ class RolloutProcess:
             if not isinstance(message, Ready):
                 raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
             self.pid = message.pid
-            self.weight_dtype = message.weight_dtype  # pushes are gathered in it (None: as they are)
-            self.ready = message
+            self.ready = message  # the engine's weight dtype, entropies, eos ids
         except BaseException:
             self.close()
             raise
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The engine's weight dtype: pushes are gathered in it (None: as they are)."""
+        return self.ready.weight_dtype
 
     # -- trainer -> rollout process ------------------------------------------------------------
 
