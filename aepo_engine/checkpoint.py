@@ -9,7 +9,9 @@ Layout under ``root``::
                                FSDP2-sharded modules save/load shard-wise and may reshard), scheduler,
                                step, extra state (sampler, metrics) and each rank's RNG states
         hf_model/              the model for ``from_pretrained`` in its own dtype (safetensors +
-                               config + tokenizer), when asked for (``CheckpointConfig.hf_export_every``)
+                               config + tokenizer), when asked for (``CheckpointConfig.hf_export_every``);
+                               under LoRA the adapter merged into the base weights
+        adapter/               under LoRA, with hf_model/: the adapter alone (PEFT's format)
         config.toml            the resolved run config
         meta.json              step, time, world size and every other file's size and XXH3-64
                                checksum (written last inside the directory)
@@ -27,6 +29,9 @@ each rank reads a share of the files); a damaged checkpoint is skipped for the n
 (``LoadedCheckpoint.skipped`` says which and why), and :class:`CheckpointDamaged` says the choices
 when none is intact or an explicitly named one is damaged. Checkpoints saved before checksums were
 recorded (format 1) load unverified.
+
+Under LoRA (``models.lora``) train_state holds the adapter and its optimizer state only (the frozen
+base weights are the model's own files, read again at resume).
 
 Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` and the ``set_*`` twins), which handle plain modules and FSDP2 alike. The
@@ -62,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from aepo_engine import distributed
 from aepo_engine.faults import fault_point
+from aepo_engine.models.lora import ADAPTER_NAME, adapter_scalings, has_adapter, merged_state, write_adapter
 from aepo_engine.sections import CheckpointConfig  # re-exported: its old home
 from aepo_engine.files import (CHECKSUM, TMP_TAG, file_checksum, format_bytes, free_bytes, fsync_dir, fsync_tree,
                                out_of_space, storage_error, tree_bytes, write_text_atomic)
@@ -94,6 +100,7 @@ class _Rank0Failed(RuntimeError):
 LATEST = "latest"
 META = "meta.json"
 HF_EXPORT = "hf_model"  # the model for from_pretrained, inside a checkpoint
+ADAPTER_EXPORT = "adapter"  # under LoRA: the adapter for peft.PeftModel.from_pretrained, beside hf_model/
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # the data file a rank wrote (DCP's FileSystemWriter)
 FORMAT_VERSION = 2  # 2: meta.json lists every file with its size and checksum
@@ -190,6 +197,9 @@ def _export_hf(out_dir: Path, model: torch.nn.Module, tokenizer: Any, full_state
     """Rank 0 writes the model (and tokenizer) as a ``from_pretrained`` directory, its floating
     tensors in ``dtype`` (None: as they are)."""
     out_dir.mkdir(parents=True)
+    if has_adapter(full_state):  # LoRA: the adapter as PEFT writes it, beside the merged model
+        write_adapter(out_dir.parent / ADAPTER_EXPORT, full_state, model.peft_config[ADAPTER_NAME], dtype=dtype)
+        full_state = merged_state(full_state, adapter_scalings(model))
     if dtype is not None:
         for key in list(full_state):  # one tensor at a time: the fp32 copy is freed as it goes
             if full_state[key].is_floating_point():
@@ -648,8 +658,14 @@ class CheckpointManager:
 
     @staticmethod
     def _state_template(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Model (and optimizer) state dicts to save from or load into."""
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        """Model (and optimizer) state dicts to save from or load into: the parameters that train
+        (all of them, or a LoRA adapter's: frozen base weights are the model's own files, not
+        training state) and the buffers."""
+        # ignore_frozen_params misses a tied name of a frozen parameter (lm_head.weight tied to the
+        # frozen embedding is kept): every name of a frozen parameter is dropped here.
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+        state: dict[str, Any] = {"model": {k: v for k, v in model_state.items() if k not in frozen}}
         if optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         return state
@@ -687,7 +703,8 @@ class CheckpointManager:
         state[rng_key] = b""
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path / "train_state")
-        set_model_state_dict(model, state["model"])
+        frozen = any(not p.requires_grad for p in model.parameters())  # their values come from the model's files
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not frozen))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
         trainer = _from_bytes(state["trainer_state"])

@@ -143,7 +143,7 @@ class Trainer:
         group = engine_group(self.layout, self.world) if in_process else None
         self.backend = (build_backend(cfg.backend, self.model_dir, self.tokenizer,
                                       seed=cfg.rollout.seed + self.layout.group[0],
-                                      local_rank=distributed.local_rank(), group=group)
+                                      local_rank=distributed.local_rank(), group=group, lora=cfg.policy.lora)
                         if (self.layout.host or in_process) and not cfg.train.asynchronous else None)
         self.engine_process = None  # an asynchronous run's rollout process (run())
         self.version = 0  # the policy version the weights are at: the steps trained

@@ -80,7 +80,7 @@ def worker_spec(trainer: Any, threads: int | None = None) -> WorkerSpec:
                       model_dir=str(trainer.model_dir), engine_seed=rollout.seed, seed=cfg.seed,
                       threads=torch.get_num_threads() if threads is None else threads,
                       tool_barrier=cfg.train.max_staleness == 0,
-                      environment=environment)
+                      environment=environment, lora=cfg.policy.lora)
 
 
 def start_rollout_process(trainer: Any) -> tuple[RolloutProcess, RemoteEngine]:

@@ -39,6 +39,7 @@ from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Generate,
                                                Stop, WeightBucket, WeightsBegin, WeightsEnd, WeightsReceived,
                                                decode_buckets)
 from aepo_engine.rollout.backends import BackendConfig, build_backend
+from aepo_engine.models.config import LoraConfig
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.continuous import ContinuousRollout
 from aepo_engine.tools import ToolRunner, build_tools
@@ -65,6 +66,7 @@ class WorkerSpec:
             synchronous scheduler's rounds: with one step admitted at a time, its trajectories).
         environment: variables set before anything is built (e.g. ``CUDA_VISIBLE_DEVICES`` of the
             engine's GPUs).
+        lora: the policy's adapters (``policy.lora``): with them enabled the engine takes adapter pushes.
     """
 
     backend: BackendConfig
@@ -76,6 +78,7 @@ class WorkerSpec:
     threads: int
     tool_barrier: bool
     environment: tuple[tuple[str, str], ...] = ()
+    lora: LoraConfig | None = None
 
 
 # What torchrun gives each rank to find the others (torch.distributed.run, torchelastic). A spawned
@@ -110,7 +113,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         # the engine before the tools: a vLLM engine must start before the search index loads numba
-        backend = build_backend(spec.backend, spec.model_dir, tokenizer, seed=spec.engine_seed)
+        backend = build_backend(spec.backend, spec.model_dir, tokenizer, seed=spec.engine_seed, lora=spec.lora)
         tools = ToolRunner(build_tools(spec.tools), max_workers=spec.tools.max_workers)
         tool_format = build_tool_format(spec.tools.format, tokenizer, spec.tools.enabled)  # as the trainer's
         rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,

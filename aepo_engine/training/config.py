@@ -13,10 +13,10 @@ from typing import Literal
 import msgspec
 
 from aepo_engine.errors import require
+from aepo_engine.models.config import LoraConfig
 from aepo_kernels.config import LossConfig
 
 __all__ = ["OptimConfig", "PolicyConfig", "RolloutCorrectionConfig"]
-
 
 class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Policy model, parallelism and PPO update.
@@ -67,6 +67,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and AEPO's clip and with the entropy-aware advantage on and off, from the log-probs and
             entropies the loss already computed (``training.counterfactual``; no model pass). Needs
             the batch's old-policy entropies (``compute_logprobs``); without them it is skipped.
+        lora: Low-rank adapters instead of full-weight training (:class:`LoraConfig`; off by default).
         tree_batches: "on": the log-prob pass and the update run on each prompt group's rollout
             tree (``training.tree``): every shared prefix (the prompt, a branch's inherited tokens)
             is one set of positions, attended to through the tree attention
@@ -85,6 +86,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     micro_batch_size: int = 4
     micro_batch_max_tokens: int | None = None
     ppo_mini_batch_size: int = 8

@@ -29,11 +29,12 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from aepo_engine.models.lora import base_name
 from aepo_engine.training.attention import hf_attn_implementation
 
 __all__ = ["SafetensorsCheckpoint", "build_meta_model", "check_supported_model", "load_hf_model",
@@ -209,7 +210,8 @@ def _local_slice(param: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(param.shape), (0,) * param.dim()
 
 
-def load_sharded_weights(model: nn.Module, path: str, device: torch.device) -> None:
+def load_sharded_weights(model: nn.Module, path: str, device: torch.device,
+                         initial: Mapping[str, Tensor] | None = None) -> None:
     """Allocate ``model``'s parameters (meta, sharded or not) on ``device`` and fill each rank's
     part from ``path``'s safetensors files; buffers keep their values.
 
@@ -217,15 +219,21 @@ def load_sharded_weights(model: nn.Module, path: str, device: torch.device) -> N
         model: the HF model built by :func:`build_meta_model`, after ``fully_shard``.
         path: the model directory it was built from.
         device: where the shards live (this rank's device).
+        initial: full values of parameters the checkpoint does not hold (a LoRA adapter's,
+            ``models.lora.initial_adapter``); each rank copies its shard. An adapted layer's base
+            weight (``q_proj.base_layer.weight``) is read under its base name (``q_proj.weight``).
     Raises:
         KeyError: a parameter none of whose names (tied parameters have several) is in the checkpoint.
         ValueError: a checkpoint tensor whose shape differs from the parameter's.
     """
     checkpoint = SafetensorsCheckpoint(path)
+    initial = dict(initial or {})
     groups: dict[int, list[str]] = {}  # one list of names per parameter (tied ones have several)
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
-    missing = [aliases[0] for aliases in groups.values() if not any(n in checkpoint for n in aliases)]
+    stored_name = {n: base_name(n) for aliases in groups.values() for n in aliases}
+    missing = [aliases[0] for aliases in groups.values()
+               if not any(stored_name[n] in checkpoint or n in initial for n in aliases)]
     if missing:
         raise KeyError(f"{path}: {len(missing)} parameters are not in the checkpoint under the model's names "
                        f"(e.g. {', '.join(missing[:3])}); the sharded load needs checkpoints named like the "
@@ -238,16 +246,19 @@ def load_sharded_weights(model: nn.Module, path: str, device: torch.device) -> N
             buf.copy_(buffers[name])
         for aliases in groups.values():
             param = model.get_parameter(aliases[0])
-            stored = next(n for n in aliases if n in checkpoint)
-            if checkpoint.shape(stored) != tuple(param.shape):
-                raise ValueError(f"{path}: {stored} has shape {checkpoint.shape(stored)} in the checkpoint, "
-                                 f"{tuple(param.shape)} in the model")
+            given = next((n for n in aliases if n in initial), None)
+            stored = None if given is not None else next(stored_name[n] for n in aliases if stored_name[n] in checkpoint)
+            full_shape = tuple(initial[given].shape) if given is not None else checkpoint.shape(stored)
+            if full_shape != tuple(param.shape):
+                raise ValueError(f"{path}: {given or stored} has shape {full_shape} in the "
+                                 f"{'initial values' if given else 'checkpoint'}, {tuple(param.shape)} in the model")
             local = param.to_local() if hasattr(param, "to_local") else param
             shape, offset = _local_slice(param)
             if local.numel() == 0:
                 continue
             start = offset[0] if shape else 0
-            rows = checkpoint.read_rows(stored, start, start + (shape[0] if shape else 1))
+            stop = start + (shape[0] if shape else 1)
+            rows = initial[given][start:stop] if given is not None else checkpoint.read_rows(stored, start, stop)
             for dim in range(1, len(shape)):  # only dim 0 is read by range; FSDP2 shards dim 0
                 rows = rows.narrow(dim, offset[dim], shape[dim])
             local.copy_(rows)  # converts the checkpoint dtype to the master dtype in place

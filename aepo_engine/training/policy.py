@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
+from aepo_engine.models.lora import apply_lora, initial_adapter, is_adapter
 from aepo_engine.training import counterfactual, tree_attention
 from aepo_engine.training.attention import packed_row_kwargs
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
@@ -293,6 +294,9 @@ class PolicyWorker:
         on_meta = self.use_fsdp and config.sharded_load
         load = build_meta_model if on_meta else load_hf_model
         self.model = load(model_path, config.attn_implementation)
+        self.lora = config.lora if config.lora.enabled else None
+        if self.lora is not None:  # before sharding: FSDP2 shards the adapters with their layers
+            apply_lora(self.model, self.lora)
         if config.trees:
             self.model.set_attn_implementation(tree_attention.register())
         if config.activation_checkpointing:
@@ -302,14 +306,20 @@ class PolicyWorker:
                                   row_bounds=config.attn_implementation in ("varlen", "flash_attention_2"))
         self._shard_or_place()
         if on_meta:  # the shards exist now: allocate them and read this rank's rows
-            load_sharded_weights(self.model, model_path, self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
+            load_sharded_weights(self.model, model_path, self.device,
+                                 initial=initial_adapter(self.model) if self.lora is not None else None)
+        # Only what trains (every weight, or the adapters under LoRA) gets AdamW moments.
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
         # FSDP2 averages gradients over ranks; scale so the sum (the global token-mean) survives.
         self.loss_scale = float(self.world_size) if self.use_fsdp else 1.0
         self.skipped_steps = 0
         self._cf_threshold: Tensor | None = None  # set per update() (counterfactual_stats)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates: all of them, or the adapters under LoRA."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _shard_or_place(self) -> None:
         if not self.use_fsdp:
@@ -610,7 +620,7 @@ class PolicyWorker:
 
     def _reduce_and_clip(self) -> Tensor:
         """All-reduce gradients when replicated without FSDP; clip; return the pre-clip total norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.trainable_parameters() if p.grad is not None]
         if self.world_size > 1 and not self.use_fsdp:
             for p in params:
                 dist.all_reduce(p.grad)
@@ -632,7 +642,8 @@ class PolicyWorker:
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, Tensor]]:
         """Full weights with HF names, one size-bounded bucket at a time (collective: every rank
-        must exhaust the iterator, in step, since each sharded parameter is all-gathered).
+        must exhaust the iterator, in step, since each sharded parameter is all-gathered). Under
+        LoRA only the adapter's tensors (the base weights never change: the engine has them).
 
         A bucket holds parameters until their bytes reach ``bucket_bytes`` (one larger parameter
         closes it: a bucket holds at most ``bucket_bytes`` plus one parameter); it is gathered when
@@ -651,6 +662,8 @@ class PolicyWorker:
         names: dict[int, list[str]] = {}
         params: dict[int, Tensor] = {}
         for name, value in self.model.state_dict(keep_vars=True).items():
+            if self.lora is not None and not is_adapter(name):
+                continue
             names.setdefault(id(value), []).append(name)
             params[id(value)] = value
         bucket: dict[str, Tensor] = {}

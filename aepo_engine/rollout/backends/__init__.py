@@ -125,7 +125,7 @@ def _kv_budget_utilization(cfg: BackendConfig, model_dir: str, local_rank: int) 
 
 
 def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0,
-                  group: Any = None) -> Any:
+                  group: Any = None, lora: Any = None) -> Any:
     """The backend ``cfg`` names, loaded from ``model_dir``.
 
     Args:
@@ -137,6 +137,8 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
         local_rank: this rank's index on its node; a vLLM engine in processes of its own on CUDA
             runs on the GPUs of its rank group (``engine_devices``), not on GPU 0 of every rank.
         group: the in-process engine's group (:func:`engine_group`), None when alone.
+        lora: the policy's adapters (``policy.lora``): an enabled one makes the engine take adapter
+            pushes (only the adapter's tensors each step) instead of whole models.
     """
     import torch
 
@@ -158,7 +160,7 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
                            gpu_memory_utilization=utilization, logprobs_topk=cfg.logprobs_topk,
                            enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
                            enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-                           in_process=cfg.in_process, sleep_level=sleep_level, group=group, **extra)
+                           in_process=cfg.in_process, sleep_level=sleep_level, group=group, lora=lora, **extra)
     from aepo_engine.rollout.backends.hf import HFBackend
 
     device = cfg.device
@@ -171,4 +173,4 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
         extra["prefix_cache_gib"] = 0.0
     elif cfg.kv_cache_gib is not None:
         extra["prefix_cache_gib"] = cfg.kv_cache_gib
-    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.max_batch_size, **extra)
+    return HFBackend(model_dir, tokenizer, device=device, max_batch_size=cfg.max_batch_size, lora=lora, **extra)

