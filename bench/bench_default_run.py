@@ -9,12 +9,16 @@ the job is the embedded default (``python -m aepo_engine.train``) and the rows g
 ``bench/results/main_job.jsonl``; with presets (``--preset smollm2``, ``--preset embedded --preset
 web_search``) to ``learning_runs.jsonl`` under ``bench/results`` (made by the first such run).
 The summary prints the gain (after - before) per run, its mean, median, sample standard deviation
-and a paired t statistic (mean / (sd / sqrt(n))).
+and a paired t statistic (mean / (sd / sqrt(n))). Each row also holds the run's peak resident set,
+every held-out evaluation (accuracy, tool calls per question, no-tool share, reward) and the
+evaluations where tool calls fell below half the first one's while accuracy fell (reward hacking).
 
     python bench/bench_default_run.py --seeds 0 1 2 3 4 --threads 1 2
     python bench/bench_default_run.py --seeds 0 1 2 --preset embedded --preset grpo
     python bench/bench_default_run.py --seeds 0 --gate --results ''     # CI's learning gate
     python bench/bench_default_run.py --seeds 0 --extra --train.steps=2   # extra args go to the trainer
+    python bench/bench_default_run.py --seeds 0 1 2 --preset smollm2 --preset smollm2_lora --parallel 3 \
+        --results smollm2_runs                                            # the real model with LoRA
 
 ``--gate`` fails (exit 1) when a run's held-out accuracy after the warm start or its RL gain is
 below the gate's floor (:data:`GATES`, per preset set; derived from the 5-seed rows in
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -46,31 +51,82 @@ GATES: dict[tuple[str, ...], dict[str, float]] = {
 }
 
 
+class Run:
+    """One training run as a child process: started by :meth:`start`, measured by :meth:`finish`
+    (its wall time and peak resident set, from ``os.wait4``'s rusage of that child alone)."""
+
+    def __init__(self, seed: int, threads: int | None, base_dir: Path, presets: list[str], extra: list[str]):
+        self.seed, self.threads, self.base_dir, self.presets, self.extra = seed, threads, base_dir, presets, extra
+        self.name = f"seed{seed}" + (f"-t{threads}" if threads is not None else "")
+        self.run_dir = base_dir / self.name
+        if self.run_dir.exists():
+            raise SystemExit(f"{self.run_dir} exists: remove it or choose another --base-dir (a reused run "
+                             "would resume instead of measuring a fresh one)")
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={self.run_dir}", f"--seed={self.seed}",
+                   *(arg for p in self.presets for arg in ("--preset", p)),
+                   *([f"--train.torch_threads={self.threads}"] if self.threads is not None else []), *self.extra]
+        print("$", " ".join(command), flush=True)
+        self.t0 = time.perf_counter()
+        with (self.base_dir / f"{self.name}.log").open("w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def finish(self) -> dict:
+        _, status, usage = os.wait4(self.proc.pid, 0)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - self.t0
+        if self.proc.returncode != 0:
+            tail = (self.base_dir / f"{self.name}.log").read_text().splitlines()[-30:]
+            raise SystemExit("\n".join(tail) + f"\nthe run failed (exit {self.proc.returncode}): "
+                             f"{self.base_dir / self.name}.log")
+        return run_row(self.seed, self.presets, self.extra, self.run_dir, wall, usage.ru_maxrss / 2**20)
+
+
 def run_one(seed: int, threads: int | None, base_dir: Path, presets: list[str], extra: list[str]) -> dict:
-    name = f"seed{seed}" + (f"-t{threads}" if threads is not None else "")
-    run_dir = base_dir / name
-    if run_dir.exists():
-        raise SystemExit(f"{run_dir} exists: remove it or choose another --base-dir (a reused run "
-                         "would resume instead of measuring a fresh one)")
-    command = [sys.executable, "-m", "aepo_engine.train", f"--run_dir={run_dir}", f"--seed={seed}",
-               *(arg for p in presets for arg in ("--preset", p)),
-               *([f"--train.torch_threads={threads}"] if threads is not None else []), *extra]
-    print("$", " ".join(command), flush=True)
-    t0 = time.perf_counter()
-    with (base_dir / f"{name}.log").open("w") as log:
-        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = (base_dir / f"{name}.log").read_text().splitlines()[-30:]
-        raise SystemExit("\n".join(tail) + f"\nthe run failed (exit {proc.returncode}): {base_dir / name}.log")
+    run = Run(seed, threads, base_dir, presets, extra)
+    run.start()
+    return run.finish()
+
+
+EVAL_FIELDS = ("accuracy", "tool_calls", "no_tool_share", "reward")
+
+
+def eval_curve(run_dir: Path, summary: dict) -> list[dict]:
+    """Every held-out evaluation of the run in order: before RL, those during it (``eval.every_n_steps``,
+    from logs/metrics.jsonl) and after RL, each with its accuracy, tool calls per question,
+    no-tool share and reward."""
+    from aepo_engine.metrics import read_metrics
+
+    curve = [{"rl_step": 0, **{k: summary["eval_before"].get(k) for k in EVAL_FIELDS}}]
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    for row in read_metrics(metrics) if metrics.exists() else []:
+        if "eval/accuracy" in row and row.get("step", 0) < summary["steps"]:
+            curve.append({"rl_step": row["step"], **{k: row.get(f"eval/{k}") for k in EVAL_FIELDS}})
+    curve.append({"rl_step": summary["steps"], **{k: summary["eval_after"].get(k) for k in EVAL_FIELDS}})
+    return curve
+
+
+def reward_hacking(curve: list[dict]) -> list[str]:
+    """Evaluations where tool calls per question fell below half the first evaluation's while
+    accuracy fell below it (the policy earning reward by skipping the tools): empty when none."""
+    first = curve[0]
+    return [f"RL step {e['rl_step']}: {e['tool_calls']:.2f} tool calls/question (< half of {first['tool_calls']:.2f}) "
+            f"with accuracy {e['accuracy']:.3f} < {first['accuracy']:.3f}"
+            for e in curve[1:] if e["tool_calls"] is not None and first["tool_calls"]
+            and e["tool_calls"] < 0.5 * first["tool_calls"] and e["accuracy"] < first["accuracy"]]
+
+
+def run_row(seed: int, presets: list[str], extra: list[str], run_dir: Path, wall: float, max_rss_gib: float) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     config = tomllib.loads((run_dir / "config.toml").read_text())
     warm_path = run_dir / "setup" / "warm_start" / "warm_start.json"
     warm = json.loads(warm_path.read_text()) if warm_path.exists() else {}
     before, after = summary["eval_before"], summary["eval_after"]
+    curve = eval_curve(run_dir, summary)
     return {
         "seed": seed, "threads": config["train"].get("torch_threads") or None, "presets": presets, "extra_args": extra,
-        "wall_s": round(wall, 1), "rl_s": round(summary["rl_seconds"], 1),
+        "wall_s": round(wall, 1), "max_rss_gib": round(max_rss_gib, 2), "rl_s": round(summary["rl_seconds"], 1),
         "warm_start_s": round(warm["seconds"], 1) if warm else None,
         "warm_start_loss": round(warm["final_loss"], 4) if warm else None,
         "warm_start_steps": warm.get("steps"), "warm_start_val_exact": warm.get("val_exact"),
@@ -81,6 +137,7 @@ def run_one(seed: int, threads: int | None, base_dir: Path, presets: list[str], 
         "no_tool_before": before.get("no_tool_share"), "no_tool_after": after.get("no_tool_share"),
         "per_kind_before": {k: v for k, v in before.items() if k.startswith("accuracy/")},
         "per_kind_after": {k: v for k, v in after.items() if k.startswith("accuracy/")},
+        "evals": curve, "reward_hacking": reward_hacking(curve),
     }
 
 
@@ -132,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 when a run's accuracy after the warm start or its RL gain is below the "
                              "floor in GATES for these presets")
     parser.add_argument("--note", default="", help="recorded in each row (e.g. what else ran on the machine)")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at a time (each row records it: wall times of concurrent runs share the cores)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to the trainer")
     args = parser.parse_args(argv)
     floors = GATES.get(tuple(p for p in args.preset if p != "embedded"))
@@ -140,11 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     results = args.results if args.results is not None else ("learning_runs" if args.preset else "main_job")
     args.base_dir.mkdir(parents=True, exist_ok=True)
     info = machine()  # the commit the runs start from (the checkout may move during a long run)
-    rows = []
-    for seed in args.seeds:
-        for threads in args.threads or [None]:
-            rows.append(run_one(seed, threads, args.base_dir, args.preset, args.extra))
-            print(json.dumps(rows[-1]), flush=True)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    pending = [Run(seed, threads, args.base_dir, args.preset, args.extra)
+               for seed in args.seeds for threads in args.threads or [None]]
+    rows, running = [], []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            running.append(pending.pop(0))
+            running[-1].start()
+        rows.append({**running.pop(0).finish(), "parallel": args.parallel})
+        print(json.dumps(rows[-1]), flush=True)
     if results:
         print("rows appended to", write_rows(results, [{**r, "note": args.note} if args.note else r for r in rows],
                                              info))

@@ -104,6 +104,33 @@ def test_kill_during_checkpoint_then_resume_reproduces_the_run(uninterrupted, tm
     assert summary == {**json.loads((uninterrupted / "summary.json").read_text()), "rl_seconds": summary["rl_seconds"]}
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_kill_during_a_lora_runs_checkpoint_then_resume_reproduces_it(tmp_path):
+    """policy.lora: the checkpoints hold the adapter (train_state) beside its merged and PEFT
+    exports; a kill -9 while writing step 2's then a resume ends bit-exactly where the
+    uninterrupted LoRA run ends."""
+    lora = ("--policy.lora.enabled=true", "--policy.lora.rank=4", "--optim.lr=1e-3")
+    whole = tmp_path / "whole"
+    done = train(whole, *lora)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = whole / "checkpoints" / "step_000003"
+    assert (last / "adapter" / "adapter_model.safetensors").is_file() and verify_checkpoint(last) == []
+    run_dir = tmp_path / "killed"
+    killed = train(run_dir, *lora, fault="checkpoint_write:2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = train(run_dir, *lora)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "[resume] from" in resumed.stdout
+    assert _metrics(run_dir) == _metrics(whole)
+    for export in ("hf_model/model.safetensors", "adapter/adapter_model.safetensors"):
+        expected, got = (load_file(r / "checkpoints" / "step_000003" / export) for r in (whole, run_dir))
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), export
+    untrained = load_file(whole / "checkpoints" / "step_000001" / "adapter" / "adapter_model.safetensors")
+    trained = load_file(last / "adapter" / "adapter_model.safetensors")
+    assert any(not torch.equal(untrained[k], trained[k]) for k in trained)  # the adapter trained
+
+
 def _truncate(path: Path) -> None:
     """The issue's case: the newest checkpoint's data file cut to half its size."""
     file = path / "train_state" / "__0_0.distcp"

@@ -10,6 +10,7 @@ CheckpointManager checkpoint (sharded train state + HF export) goes to OUT.pt_ck
 5 prompts with 2, 3, 1, 2, 3 trajectories, mini-batches of 2 prompts (5, 3, 3 rows: odd, so
 ranks get masked-out filler rows); with ``--max-tokens`` the micro-batches are cut by a token
 budget, so ranks run different numbers of real micro-batches (padded to the same count).
+``--lora``: LoRA adapters (policy.lora, rank 4) on every projection: only they train and stream.
 ``--tree-batches on``: the rollout-tree layout (policy.tree_batches) on the hand-made tries of
 tests/test_tree_batches.py (ranks get whole groups; 4 groups, mini-batches of 2).
 """
@@ -49,11 +50,16 @@ class GatherRecorder(TorchDispatchMode):
 
 
 def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "auto",
-        activation_checkpointing: bool = False, tree_batches: str = "off", hand_made: bool = False) -> None:
+        activation_checkpointing: bool = False, tree_batches: str = "off", hand_made: bool = False,
+        lora: bool = False) -> None:
     """Build the worker, compute log-probs, update once, save the results on rank 0."""
+    from aepo_engine.models.config import LoraConfig
+    from aepo_engine.models.lora import is_adapter
+
     config = PolicyConfig(param_dtype="float32", ppo_mini_batch_size=2, micro_batch_size=2,
                           micro_batch_max_tokens=max_tokens, fsdp=fsdp,
-                          activation_checkpointing=activation_checkpointing, tree_batches=tree_batches)
+                          activation_checkpointing=activation_checkpointing, tree_batches=tree_batches,
+                          lora=LoraConfig(enabled=lora, rank=4, alpha=8.0))
     worker = PolicyWorker(model_dir, config, OPTIM, total_steps=10)
     if hand_made or tree_batches == "on":
         from test_tree_batches import hand_made_batch
@@ -77,6 +83,8 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     TreeMask._plan_buckets, TreeMicroBatch.model_inputs = counted("plans", plan), counted("masks", inputs)
     logprobs, entropy = worker.compute_logprobs(batch)
     metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
+    if lora:  # a second step: the first moves B only (A's gradient is s B^T G, 0 while B = 0)
+        metrics = worker.update(dataclasses.replace(batch, old_logprobs=logprobs, entropy=entropy))
     TreeMask._plan_buckets, TreeMicroBatch.model_inputs = plan, inputs
     state = worker.full_state_dict()
     everywhere = worker.full_state_dict(rank0_only=False)  # the whole model on every rank
@@ -87,15 +95,16 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
     for bucket in worker.iter_weight_buckets(2048):
         sizes.append(sum(t.numel() * t.element_size() for t in {id(t): t for t in bucket.values()}.values()))
         streamed.update(bucket)
-    assert set(streamed) == set(everywhere) and len(sizes) > 3
-    assert all(torch.equal(streamed[k].cpu(), v) for k, v in everywhere.items())
-    largest = max(t.numel() * t.element_size() for t in everywhere.values())
+    pushed = {k: v for k, v in everywhere.items() if is_adapter(k) or not lora}  # LoRA: the adapters only
+    assert set(streamed) == set(pushed) and len(sizes) > 3
+    assert all(torch.equal(streamed[k].cpu(), v) for k, v in pushed.items())
+    largest = max(t.numel() * t.element_size() for t in pushed.values())
     assert all(size < 2048 + largest for size in sizes)  # a bucket closes once it reaches the bound
     # in a bf16 engine's dtype: every shard is cast before its all-gather (half the bytes)
     with GatherRecorder() as gathers:
         streamed_bf16 = {k: v for bucket in worker.iter_weight_buckets(2048, dtype=torch.bfloat16)
                          for k, v in bucket.items()}
-    assert all(torch.equal(streamed_bf16[k].cpu(), v.to(torch.bfloat16)) for k, v in everywhere.items())
+    assert all(torch.equal(streamed_bf16[k].cpu(), v.to(torch.bfloat16)) for k, v in pushed.items())
     assert gathers.dtypes == ({torch.bfloat16} if worker.use_fsdp else set())
     CheckpointManager(out + "_ckpt").save(1, worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler)
     if worker.rank == 0:
@@ -115,5 +124,7 @@ if __name__ == "__main__":
     parser.add_argument("--fsdp", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--tree-batches", default="off", choices=["on", "off"])
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
-    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing, args.tree_batches)
+    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing, args.tree_batches,
+        lora=args.lora)
