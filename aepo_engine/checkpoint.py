@@ -332,8 +332,11 @@ class CheckpointFootprint:
     """Bytes on disk of a run's checkpoints.
 
     Attributes:
-        train_state: one checkpoint's train_state/ (fp32 weights and AdamW's two fp32 moments).
-        hf_export: one HF export (the weights in the model's dtype; 0 when not exported).
+        train_state: one checkpoint's train_state/ (fp32 weights and AdamW's two fp32 moments; under
+            LoRA the adapters' only).
+        hf_export: one HF export (the weights in the model's dtype, and under LoRA the adapter
+            beside them; 0 when not exported).
+        lora: the trained weights are LoRA adapters.
         peak: the most the checkpoint folder holds at once: ``keep_last`` checkpoints plus the one
             being written, with the HF exports they carry.
     """
@@ -341,30 +344,37 @@ class CheckpointFootprint:
     train_state: int
     hf_export: int
     peak: int
+    lora: bool = False
 
     def describe(self, cfg: CheckpointConfig, export_dtype: str) -> str:
         """One line: each checkpoint's training state, the HF export and the peak with keep_last."""
         exports = ("none (checkpoint.export_hf = false)" if not self.hf_export else
                    f"{format_bytes(self.hf_export)} ({export_dtype}) " +
                    (f"every {cfg.hf_export_every} steps and at the end" if cfg.hf_export_every else "at the end"))
-        return (f"{format_bytes(self.train_state)} of training state per checkpoint (fp32 weights "
+        weights = "the LoRA adapters' fp32 weights" if self.lora else "fp32 weights"
+        return (f"{format_bytes(self.train_state)} of training state per checkpoint ({weights} "
                 f"+ AdamW moments); HF export {exports}; up to {format_bytes(self.peak)} with keep_last "
                 f"{cfg.keep_last} (+ the one being written)")
 
 
-def checkpoint_footprint(params: int, export_dtype_bytes: int, cfg: CheckpointConfig) -> CheckpointFootprint:
+def checkpoint_footprint(params: int, export_dtype_bytes: int, cfg: CheckpointConfig,
+                         trainable: int | None = None) -> CheckpointFootprint:
     """The disk the checkpoints of a model with ``params`` parameters take.
 
     Args:
         params: parameter count (tied weights once).
         export_dtype_bytes: bytes per element of the HF export (the model's dtype).
         cfg: the checkpoint section (keep_last, export_hf, hf_export_every).
+        trainable: the parameters that train when fewer than ``params`` (LoRA adapters: the
+            training state holds them alone, and the export adds them as the adapter folder).
     """
-    train_state = 4 * params * (1 + OPTIMIZER_STATE_FACTOR)
-    hf_export = export_dtype_bytes * params if cfg.export_hf else 0
+    lora = trainable is not None and trainable < params
+    trained = trainable if lora else params
+    train_state = 4 * trained * (1 + OPTIMIZER_STATE_FACTOR)
+    hf_export = export_dtype_bytes * (params + (trained if lora else 0)) if cfg.export_hf else 0
     kept = cfg.keep_last + 1  # the one being written exists beside the kept ones until the prune
     exports = 0 if not cfg.export_hf else (kept if cfg.hf_export_every else 1)
-    return CheckpointFootprint(train_state, hf_export, kept * train_state + exports * hf_export)
+    return CheckpointFootprint(train_state, hf_export, kept * train_state + exports * hf_export, lora)
 
 
 def space_problem(root: str | Path, footprint: CheckpointFootprint) -> str | None:

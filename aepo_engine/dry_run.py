@@ -439,11 +439,41 @@ def _check_checkpoint_disk(cfg: TrainConfig, report: DryRunReport) -> None:
     except (ValueError, OSError):
         return  # check_model_dir reports a model directory without a readable config.json
     dtype = (model_dtype(path) if path is not None else None) or torch.float32
-    footprint = checkpoint_footprint(shape.params(), dtype.itemsize, cfg.checkpoint)
+    lora = cfg.policy.lora
+    if lora.enabled and (unknown := shape.unknown_lora_targets(lora)):
+        report.problems.append(f"policy.lora.target_modules {unknown} name no projection of this model "
+                               f"(its decoder layers have {sorted(shape.projection_shapes())})")
+    trainable = shape.trainable_params(lora)
+    if lora.enabled:
+        report.notes.append(f"LoRA: {trainable / 1e6:.2f}M adapter parameters train ({100 * trainable / shape.params():.1f}% "
+                            f"of {shape.params() / 1e6:.1f}M; rank {lora.rank}, alpha {lora.alpha:g} on "
+                            f"{', '.join(lora.target_modules)}); the engine receives "
+                            f"{trainable * 2 / 2**20:.1f} MiB (bf16) per weight push instead of the model"
+                            + _vllm_lora_slot(cfg, shape))
+    footprint = checkpoint_footprint(shape.params(), dtype.itemsize, cfg.checkpoint, trainable=trainable)
     report.notes.append("checkpoint disk: " + footprint.describe(cfg.checkpoint, str(dtype).removeprefix("torch.")))
     problem = space_problem(Path(cfg.run_dir) / cfg.checkpoint.dir, footprint)
     if problem:
         report.problems.append(problem)
+
+
+def _vllm_lora_slot(cfg: TrainConfig, shape: Any) -> str:
+    """What a vLLM engine's LoRA slot holds (``backends.vllm``: one adapter slot of the smallest
+    ``max_lora_rank`` vLLM allows >= the rank; adapters are zero-padded into it), or ''."""
+    if cfg.backend.kind != "vllm":
+        return ""
+    from aepo_engine.rollout.backends.vllm import lora_rank_slot
+
+    try:
+        slot = lora_rank_slot(cfg.policy.lora.rank)
+    except ImportError:  # no vLLM here: the package check reports it
+        return ""
+    except ValueError as exc:
+        return f"; {exc}"
+    padded = msgspec.structs.replace(cfg.policy.lora, rank=slot)
+    dtype_bytes = 4 if cfg.backend.dtype in ("auto", "float32") else 2
+    return (f"; vLLM: one LoRA slot of max_lora_rank {slot} "
+            f"({shape.layers * shape.lora_layer_params(padded) * dtype_bytes / 2**20:.1f} MiB in {cfg.backend.dtype})")
 
 
 def _count_flag(value: str | None, flag: str, default: int = 8) -> int:

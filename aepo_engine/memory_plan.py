@@ -153,6 +153,27 @@ class ModelShape:
     def params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` features of each linear projection of a decoder layer, by module name."""
+        d, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+                "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+
+    def unknown_lora_targets(self, lora: Any) -> list[str]:
+        """Target modules that name none of this family's projections (:meth:`projection_shapes`)."""
+        return [m for m in lora.target_modules if m.split(".")[-1] not in self.projection_shapes()]
+
+    def lora_layer_params(self, lora: Any) -> int:
+        """One decoder layer's adapter parameters, r x (in + out) per adapted projection (target
+        modules naming no projection, :meth:`unknown_lora_targets`, add nothing)."""
+        shapes = self.projection_shapes()
+        known = {m.split(".")[-1] for m in lora.target_modules} & set(shapes)
+        return sum(lora.rank * sum(shapes[m]) for m in known)
+
+    def trainable_params(self, lora: Any) -> int:
+        """Parameters that train: every one, or the adapters' under an enabled ``policy.lora``."""
+        return self.layers * self.lora_layer_params(lora) if lora.enabled else self.params()
+
     def largest_tensor(self) -> int:
         return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.hidden * self.q_width)
 
@@ -382,18 +403,29 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
 
     r = DTYPE_BYTES[policy.reduce_dtype]
     d, v, layer, root = shape.hidden, shape.vocab, shape.layer_params(), shape.root_params()
-    add("params", "params (fp32 master" + (", FSDP shard)" if sharded else ")"), 4 * p / shards)
-    add("grads", "grads (fp32" + (", FSDP shard)" if sharded else ")"), 4 * p / shards)
-    add("adam", "AdamW states (2 x fp32" + (", FSDP shard)" if sharded else ")"), 8 * p / shards)
+    # LoRA (policy.lora): the frozen base weights stay fp32 masters beside the adapters; gradients
+    # and AdamW states are the adapters' only, and the head (frozen) gets no d_W.
+    lora = policy.lora.enabled
+    trainable = shape.trainable_params(policy.lora)
+    adapter = shape.lora_layer_params(policy.lora) if lora else 0
+    what = "adapters" if lora else "fp32"
+    add("params", "params (fp32 master" + (" + LoRA adapters" if lora else "") + (", FSDP shard)" if sharded else ")"),
+        4 * (p + (trainable if lora else 0)) / shards)
+    add("grads", f"grads ({what}" + (", FSDP shard)" if sharded else ")"), 4 * trainable / shards)
+    add("adam", f"AdamW states (2 x fp32{', adapters' if lora else ''}" + (", FSDP shard)" if sharded else ")"),
+        8 * trainable / shards)
     if sharded:
-        add("layers", f"unsharded layers ({policy.param_dtype}: the one computed + the one prefetched)", 2 * layer * c)
+        add("layers", f"unsharded layers ({policy.param_dtype}: the one computed + the one prefetched)",
+            2 * (layer + adapter) * c)
         # a gradient is reduce-scattered from a copy in the reduce dtype into a shard-sized output
         scatter = c + r + (r / w if w > 1 else 0)
         add("layer_grad", f"a layer's unsharded gradient ({policy.param_dtype}, its {policy.reduce_dtype} "
-            "reduce-scatter copy and output)", layer * scatter)
+            "reduce-scatter copy and output" + ("; the adapters' only" if lora else "") + ")",
+            (adapter if lora else layer) * scatter)
         add("root", f"root params gathered (embeddings, lm_head, norm; {policy.param_dtype})", root * c)
-        add("root_grad", f"root params' unsharded gradient (+ its {policy.reduce_dtype} reduce-scatter copy and "
-            "output)", root * scatter)
+        add("root_grad", "root params' unsharded gradient (none: frozen under LoRA)" if lora else
+            f"root params' unsharded gradient (+ its {policy.reduce_dtype} reduce-scatter copy and output)",
+            0 if lora else root * scatter)
     else:
         for key in ("layers", "layer_grad", "root", "root_grad"):
             add(key, f"{key} (none: no FSDP)", 0)
@@ -411,7 +443,12 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         else "all saved)"), inputs + tokens * per_layer if ckpt else full)
     final_grad = v * d * (c if c != 4 else 0)  # d_W handed to autograd in the weight's dtype (a copy unless fp32)
     budget = policy.fused_chunk_bytes or (CUDA_CHUNK_BYTES_MAX if cuda else DEFAULT_CHUNK_BYTES)
-    if policy.use_fused_linear:
+    if policy.use_fused_linear and lora:  # a frozen head: the kernel computes no d_W (needs_input_grad)
+        rows = max(1, budget // (v * c))
+        add("head", "fused-linear head (logits block, d_hidden; no d_W: the head is frozen under LoRA)",
+            min(rows, tokens) * v * c + tokens * d * c)
+        add("head_saved", "the head's gradient kept for backward (d_hidden)", tokens * d * c)
+    elif policy.use_fused_linear:
         rows = max(1, budget // (v * c))
         head = min(rows, tokens) * v * c + 4 * v * d + final_grad + tokens * d * c
         add("head", "fused-linear head (logits block, fp32 d_W accumulator, d_W in the weight dtype, d_hidden)", head)

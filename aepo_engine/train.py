@@ -52,6 +52,7 @@ from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.files import write_text_atomic
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
+from aepo_engine.models.lora import is_adapter
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
 from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, diversity_metrics, entropy_tail_metrics,
@@ -448,8 +449,9 @@ class Trainer:
             return
         ckpt = self.cfg.checkpoint
         dtype = model_dtype(self.model_dir) or torch.float32
-        params = sum(p.numel() for p in self.policy.model.parameters())
-        footprint = checkpoint_footprint(params, dtype.itemsize, ckpt)
+        params = sum(p.numel() for n, p in self.policy.model.named_parameters() if not is_adapter(n))  # the base
+        trainable = sum(p.numel() for p in self.policy.trainable_parameters())
+        footprint = checkpoint_footprint(params, dtype.itemsize, ckpt, trainable=trainable)
         _log(f"[checkpoint] disk: {footprint.describe(ckpt, str(dtype).removeprefix('torch.'))}")
         problem = space_problem(self.checkpoints.root, footprint)
         if problem:

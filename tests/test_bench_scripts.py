@@ -285,6 +285,30 @@ def test_hf_decode_bench_rows_and_byte_formula(tmp_path):
     assert concat_bytes_per_step(config, rows=5, context=100) == 2 * 5 * 3 * 2 * 2 * 8 * 100 * 4
 
 
+@pytest.mark.slow
+def test_lora_sync_bench_hf_modes_and_byte_formula(tmp_path):
+    """bench_lora_sync at the tiny model, HF engine only, one repeat, nothing written: each push
+    moves what the config's formula says (LoRA: the adapters only, the trainable parameters in
+    bf16), and the formula is SmolLM2-135M's by hand (its tied lm_head pushed under its own name)."""
+    sys.path.insert(0, str(BENCH))
+    from bench_lora_sync import formula_bytes, run_mode
+    from transformers import LlamaConfig
+
+    from aepo_engine.models import build_tiny_qwen3
+
+    model_dir = build_tiny_qwen3(tmp_path / "m", seed=0)
+    full, lora = (run_mode(mode, model_dir, repeats=1) for mode in ("hf-full", "hf-lora"))
+    assert full["bytes_pushed"] == full["formula_bytes"] == 2 * full["params"] == 2 * full["trainable_params"]
+    assert lora["bytes_pushed"] == lora["formula_bytes"] == 2 * lora["trainable_params"] < full["bytes_pushed"]
+    assert lora["params"] == full["params"] + lora["trainable_params"]
+    assert all(len(r["samples"]) == 1 and r["sync_s"] > 0 and len(r["load_avg"]) == 3 for r in (full, lora))
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, intermediate_size=1536, tie_word_embeddings=True)
+    assert formula_bytes(smollm2, lora=True) == 2 * 30 * 16 * (2 * 1152 + 2 * 768 + 3 * 2112) == 9_768_960
+    layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536 + 2 * 576
+    assert formula_bytes(smollm2, lora=False) == 2 * (2 * 49152 * 576 + 30 * layer + 576) == 325_653_120
+
+
 def test_scoring_agreement_variants_and_summary_hand_worked():
     sys.path.insert(0, str(BENCH))
     from bench_scoring_agreement import eval_variants, summarize, _eval_row

@@ -231,3 +231,47 @@ def test_a_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, tmp_path
     resumed.update(with_old_policy(resumed, second))
     for (name, a), (_, b) in zip(worker.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+# --- plans -----------------------------------------------------------------------------------------------
+
+def test_the_plans_count_the_adapters_the_model_really_has(tiny_model):
+    """The memory plan's adapter count equals the injected model's (an independent count); under
+    LoRA gradients and AdamW states are the adapters', the frozen head gets no d_W, and a
+    checkpoint's training state is the adapters' (hand-worked: 4 bytes x (1 + 2 moments))."""
+    import json
+    from pathlib import Path
+
+    from aepo_engine.checkpoint import checkpoint_footprint
+    from aepo_engine.config import TrainConfig
+    from aepo_engine.memory_plan import ModelShape, plan_memory
+    from aepo_engine.sections import CheckpointConfig
+
+    shape = ModelShape.from_config(json.loads((Path(tiny_model) / "config.json").read_text()))
+    model = apply_lora(load(tiny_model), LORA)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+    assert shape.trainable_params(LORA) == adapters
+    assert shape.trainable_params(LoraConfig()) == shape.params()  # disabled: every weight
+    full = plan_memory(TrainConfig(), shape, world=1, cuda=False).terms
+    lora = plan_memory(TrainConfig(policy=PolicyConfig(lora=LORA)), shape, world=1, cuda=False).terms
+    assert (lora["grads"].bytes, lora["adam"].bytes) == (4 * adapters, 8 * adapters)
+    assert lora["params"].bytes == 4 * (shape.params() + adapters) and full["grads"].bytes == 4 * shape.params()
+    # no fp32 d_W accumulator (4 bytes) and no d_W handed to autograd in bf16 (2 bytes)
+    assert full["head"].bytes - lora["head"].bytes == (4 + 2) * shape.vocab * shape.hidden
+    footprint = checkpoint_footprint(shape.params(), 2, CheckpointConfig(), trainable=adapters)
+    assert footprint.train_state == 12 * adapters and footprint.hf_export == 2 * (shape.params() + adapters)
+    assert "LoRA adapters" in footprint.describe(CheckpointConfig(), "bfloat16")
+
+
+def test_the_dry_run_reports_the_adapters_and_unknown_targets(tmp_path):
+    from runs import TINY, run_main
+
+    from aepo_engine.train import main
+
+    ok = run_main(main, [*TINY, f"--run_dir={tmp_path}", "--policy.lora.enabled=true", "--dry-run"])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    note = next(line for line in ok.stderr.splitlines() if line.startswith("note: LoRA:"))
+    assert "adapter parameters train" in note and "per weight push instead of the model" in note
+    bad = run_main(main, [*TINY, f"--run_dir={tmp_path}", "--policy.lora.enabled=true",
+                          '--policy.lora.target_modules=["qkv_proj"]', "--dry-run"])
+    assert bad.returncode != 0 and "name no projection of this model" in bad.stderr
