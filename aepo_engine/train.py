@@ -256,6 +256,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         tokens = float(sum(len(t.response_ids) for t in trajectories))
         metrics.update({"time/rollout_s": t_rollout, "time/sync_s": time.perf_counter() - t_sync,
+                        "engine/push_bytes": float(self.policy.pushed_bytes),  # the adapters' only under LoRA
                         "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
                         "time/wait_for_ranks": waited,
                         **{f"time/rollout_{part}_s": sum(getattr(st, f"{part}_s") for st in stats) / len(stats)

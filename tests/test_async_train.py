@@ -125,6 +125,23 @@ def test_eta_one_stays_within_one_version_and_a_killed_run_resumes(tmp_path):
     assert all(torch.isfinite(w).all() for w in _weights(run_dir).values())
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_an_asynchronous_lora_run_pushes_only_the_adapter(tiny_run, tmp_path):
+    """policy.lora with train.mode = async: the rollout process's engine is built with the same
+    adapters and each push carries them only (engine/push_bytes: the adapters' bytes, a small
+    share of the synchronous full-weight run's), and the run ends with the adapter exported."""
+    run_dir = tmp_path / "async_lora"
+    proc = _train(run_dir, "--train.mode=async", "--train.max_staleness=1", "--policy.lora.enabled=true",
+                  "--policy.lora.rank=4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows, full = read_metrics(run_dir / "logs" / "metrics.jsonl"), read_metrics(tiny_run / "logs" / "metrics.jsonl")
+    pushed = [r["engine/push_bytes"] for r in rows[:-1]]  # no push after the last step
+    adapter = load_file(run_dir / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors")
+    assert pushed == [sum(t.numel() * 4 for t in adapter.values())] * len(pushed)  # fp32 engine: 4 bytes
+    assert 0 < pushed[0] < full[0]["engine/push_bytes"] / 5
+
+
 # ---------------------------------------------------------------------------------------------
 # The rollout process on its own
 

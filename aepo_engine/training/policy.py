@@ -315,6 +315,7 @@ class PolicyWorker:
         # FSDP2 averages gradients over ranks; scale so the sum (the global token-mean) survives.
         self.loss_scale = float(self.world_size) if self.use_fsdp else 1.0
         self.skipped_steps = 0
+        self.pushed_bytes = 0  # bytes of the last weight push's tensors (iter_weight_buckets)
         self._cf_threshold: Tensor | None = None  # set per update() (counterfactual_stats)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -668,6 +669,7 @@ class PolicyWorker:
             params[id(value)] = value
         bucket: dict[str, Tensor] = {}
         size = 0
+        self.pushed_bytes = 0  # this push's distinct tensors (a tied one once): the metric engine/push_bytes
         for key, value in params.items():
             full = value.detach() if dtype is None else value.detach().to(dtype)  # a shard is cast locally
             if hasattr(full, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather it
@@ -675,6 +677,7 @@ class PolicyWorker:
             for name in names[key]:
                 bucket[name] = full
             size += full.numel() * full.element_size()
+            self.pushed_bytes += full.numel() * full.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = {}, 0
