@@ -37,6 +37,9 @@ setup(
         # The retrieval server (aepo_engine.tools.retrieval_server) is an ASGI app served by uvicorn.
         "uvicorn==0.55.0",
         "xxhash>=3",  # checkpoint checksums (aepo_engine/files.py): a small C extension, ~5x zlib.crc32
+        # LoRA adapters (policy.lora, aepo_engine/models/lora.py: PEFT's injection, adapter folders);
+        # imported only when a run enables it. Tested with 0.21.2.
+        "peft>=0.21,<1",
         # The python tool's sandbox: a bwrap binary on Linux (a system bwrap on PATH is preferred
         # when present; tools.python.bwrap_path overrides both). libseccomp, loaded through
         # ctypes, comes with practically every Linux (the sandbox says so when it is missing).
