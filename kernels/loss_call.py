@@ -100,15 +100,20 @@ def loss_options(function: str, options: dict) -> LossOptions:
     return LossOptions(**options)
 
 
-def takes_loss_options(fn: Callable) -> Callable:
+def takes_loss_options(fn: Callable | None = None, *, defaults: dict | None = None) -> Callable:
     """Give ``fn(..., **options)`` the signature ``help()`` and ``inspect`` show: its own
     parameters, then every :class:`LossOptions` field as a keyword with its default (the required
-    ones without). Changes nothing at call time (``fn`` is returned as it is)."""
+    ones without, unless ``defaults`` gives the function's own: the tree losses' shift_labels=False).
+    Changes nothing at call time (``fn`` is returned as it is). Used bare or as
+    ``@takes_loss_options(defaults={...})``."""
+    if fn is None:
+        return lambda f: takes_loss_options(f, defaults=defaults)
+    defaults = defaults or {}
     own = inspect.signature(fn)
     params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     annotations = {name: getattr(a, "__forward_arg__", a) for name, a in LossOptions.__annotations__.items()}
     for name, default in LossOptions._field_defaults.items():
-        default = inspect.Parameter.empty if name in _REQUIRED else default
+        default = defaults[name] if name in defaults else inspect.Parameter.empty if name in _REQUIRED else default
         annotation = "bool" if name in _REQUIRED else annotations[name]
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     fn.__signature__ = own.replace(parameters=params)

@@ -58,6 +58,7 @@ from .config import HYPER_PARAMS, LossConfig, hyper_params
 from .logits_ops import (
     _row_chunks, accumulate_dtype, fast_chunk_grad_inplace, fast_chunk_grad_into, fast_chunk_stats, finish_stats, map_logits,
 )
+from .policy_loss import weight_total
 from .row_inputs import RowInputs
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +225,12 @@ def aggregation_weights(loss_mask, config: LossConfig, global_token_count=None, 
     """
     mask = loss_mask.float()
     if config.aggregation == "token-mean":
-        denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        denom = weight_total(mask.sum()) if global_token_count is None else global_token_count
         return mask / denom
     if mask.dim() != 2:
         raise ValueError(f"aggregation={config.aggregation!r} needs [B, T] inputs, got {tuple(mask.shape)}")
     if config.aggregation == "seq-mean-token-mean":
-        per_seq = mask / mask.sum(-1, keepdim=True).clamp(min=1)
+        per_seq = mask / weight_total(mask.sum(-1, keepdim=True))
     else:
         per_seq = mask / (config.seq_norm_length or mask.shape[-1])
     return per_seq / (mask.shape[0] if global_num_seqs is None else global_num_seqs)

@@ -54,6 +54,13 @@ def apply_token_weights(advantages: torch.Tensor, token_weights: torch.Tensor | 
     return advantages * token_weights.detach().to(advantages.dtype if advantages.is_floating_point() else torch.float32)
 
 
+def weight_total(total: torch.Tensor) -> torch.Tensor:
+    """A sum of mask weights as a divisor: itself when positive, 1 when nothing is weighted (the
+    numerator is 0 then). Fractional weights summing below 1 are divided by their sum, not by 1:
+    ``loss = sum_t w_t L_t / sum_t w_t`` (docs/library.md, "Masks are weights")."""
+    return torch.where(total > 0, total, torch.ones_like(total))
+
+
 def entropy_moments(entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``[3]`` float64 ``(sum H, sum H^2, count)`` over valid tokens, detached.
 
@@ -68,7 +75,7 @@ def entropy_moments(entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
 def entropy_stats_from_moments(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, std)`` (population std, fp32 scalars) from :func:`entropy_moments` output."""
     total, total_sq, count = moments.unbind()
-    count = count.clamp(min=1)
+    count = weight_total(count)
     mean = total / count
     var = (total_sq / count - mean * mean).clamp(min=0)
     return mean.float(), var.sqrt().float()
@@ -130,12 +137,12 @@ def aggregate(
     mask = loss_mask.to(token_loss.dtype)
     masked = token_loss * mask
     if config.aggregation == "token-mean":
-        denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        denom = weight_total(mask.sum()) if global_token_count is None else global_token_count
         return masked.sum() / denom
     if token_loss.dim() != 2:
         raise ValueError(f"aggregation={config.aggregation!r} needs [B, T] inputs, got {tuple(token_loss.shape)}")
     if config.aggregation == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = masked.sum(-1) / weight_total(mask.sum(-1))
     else:
         per_seq = masked.sum(-1) / (config.seq_norm_length or token_loss.shape[-1])
     denom = token_loss.shape[0] if global_num_seqs is None else global_num_seqs
@@ -165,7 +172,7 @@ def loss_stats(entropy, ratio, advantages, loss_mask, config, kl, stats_masks=No
 
 def _token_stats(entropy, ratio, advantages, loss_mask, config, kl) -> dict[str, torch.Tensor]:
     mask = loss_mask.float()
-    count = mask.sum().clamp(min=1)
+    count = weight_total(mask.sum())
     pos, neg = advantages > 0, advantages < 0
     stats = {
         "entropy": _masked_mean(entropy, mask, count),

@@ -94,10 +94,12 @@ def aggregate_reference(
     """Aggregate ``[B, T]`` (or ``[N]`` for token-mean) per-token losses, docs/algorithm.md §2d."""
     mask = loss_mask.float()
     if config.aggregation == "token-mean":
-        return (token_loss * mask).sum() / mask.sum().clamp(min=1)
+        total = mask.sum()  # the weights' sum (1 when nothing is weighted: the sum above is 0)
+        return (token_loss * mask).sum() / (total if total > 0 else 1.0)
     per_seq_sum = (token_loss * mask).sum(-1)
     if config.aggregation == "seq-mean-token-mean":
-        per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)
+        lengths = mask.sum(-1)
+        per_seq = per_seq_sum / torch.where(lengths > 0, lengths, torch.ones_like(lengths))
     else:  # seq-mean-token-sum-norm
         per_seq = per_seq_sum / (config.seq_norm_length or token_loss.shape[-1])
     return per_seq.mean()

@@ -41,8 +41,8 @@ occurrences and :func:`aepo_kernels.one_pass.token_head` is evaluated there.
 Requirements (the caller's tree builder checks them; they hold by construction for a trie keyed
 on the tokens and these values): every occurrence of a node has the same old log-prob and
 reference log-prob (they are per node here). Inputs: the contract of :mod:`aepo_kernels.contract`
-(per node like ``labels``, per occurrence like ``occurrences.node``); ``shift_labels`` must be
-given, and False (a node row is already its token's prediction). Left out: ``backend="reference"`` (the oracle is
+(per node like ``labels``, per occurrence like ``occurrences.node``); ``shift_labels`` is False
+by default and may only be False (a node row is already its token's prediction). Left out: ``backend="reference"`` (the oracle is
 :func:`aepo_kernels.reference.tree_loss_reference`: the literal row loss on the expanded rows),
 ``torch.compile`` tracing of the two-column op.
 """
@@ -58,7 +58,7 @@ from .fused_linear import FusedLinearAEPOLossFunction, chunk_bytes_for, fused_li
 from .logits_ops import logit_map, logprob_entropy, resolve_backend
 from .loss_call import _entropy_stats, _stats, loss_options, takes_loss_options
 from .one_pass import OnePassLossFunction, token_head
-from .policy_loss import apply_token_weights
+from .policy_loss import apply_token_weights, weight_total
 from .row_inputs import RowInputs
 
 __all__ = ["Occurrences", "aepo_tree_policy_loss", "fold_occurrences", "fused_linear_aepo_tree_policy_loss",
@@ -90,7 +90,7 @@ def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=
     (:func:`aepo_kernels.one_pass.aggregation_weights` on the expanded ``[B, T]`` rows)."""
     mask = occ.loss_mask.float()
     if config.aggregation == "token-mean":
-        denom = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        denom = weight_total(mask.sum()) if global_token_count is None else global_token_count
         return mask / denom
     if occ.sequence is None:
         raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.sequence (each occurrence's trajectory)")
@@ -99,7 +99,7 @@ def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=
         num_seqs = int(occ.sequence.max()) + 1 if mask.numel() else 1
     if config.aggregation == "seq-mean-token-mean":
         lengths = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, occ.sequence, mask)
-        per_seq = mask / lengths.clamp(min=1)[occ.sequence]
+        per_seq = mask / weight_total(lengths)[occ.sequence]
     else:
         if config.seq_norm_length is None:
             raise ValueError("aggregation='seq-mean-token-sum-norm' on a tree needs config.seq_norm_length: the row "
@@ -148,8 +148,10 @@ def _check(function: str, labels: torch.Tensor, vocab: int, old_logprobs, occ: O
     ``occurrences.node``) its advantages, mask, trajectory, ``token_weights`` and ``stats_masks``;
     labels in ``[0, V)`` or ``ignore_index``, nodes in ``[0, N)``, trajectories in
     ``[0, num_sequences)``, masks and weights finite and >= 0 (at once on the CPU, a device-side
-    assert on CUDA). ``shift_labels`` must be given (the contract has no default) and be False."""
-    if contract.alignment(function, o.shift_labels):
+    assert on CUDA). ``shift_labels`` is False (the default here: a tree has no other convention)."""
+    if o.shift_labels is not None and not isinstance(o.shift_labels, bool):
+        contract.alignment(function, o.shift_labels)  # its TypeError for a non-bool
+    if o.shift_labels:
         raise ValueError(f"{function}(): shift_labels=True has no meaning on a tree: node row n already predicts "
                          "labels[n] (its own token, from its parent's state); pass shift_labels=False")
     if o.backend == "reference":
@@ -226,7 +228,7 @@ def _occurrence_stats(call: _TreeCall, node_rows: torch.Tensor, occ: Occurrences
 # ---------------------------------------------------------------------------------------------
 # The public tree losses.
 
-@takes_loss_options
+@takes_loss_options(defaults={"shift_labels": False})
 def aepo_tree_policy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -252,7 +254,7 @@ def aepo_tree_policy_loss(
         are ``[M]`` with ``return_token_loss``.
     """
     function = "aepo_tree_policy_loss"
-    o = loss_options(function, options)
+    o = loss_options(function, {"shift_labels": False, **options})
     contract.check_logits(function, logits, labels)
     entropy_pass = lambda: logprob_entropy(  # noqa: E731
         logits.detach(), labels, o.temperature, shift_labels=False, backend=o.backend, ignore_index=o.ignore_index,
@@ -264,7 +266,7 @@ def aepo_tree_policy_loss(
     return loss, _occurrence_stats(call, rows[:, 0], occurrences, o)
 
 
-@takes_loss_options
+@takes_loss_options(defaults={"shift_labels": False})
 def fused_linear_aepo_tree_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -281,7 +283,7 @@ def fused_linear_aepo_tree_policy_loss(
     parent's final state) and the lm_head ``weight [V, D]``: :func:`aepo_tree_policy_loss` without
     ``[N, V]`` logits (:func:`aepo_kernels.fused_linear_aepo_policy_loss`'s three matmuls)."""
     function = "fused_linear_aepo_tree_policy_loss"
-    o = loss_options(function, options)
+    o = loss_options(function, {"shift_labels": False, **options})
     contract.check_hidden(function, hidden, weight, labels, bias)
     chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
     entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731

@@ -331,3 +331,37 @@ def test_a_mask_weight_of_two_is_the_token_counted_twice(path):
     for key in ("num_tokens", "entropy", "ratio", "clipfrac_high", "clipfrac_low"):
         torch.testing.assert_close(stats[key], want_stats[key], msg=key)
     assert stats["num_tokens"] == 6
+
+
+@pytest.mark.parametrize("path", ["logits", "reference", "fused", "tree"])
+def test_weights_summing_below_one_divide_by_their_sum(path):
+    """Issue 51: token-mean divides by the weights' sum (docs/library.md, "Masks are weights"), also
+    when fractional weights sum to less than 1 (it divided by max(sum, 1): the loss of a short
+    sequence with down-weighted tokens came out 0.3 x too small). Hand-worked: weights 0.1 and 0.2
+    (sum 0.3) give (0.1 L_0 + 0.2 L_2) / 0.3, the same loss as weights 1 and 2 (sum 3); the
+    statistics' means likewise."""
+    from aepo_kernels import Occurrences, aepo_tree_policy_loss
+
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(3, D, generator=gen), torch.randn(V, D, generator=gen)
+    labels = torch.randint(0, V, (3,), generator=gen)
+    old, adv = -torch.rand(3, generator=gen) * 2, torch.randn(3, generator=gen)
+    cfg = LossConfig(entropy_adv_alpha=0.5, entropy_coef=0.02)
+
+    def run(mask):
+        if path == "fused":
+            return fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, shift_labels=False, config=cfg)
+        if path == "tree":  # three nodes, each read once, from the parents' hidden states = the rows here
+            occ = Occurrences(node=torch.arange(3), advantages=adv, loss_mask=mask, sequence=torch.zeros(3, dtype=torch.long),
+                              num_sequences=1)
+            return aepo_tree_policy_loss(hidden @ weight.T, labels, old, occ, shift_labels=False, config=cfg)
+        return aepo_policy_loss(hidden @ weight.T, labels, old, adv, mask, shift_labels=False, config=cfg,
+                                backend="reference" if path == "reference" else "torch")
+
+    small, small_stats = run(torch.tensor([0.1, 0.0, 0.2]))
+    whole, whole_stats = run(torch.tensor([1.0, 0.0, 2.0]))
+    torch.testing.assert_close(small, whole, rtol=1e-5, atol=1e-6)
+    assert small.abs() > 1e-3  # a real loss, not 0 = 0
+    for key in ("entropy", "ratio"):
+        if key in small_stats:
+            torch.testing.assert_close(small_stats[key], whole_stats[key], rtol=1e-5, atol=1e-6, msg=key)

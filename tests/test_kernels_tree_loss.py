@@ -218,19 +218,21 @@ def test_one_column_would_not_do():
 
 
 def test_bad_inputs_say_what_is_wrong():
-    """The input contract (aepo_kernels.contract) on both tree entry points: shift_labels has no
-    default, and the per-node and per-occurrence arguments are checked (metadata, then values)."""
+    """The input contract (aepo_kernels.contract) on both tree entry points: shift_labels is False
+    by default (a tree has no other convention, issue 51) and True or a non-bool is refused; the
+    per-node and per-occurrence arguments are checked (metadata, then values)."""
     tree, rows, valid, logits, old, ref, advantages, mask, weights = _case(seed=2)
     occ = _occurrences(rows, valid, advantages, mask)
     labels = tree.labels
     loss = lambda *args, **kw: aepo_tree_policy_loss(*args, **{"shift_labels": False, **kw})  # noqa: E731
-    with pytest.raises(TypeError, match="needs shift_labels=True or shift_labels=False"):
-        aepo_tree_policy_loss(logits, labels, old, occ)
+    assert torch.equal(aepo_tree_policy_loss(logits, labels, old, occ)[0], loss(logits, labels, old, occ)[0])
     hidden, weight = torch.randn(labels.shape[0], 8), torch.randn(logits.shape[1], 8)
-    with pytest.raises(TypeError, match="needs shift_labels"):
-        fused_linear_aepo_tree_policy_loss(hidden, weight, labels, old, occ)
+    assert torch.equal(fused_linear_aepo_tree_policy_loss(hidden, weight, labels, old, occ)[0],
+                       fused_linear_aepo_tree_policy_loss(hidden, weight, labels, old, occ, shift_labels=False)[0])
     with pytest.raises(ValueError, match="no meaning on a tree"):
         loss(logits, labels, old, occ, shift_labels=True)
+    with pytest.raises(TypeError, match="shift_labels must be True or False"):
+        loss(logits, labels, old, occ, shift_labels=1)
     with pytest.raises(ValueError, match=r"occurrences.node must hold node indices in \[0, "):
         loss(logits, labels, old, occ._replace(node=occ.node + 1000))
     with pytest.raises(TypeError, match="occurrences.node must be a 1-D int64"):

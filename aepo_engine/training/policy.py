@@ -81,6 +81,7 @@ from aepo_kernels import (
     fused_linear_logprob_entropy,
     logprob_entropy,
 )
+from aepo_kernels.policy_loss import weight_total
 
 __all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker", "TreeLossInputs"]
 
@@ -512,7 +513,7 @@ class PolicyWorker:
         stats_kwargs = {}
         if self.config.entropy_stats_scope == "global":
             stats_kwargs = dict(zip(("entropy_mean", "entropy_std"), entropy_stats_from_moments(moments)))
-        count = moments[2].clamp(min=1).float()
+        count = weight_total(moments[2]).float()
         split = mini.token_origin is not None
         n_cf = len(counterfactual.GROUPS) * len(counterfactual.SUMS) if self._cf_threshold is not None else 0
         sums = torch.zeros(2 + len(TOKEN_MEAN_STATS) + split * len(TOKEN_ORIGINS) * (1 + len(SPLIT_STATS)) + n_cf,

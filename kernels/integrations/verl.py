@@ -54,7 +54,7 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.workers.config import PolicyLossConfig
 
 from ..config import LossConfig
-from ..policy_loss import policy_loss_from_logprobs
+from ..policy_loss import policy_loss_from_logprobs, weight_total
 
 LOSS_NAME = "aepo"
 # verl's aggregation modes -> (AEPO aggregation, fixed seq_norm_length or None)
@@ -154,7 +154,7 @@ def compute_policy_loss_aepo(old_log_prob, log_prob, advantages, response_mask, 
             **verl_normalisers(loss_agg_mode, mask, **config.global_batch_info))
     except (TypeError, ValueError) as err:  # the input contract (aepo_kernels.contract), in verl's names
         raise type(err)(f"{err} [{_VERL_NAMES}]") from err
-    ppo_kl = ((old_log_prob - log_prob).detach() * mask).sum() / mask.sum().clamp(min=1)
+    ppo_kl = ((old_log_prob - log_prob).detach() * mask).sum() / weight_total(mask.sum())
     values = torch.stack([stats["clipfrac_high"] + stats["clipfrac_low"], ppo_kl,
                           stats.get("clipfrac_dual", torch.zeros_like(ppo_kl)), stats["entropy"]]).tolist()
     metrics = dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/aepo_entropy"), values))
