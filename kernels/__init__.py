@@ -15,7 +15,9 @@ loss and dlogits together). See also ``logprob_entropy`` (log-probs and entropie
 entropy statistics and normalisers of one optimizer step, in one call).
 
 Rollout trees (``tree_loss``): ``aepo_tree_policy_loss`` / ``fused_linear_aepo_tree_policy_loss``
-take a tree's nodes once and each trajectory token as an ``Occurrences`` entry pointing at its node.
+take a tree's nodes once and each trajectory token as an ``Occurrences`` entry pointing at its node;
+``sequence_tree`` builds the trie from token rows, ``tree_occurrences`` / ``node_values`` its inputs.
+``decoupled_ppo_weights``: the behaviour-to-proximal weight of decoupled PPO, as ``token_weights``.
 
 Every entry point checks its inputs (``contract``: dtypes, shapes, labels in range, masks as
 weights >= 0; ``shift_labels`` has no default). Options for other trainers (keywords of both loss
@@ -36,8 +38,10 @@ _LAZY = {
     "BACKENDS": "logits_ops", "logprob_entropy": "logits_ops",
     "Occurrences": "tree_loss", "aepo_tree_policy_loss": "tree_loss",
     "fused_linear_aepo_tree_policy_loss": "tree_loss",
-    **dict.fromkeys(("aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages",
-                     "entropy_moments", "entropy_stats_from_moments", "policy_loss_from_logprobs"), "policy_loss"),
+    **dict.fromkeys(("SequenceTree", "node_values", "sequence_tree", "tree_occurrences"), "trie"),
+    **dict.fromkeys(("aggregate", "apply_token_weights", "clipped_token_loss", "decoupled_ppo_weights",
+                     "entropy_aware_advantages", "entropy_moments", "entropy_stats_from_moments",
+                     "policy_loss_from_logprobs"), "policy_loss"),
 }
 
 if TYPE_CHECKING:  # what the names are, for readers and type checkers
@@ -46,8 +50,10 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers
     from .fused_linear import DEFAULT_CHUNK_BYTES, fused_linear_logprob_entropy
     from .logits_ops import BACKENDS, logprob_entropy
     from .tree_loss import Occurrences, aepo_tree_policy_loss, fused_linear_aepo_tree_policy_loss
-    from .policy_loss import (aggregate, apply_token_weights, clipped_token_loss, entropy_aware_advantages,
-                              entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs)
+    from .trie import SequenceTree, node_values, sequence_tree, tree_occurrences
+    from .policy_loss import (aggregate, apply_token_weights, clipped_token_loss, decoupled_ppo_weights,
+                              entropy_aware_advantages, entropy_moments, entropy_stats_from_moments,
+                              policy_loss_from_logprobs)
 
 
 def __getattr__(name: str):
@@ -62,8 +68,10 @@ def __getattr__(name: str):
 
 __all__ = [
     "AEPOLoss", "AGGREGATIONS", "BACKENDS", "CLIP_RULES", "DEFAULT_CHUNK_BYTES", "LossConfig", "LossOptions",
-    "Occurrences", "StepInputs", "aepo_policy_loss", "aepo_tree_policy_loss", "fused_linear_aepo_tree_policy_loss",
-    "aggregate", "apply_token_weights", "clipped_token_loss", "entropy_aware_advantages", "entropy_moments",
+    "Occurrences", "SequenceTree", "StepInputs", "aepo_policy_loss", "aepo_tree_policy_loss",
+    "fused_linear_aepo_tree_policy_loss", "node_values", "sequence_tree", "tree_occurrences",
+    "aggregate", "apply_token_weights", "clipped_token_loss", "decoupled_ppo_weights", "entropy_aware_advantages",
+    "entropy_moments",
     "entropy_stats_from_moments", "fused_linear_aepo_policy_loss", "fused_linear_logprob_entropy",
     "group_advantages", "logprob_entropy", "policy_loss_from_logprobs", "step_inputs",
 ]

@@ -61,6 +61,44 @@ def weight_total(total: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, total, torch.ones_like(total))
 
 
+MAX_LOG_RATIO = 80.0  # |log w| is clamped here first: exp(80) = 5.5e34 still fits float32
+
+
+def decoupled_ppo_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                          loss_mask: torch.Tensor | None = None, cap: float | None = 2.0,
+                          over_cap: str = "truncate") -> torch.Tensor:
+    """Decoupled PPO's per-token weight on the policy-gradient term, ``w_t = pi_prox / pi_behav``
+    (arXiv 2505.24298): the policy the update starts from (``proximal``: the trainer's log-probs
+    before the update, the ``old_logprobs`` the ratio is clipped against) over the one that
+    sampled the token (``behaviour``: the engine's, possibly some versions older). Pass the result
+    as ``token_weights``: every clip rule's loss is positively homogeneous in the advantage, so a
+    detached weight on it is exactly the decoupled objective (tests/test_decoupled_ppo.py).
+
+    Args:
+        proximal_logprobs, behaviour_logprobs: same shape, the sampled tokens' log-probs.
+        loss_mask: where the weight counts (0 elsewhere); None: everywhere.
+        cap: C > 1; None: no cap.
+        over_cap: ``"truncate"`` -> ``min(w, C)`` (truncated IS, the engine's ``token_tis``);
+            ``"drop"`` -> 0 where ``w > C`` (AReaL's ``behav_imp_weight_cap``).
+    Returns:
+        Detached float32 weights shaped like the inputs (computed in float64, ``|log w|`` clamped
+        at :data:`MAX_LOG_RATIO`).
+    """
+    if proximal_logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"decoupled_ppo_weights: proximal_logprobs {list(proximal_logprobs.shape)} and "
+                         f"behaviour_logprobs {list(behaviour_logprobs.shape)} differ in shape")
+    if cap is not None and not cap > 1.0:
+        raise ValueError(f"decoupled_ppo_weights: cap must be > 1 (or None), got {cap}")
+    if over_cap not in ("truncate", "drop"):
+        raise ValueError(f"decoupled_ppo_weights: over_cap must be 'truncate' or 'drop', got {over_cap!r}")
+    mask = torch.ones_like(proximal_logprobs, dtype=torch.bool) if loss_mask is None else loss_mask > 0
+    log_w = (proximal_logprobs.detach().double() - behaviour_logprobs.detach().double())
+    w = torch.where(mask, log_w, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    if cap is not None:
+        w = w.clamp(max=cap) if over_cap == "truncate" else torch.where(w > cap, 0.0, w)
+    return torch.where(mask, w, 0.0).float()
+
+
 def entropy_moments(entropy: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``[3]`` float64 ``(sum H, sum H^2, count)`` over valid tokens, detached.
 

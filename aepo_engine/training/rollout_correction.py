@@ -47,11 +47,11 @@ from torch import Tensor
 
 from aepo_engine.training.batch import ORIGIN_BRANCH, ORIGIN_GLOBAL, ORIGIN_INHERITED
 from aepo_engine.training.config import RolloutCorrectionConfig
+from aepo_kernels.policy_loss import MAX_LOG_RATIO, decoupled_ppo_weights
 
 __all__ = ["RolloutCorrectionConfig", "rollout_correction"]
 
-# exp() of a log-ratio above this overflows float32; ratios are clipped to C long before.
-_MAX_LOG_RATIO = 80.0
+_MAX_LOG_RATIO = MAX_LOG_RATIO  # the library's clamp of |log rho| (exp() above it overflows float32)
 
 
 # Token groups of the split ratio statistics: name -> the TokenBatch.token_origin value.
@@ -94,8 +94,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
             return None, loss_mask, metrics
         truncated = mask & (rho > cap)
         metrics["rollout_correction/truncated_share"] = float(truncated.sum()) / max(int(tokens), 1)
-        weights = torch.where(mask, rho.clamp(max=cap), 0.0).float()
-        return weights, loss_mask, metrics
+        return decoupled_ppo_weights(old_logprobs, rollout_logprobs, loss_mask, cap), loss_mask, metrics
     counts = mask.sum(-1)
     rows = counts > 0
     log_seq = log_rho.sum(-1)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from aepo_engine.training.batch import IGNORE_INDEX, ORIGIN_INHERITED, TokenBatch
+from aepo_kernels.trie import sequence_tree, trie_rows
 
 if TYPE_CHECKING:
     from aepo_engine.training.tree_attention import TreeMask
@@ -88,30 +89,6 @@ class Forest:
 
 # --- one group -------------------------------------------------------------------------------------
 
-def trie_rows(keys: Sequence[Tensor], lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """The trie of one group's rows.
-
-    Args:
-        keys: ``[k, L]`` tensors compared position by position (the token ids first); position t of
-            rows i and j is shared when every key agrees at t and at every earlier position.
-        lengths: ``[k]`` row lengths (positions at or past a row's length never match).
-    Returns:
-        ``(base, own)``, ``[k]`` long each: the earlier row each row shares its first ``own``
-        positions with (-1 for none; ``own`` 0 then).
-    All pairs at once (``[k, k, L]`` comparisons: a few tensor ops per group, not per row).
-    """
-    rows, width = keys[0].shape
-    valid = torch.arange(width) < lengths[:, None]  # [k, L]
-    same = valid[:, None, :] & valid[None, :, :]  # [k, k, L]: rows i, j at position t
-    for key in keys:
-        same &= key[:, None, :] == key[None, :, :]
-    prefix = same.int().cumprod(-1).sum(-1)  # [k, k] common prefix of every pair
-    earlier = torch.ones(rows, rows, dtype=torch.bool).tril(-1)  # j < i
-    own, base = torch.where(earlier, prefix, -1).max(-1)
-    own = own.clamp(min=0)
-    return torch.where(own > 0, base, -1), own
-
-
 # --- keys ----------------------------------------------------------------------------------------
 
 def _token_aligned(label_aligned: Tensor) -> Tensor:
@@ -152,35 +129,20 @@ def group_slices(batch: TokenBatch) -> list[slice]:
 
 
 def build_forest(batch: TokenBatch, keys: Sequence[Tensor]) -> Forest:
-    """The tries of ``batch``'s prompt groups (module docstring).
+    """The tries of ``batch``'s prompt groups (module docstring; the trie itself is the library's,
+    :func:`aepo_kernels.trie.sequence_tree`).
 
     Args:
         batch: rows of whole groups, consecutive per group (host tensors).
-        keys: ``[B, L]`` tensors aligned with ``batch.input_ids`` (:func:`logprob_keys`, :func:`update_keys`).
+        keys: ``[B, L]`` tensors aligned with ``batch.input_ids``, the token ids first
+            (:func:`logprob_keys`, :func:`update_keys`).
     Returns:
         The :class:`Forest`.
     """
-    lengths = batch.lengths
-    rows, width = batch.input_ids.shape
-    base = torch.full((rows,), -1, dtype=torch.long)
-    own = torch.zeros(rows, dtype=torch.long)
-    for part in group_slices(batch):
-        group_base, own[part] = trie_rows([k[part] for k in keys], lengths[part])
-        base[part] = torch.where(group_base >= 0, group_base + part.start, -1)
-    columns = torch.arange(width)
-    owned = (columns >= own[:, None]) & (columns < lengths[:, None])  # [B, L] each row's new nodes
-    path = torch.full((rows, width), -1, dtype=torch.long)
-    path[owned] = torch.arange(int(owned.sum()))  # row-major: each row's nodes contiguous, parents first
-    inherited = columns < own[:, None]
-    while True:  # a row's shared prefix is its base row's nodes; bases come earlier, one level per sweep
-        missing = inherited & (path < 0)
-        if not bool(missing.any()):
-            break
-        path = torch.where(missing, path[base.clamp(min=0)], path)
-    before = torch.nn.functional.pad(path[:, :-1], (1, 0), value=-1)  # the node at t - 1
-    grid = lambda values: values.expand(rows, width)[owned]  # noqa: E731
-    return Forest(batch.input_ids[owned], grid(columns[None]), before[owned], grid(torch.arange(rows)[:, None]), path,
-                  own, _inherited_unshared(batch, own))
+    group_slices(batch)  # rows of a group must be consecutive: the engine's error
+    tree = sequence_tree(keys[0], batch.lengths, batch.group_ids, keys=keys[1:])
+    return Forest(tree.tokens, tree.depth, tree.parent, tree.owner, tree.path, tree.own_start,
+                  _inherited_unshared(batch, tree.own_start))
 
 
 def _inherited_unshared(batch: TokenBatch, own_start: Tensor) -> int:
