@@ -74,7 +74,9 @@ class Occurrences(NamedTuple):
         loss_mask: ``[M]`` float, 1 where the occurrence counts.
         sequence: ``[M]`` long or None, the occurrence's trajectory (``0 <= sequence < num_sequences``):
             needed by the sequence-level aggregations only.
-        num_sequences: the number of trajectories (default ``sequence.max() + 1``).
+        num_sequences: the number of trajectories, masked-out ones included; the sequence-level
+            aggregations need it (or ``global_num_seqs``): ``sequence.max() + 1`` would miss
+            trajectories whose every token is masked out.
     """
 
     node: torch.Tensor
@@ -95,8 +97,11 @@ def occurrence_weights(occ: Occurrences, config: LossConfig, global_token_count=
     if occ.sequence is None:
         raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.sequence (each occurrence's trajectory)")
     num_seqs = occ.num_sequences
-    if num_seqs is None:
-        num_seqs = int(occ.sequence.max()) + 1 if mask.numel() else 1
+    if num_seqs is None and global_num_seqs is None:
+        # (sequence.max() + 1 would miss trajectories whose every token is masked out: a wrong count)
+        raise ValueError(f"aggregation={config.aggregation!r} needs Occurrences.num_sequences (the number of "
+                         "trajectories, masked-out ones included) or global_num_seqs")
+    num_seqs = num_seqs if num_seqs is not None else global_num_seqs
     if config.aggregation == "seq-mean-token-mean":
         lengths = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, occ.sequence, mask)
         per_seq = mask / weight_total(lengths)[occ.sequence]

@@ -93,3 +93,25 @@ def test_decoupled_ppo_weights_by_hand():
     assert not decoupled_ppo_weights(prox.requires_grad_(), behav, mask).requires_grad
     with pytest.raises(ValueError, match="cap must be > 1"):
         decoupled_ppo_weights(prox, behav, cap=1.0)
+
+
+def test_sequence_level_aggregation_needs_the_number_of_trajectories():
+    """Issue 51: Occurrences.num_sequences had a default (sequence.max() + 1) that miscounts when
+    the last trajectories are masked out entirely; the sequence-level aggregations now need it."""
+    from aepo_kernels import Occurrences
+
+    ids, lengths, groups = _rows()
+    tree = sequence_tree(ids, lengths, groups)
+    cols = torch.arange(ids.shape[1])
+    mask = ((cols[None] >= 2) & (cols[None] < lengths[:, None] - 1)).float()
+    mask[3] = 0.0  # the last trajectory counts as a sequence with no token
+    labels, occ = tree_occurrences(tree, torch.ones(4), mask)
+    logits = torch.randn(tree.num_nodes, V, generator=torch.Generator().manual_seed(1))
+    old = -torch.rand(tree.num_nodes)
+    cfg = LossConfig(aggregation="seq-mean-token-mean")
+    with pytest.raises(ValueError, match="needs Occurrences.num_sequences"):
+        aepo_tree_policy_loss(logits, labels, old, occ._replace(num_sequences=None), config=cfg)
+    counted, _ = aepo_tree_policy_loss(logits, labels, old, occ, config=cfg)  # divides by 4 sequences
+    three, _ = aepo_tree_policy_loss(logits, labels, old, occ._replace(num_sequences=None), config=cfg,
+                                     global_num_seqs=3)
+    torch.testing.assert_close(counted * 4, three * 3)
