@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,19 +88,10 @@ def _scenarios(model_dir: str, work: str) -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from aepo_engine.models import build_tiny_qwen3
+    from vllm_cases import engine_script_report
 
     root = tmp_path_factory.mktemp("vllm_in_process")
-    model_dir = build_tiny_qwen3(root / "model", seed=0)
-    out = root / "report.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, __file__, model_dir, str(root), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return model_dir, json.loads(out.read_text())
+    return engine_script_report(root, __file__, str(root))
 
 
 def _tokens(outputs):

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ from vllm_cases import _prompts
 SKIP_REASON = vllm_missing()
 pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or ""),
               pytest.mark.slow]  # two vLLM engines start here (~20 s each on CPU)
-REPO = Path(__file__).resolve().parents[1]
 RANK, ALPHA, B_STD = 4, 8.0, 0.1  # rank 4: vLLM pads it into max_lora_rank 8
 TEMPERATURE = 0.8
 BASE_NAME = "model.layers.0.self_attn.q_proj.weight"  # a frozen base weight: refused under LoRA
@@ -137,20 +133,10 @@ def _scenarios(model_dir: str) -> dict:
 # The pytest side.
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from aepo_engine.models import build_tiny_qwen3
+    from vllm_cases import engine_script_report
 
-    root = tmp_path_factory.mktemp("vllm_lora")
-    model_dir = build_tiny_qwen3(root / "model", seed=0)
-    out = root / "report.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, model_dir, str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    rep = json.loads(out.read_text())
+    model_dir, rep = engine_script_report(tmp_path_factory.mktemp("vllm_lora"), __file__)
     rep["subprocess_s"] = time.perf_counter() - t0
     return model_dir, rep
 

