@@ -56,8 +56,8 @@ def plan_cpu_memory(cfg: Any, shape: ModelShape) -> CpuMemoryPlan:
     gpu_terms = plan_memory(cfg, shape, world=1, gpu=0, cuda=False).terms
     plan = CpuMemoryPlan()
     plan.held["baseline (imports)"] = CPU_BASELINE
-    plan.held["policy: fp32 weights + AdamW states" + (" (LoRA adapters)" if policy.lora.enabled else "")] = (
-        gpu_terms["params"].bytes + gpu_terms["adam"].bytes)
+    # (under LoRA: the fp32 base weights and the adapters, AdamW states and gradients the adapters' only)
+    plan.held["policy: fp32 weights + AdamW states"] = gpu_terms["params"].bytes + gpu_terms["adam"].bytes
     if policy.param_dtype != "float32":
         plan.held[f"autocast's {policy.param_dtype} weight copies"] = p * DTYPE_BYTES[policy.param_dtype]
     engine_bytes = 4 if backend.dtype in ("auto", "float32") else DTYPE_BYTES[backend.dtype]
@@ -72,7 +72,7 @@ def plan_cpu_memory(cfg: Any, shape: ModelShape) -> CpuMemoryPlan:
     plan.rollout["decode cache (a batch's keys and values)"] = batch * context * kv_per_token
     plan.rollout["sampling maths (3 x [rows, V] float32)"] = 3 * batch * shape.vocab * 4
     update = max(gpu_terms[k].bytes for k in ("act_forward", "act_backward"))
-    plan.update["gradients (fp32" + (", LoRA adapters)" if policy.lora.enabled else ")")] = gpu_terms["grads"].bytes
+    plan.update["gradients (fp32)"] = gpu_terms["grads"].bytes
     plan.update["activations (a micro-batch)"] = update
     plan.update["head (logits block, its gradients)"] = gpu_terms["head"].bytes + gpu_terms["head_saved"].bytes
     return plan

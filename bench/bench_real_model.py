@@ -117,10 +117,11 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(task.model_dir)
-    policy = parts.run("policy worker (fp32 weights + AdamW)", lambda: PolicyWorker(
+    policy = parts.run("policy worker (fp32 weights + AdamW" + (", LoRA adapters)" if cfg.policy.lora.enabled else ")"),
+                       lambda: PolicyWorker(
         task.model_dir, cfg.policy, cfg.optim, total_steps=args.steps, temperature=cfg.rollout.temperature))
     backend = parts.run(f"rollout backend ({cfg.backend.kind}, dtype {cfg.backend.dtype})",
-                        lambda: build_backend(cfg.backend, task.model_dir, tokenizer, seed=0))
+                        lambda: build_backend(cfg.backend, task.model_dir, tokenizer, seed=0, lora=cfg.policy.lora))
     tool_format = build_tool_format(cfg.tools.format, tokenizer, task.tools_config.enabled)
     tools = ToolRunner(build_tools(task.tools_config), max_workers=task.tools_config.max_workers)
     rollout = EntropyBalancedRollout(backend, tools, cfg.rollout, tokenizer=tokenizer, tool_format=tool_format)

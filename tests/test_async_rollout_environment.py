@@ -53,7 +53,9 @@ if __name__ == "__main__":
         child.kill() if child.is_alive() else None
         child.join(60)
     dist.barrier()  # the trainer's world still works after its children's starts
-    print("RESULT", rank, os.environ["MASTER_PORT"], json.dumps(results), flush=True)
+    # a file per rank: two ranks printing at once interleave their lines in torchrun's output
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+        json.dump({"rank": str(rank), "port": os.environ["MASTER_PORT"], "results": results}, out)
     dist.destroy_process_group()
 '''
 
@@ -62,11 +64,11 @@ if __name__ == "__main__":
 def test_rollout_process_makes_a_world_of_its_own_under_torchrun(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
-    output = runs.launch_torchrun([str(script)], timeout=300, nproc=2)
-    lines = [line.split(" ", 3) for line in output.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 2, output[-3000:]
-    for _, rank, trainer_port, text in lines:
-        results = json.loads(text)
+    output = runs.launch_torchrun([str(script), str(tmp_path)], timeout=300, nproc=2)
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    assert len(reports) == 2, output[-3000:]
+    for report in reports:
+        rank, trainer_port, results = report["rank"], report["port"], report["results"]
         own = results["True"]
         assert own["ok"], own
         assert own["world"] == 1 and own["rank"] == 0 and own["port"] != trainer_port and own["probe"] == "1"

@@ -12,6 +12,7 @@ import io
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from aepo_engine.models import build_tiny_qwen3
@@ -64,10 +65,18 @@ def test_cpu_memory_plan_terms():
                                     "vocab_size": 49152, "tie_word_embeddings": True})
     p = shape.params()
     cfg = load_train_config(["--preset", "smollm2", "--model.path=/m", "--backend.dtype=bfloat16",
-                             "--policy.param_dtype=bfloat16", "--backend.kv_cache_gib=0.5", "--train.prompts_per_step=64"])
+                             "--policy.param_dtype=bfloat16", "--backend.kv_cache_gib=0.5", "--train.prompts_per_step=64",
+                             "--policy.lora.enabled=false"])
     plan = plan_cpu_memory(cfg, shape)
     assert plan.held["baseline (imports)"] == CPU_BASELINE
     assert plan.held["policy: fp32 weights + AdamW states"] == 12 * p
+    # the preset's LoRA: fp32 base + adapters, AdamW states and gradients of the adapters only
+    # (r x (in + out) per projection: 16 x 10,176 per layer x 30 layers)
+    lora = plan_cpu_memory(msgspec.structs.replace(cfg, policy=msgspec.structs.replace(
+        cfg.policy, lora=msgspec.structs.replace(cfg.policy.lora, enabled=True))), shape)
+    adapters = 30 * 16 * 10_176
+    assert lora.held["policy: fp32 weights + AdamW states"] == 4 * (p + adapters) + 8 * adapters
+    assert lora.update["gradients (fp32)"] == 4 * adapters
     assert plan.held["autocast's bfloat16 weight copies"] == 2 * p
     assert plan.held["rollout backend weights (bfloat16)"] == 2 * p
     assert plan.held["prefix store (until the weight sync)"] == int(0.5 * GIB)  # capped by kv_cache_gib

@@ -25,6 +25,7 @@ ENGINE_DTYPE = torch.bfloat16
 class RecordingPolicy:
     def __init__(self, events):
         self.events = events
+        self.pushed_bytes = 0  # PolicyWorker's count of the last push (engine/push_bytes)
 
     def compute_logprobs(self, batch):
         self.events.append("compute_logprobs")
