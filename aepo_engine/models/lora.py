@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from aepo_engine.models.config import LoraConfig
 
-__all__ = ["ADAPTER_NAME", "adapter_bytes", "adapter_names", "adapter_scalings", "apply_lora", "base_name",
+__all__ = ["ADAPTER_NAME", "adapter_names", "adapter_scalings", "apply_lora", "base_name",
            "has_adapter", "initial_adapter", "is_adapter", "merged_state", "peft_config", "read_adapter",
            "write_adapter"]
 
@@ -220,9 +220,3 @@ def read_adapter(directory: str | os.PathLike) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     return {_our_key(k): v for k, v in load_file(str(Path(directory) / "adapter_model.safetensors")).items()}
-
-
-def adapter_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the adapter's tensors (in ``dtype``, or their own): what one weight push moves."""
-    return sum(p.numel() * (dtype.itemsize if dtype is not None else p.element_size())
-               for n, p in model.named_parameters() if is_adapter(n))
