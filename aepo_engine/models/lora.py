@@ -24,7 +24,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
