@@ -10,7 +10,9 @@ module's CPU terms, which it validates against measured peaks. What a CPU run ad
 - **rollout backend**: the HF backend's own copy of the weights in ``backend.dtype``, its prefix
   store (keys and values of earlier contexts, up to ``backend.kv_cache_gib``, 1 GiB by default),
   the decode cache of a batch (``backend.max_batch_size`` rows of prompt + response tokens) and the
-  sampling maths (three ``[rows, V]`` float32 arrays);
+  sampling maths (three ``[rows, V]`` float32 arrays), for the larger of a training step's rows
+  and an evaluation's (``eval.num_questions`` x ``eval.samples``; all the synthetic task's
+  held-out questions for 0, the training rows for a data set of unknown size);
 - the prefix store is emptied by the weight sync, after the update: it is held through the update.
 The peak is the larger of the rollout and the update on top of what both hold.
 Left out: the search index and the python sandbox (tens of MiB), allocator fragmentation.
@@ -63,7 +65,10 @@ def plan_cpu_memory(cfg: Any, shape: ModelShape) -> CpuMemoryPlan:
     engine_bytes = 4 if backend.dtype in ("auto", "float32") else DTYPE_BYTES[backend.dtype]
     plan.held[f"rollout backend weights ({backend.dtype})"] = p * engine_bytes
     kv_per_token = shape.layers * 2 * shape.kv_width * engine_bytes
-    rows = rollout.k * cfg.train.prompts_per_step
+    # the rows one rollout call samples: a training step's, or an evaluation's when it has more
+    # (the smollm2 preset's 150 questions peaked 2.7 GiB above a 4-question run: docs/experiments.md)
+    questions = cfg.eval.num_questions or (cfg.task.synthetic.num_heldout if cfg.task.source == "synthetic" else 0)
+    rows = max(rollout.k * cfg.train.prompts_per_step, questions * cfg.eval.samples)
     context = cfg.data.max_prompt_tokens + rollout.max_response_tokens
     store_cap = (backend.kv_cache_gib if backend.kv_cache_gib is not None else DEFAULT_PREFIX_STORE) * GIB
     store = 0 if not backend.enable_prefix_caching else min(store_cap, rows * context * kv_per_token)

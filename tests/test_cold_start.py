@@ -89,6 +89,12 @@ def test_cpu_memory_plan_terms():
                                               "--policy.param_dtype=float32"]), shape)
     assert "autocast's float32 weight copies" not in fp32.held
     assert fp32.held["rollout backend weights (float32)"] == 4 * p
+    # an evaluation with more rows than a training step sizes the rollout terms: 16 training rows
+    # (4 prompts x 4), 40 questions -> a decode batch of 40 (max_batch_size 64), not 16
+    few = load_train_config(["--preset", "smollm2", "--model.path=/m", "--train.prompts_per_step=4",
+                             "--eval.num_questions=40", "--backend.max_batch_size=64"])
+    kv = 30 * 2 * 192 * 2
+    assert plan_cpu_memory(few, shape).rollout["decode cache (a batch's keys and values)"] == 40 * row * kv
 
 
 def test_evaluations_print_progress():
