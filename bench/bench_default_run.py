@@ -83,12 +83,6 @@ class Run:
         return run_row(self.seed, self.presets, self.extra, self.run_dir, wall, usage.ru_maxrss / 2**20)
 
 
-def run_one(seed: int, threads: int | None, base_dir: Path, presets: list[str], extra: list[str]) -> dict:
-    run = Run(seed, threads, base_dir, presets, extra)
-    run.start()
-    return run.finish()
-
-
 EVAL_FIELDS = ("accuracy", "tool_calls", "no_tool_share", "reward")
 
 

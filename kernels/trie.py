@@ -30,7 +30,7 @@ import torch
 
 from .tree_loss import Occurrences
 
-__all__ = ["SequenceTree", "node_values", "sequence_tree", "tree_occurrences", "trie_rows"]
+__all__ = ["SequenceTree", "group_slices", "node_values", "sequence_tree", "tree_occurrences", "trie_rows"]
 
 
 class SequenceTree(NamedTuple):
@@ -81,12 +81,16 @@ def trie_rows(keys: Sequence[torch.Tensor], lengths: torch.Tensor) -> tuple[torc
     return torch.where(own > 0, base, -1), own
 
 
-def _group_slices(groups: torch.Tensor) -> list[slice]:
-    """Consecutive runs of equal group ids as slices (a group's rows must be consecutive)."""
+def group_slices(groups: torch.Tensor) -> list[slice]:
+    """Consecutive runs of equal group ids as slices of rows.
+
+    Raises:
+        ValueError: a group whose rows are not consecutive (its trie needs them together).
+    """
     ids = groups.tolist()
     starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
     if len(starts) != len(set(ids)):
-        raise ValueError("sequence_tree: the rows of one group must be consecutive (sort them by group first)")
+        raise ValueError("the rows of one group must be consecutive to build its trie (sort them by group first)")
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [len(ids)])]
 
 
@@ -121,7 +125,7 @@ def sequence_tree(input_ids: torch.Tensor, lengths: torch.Tensor | None = None, 
     all_keys = [input_ids, *keys]
     base = torch.full((rows,), -1, dtype=torch.long, device=device)
     own = torch.zeros(rows, dtype=torch.long, device=device)
-    for part in _group_slices(groups):
+    for part in group_slices(groups):
         group_base, own[part] = trie_rows([k[part] for k in all_keys], lengths[part])
         base[part] = torch.where(group_base >= 0, group_base + part.start, -1)
     columns = torch.arange(width, device=device)

@@ -96,7 +96,7 @@ def test_merged_weights_and_the_peft_adapter_compute_the_adapted_model(tiny_mode
         assert (adapted - untouched).abs().max() > 1e-2
 
         merged = load(tiny_model)
-        merged.load_state_dict(merged_state(model.state_dict(), LORA), strict=True)
+        merged.load_state_dict(merged_state(model.state_dict(), LORA.scaling), strict=True)
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
 
         write_adapter(tmp_path / "adapter", model.state_dict(), LORA, base_model=str(tiny_model))
@@ -104,7 +104,7 @@ def test_merged_weights_and_the_peft_adapter_compute_the_adapted_model(tiny_mode
         assert torch.equal(peft_model(ids).logits, adapted)
         # PEFT's merge agrees with ours
         unloaded = peft_model.merge_and_unload().state_dict()
-        ours = merged_state(model.state_dict(), LORA)
+        ours = merged_state(model.state_dict(), LORA.scaling)
         assert max((unloaded[k] - ours[k]).abs().max().item() for k in ours) < 1e-6
     assert set(read_adapter(tmp_path / "adapter")) == set(adapter_names(model))
     assert base_name("model.layers.0.mlp.up_proj.base_layer.weight") == "model.layers.0.mlp.up_proj.weight"
@@ -118,7 +118,7 @@ def test_the_adapters_gradient_is_the_full_gradient_restricted_to_them_float64(t
     adapted = apply_lora(load(tiny_model, torch.float64), LORA)
     randomise_b(adapted)
     merged = load(tiny_model, torch.float64)
-    merged.load_state_dict(merged_state(adapted.state_dict(), LORA))
+    merged.load_state_dict(merged_state(adapted.state_dict(), LORA.scaling))
     batch = random_batch(vocab_of(tiny_model), group_sizes=(2, 3), seed=3)
     gen = torch.Generator().manual_seed(1)
     old = torch.randn(batch.labels.shape, generator=gen, dtype=torch.float64) * 0.3 - 2.0

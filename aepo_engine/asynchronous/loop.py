@@ -148,16 +148,17 @@ def async_steps(trainer: Any, process: RolloutProcess, start: int) -> Iterator[d
             everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
             stats = [st for _, st in gathered if st is not None]
             metrics = trainer.learn(step, prompts, *([s[i] for s in everything] for i in range(4)), stats)
-            push_s, trainer.policy.pushed_bytes = 0.0, 0
+            push_s, pushed = 0.0, 0
             if step + 1 < total:
                 push_s = push_weights(trainer, process, step + 1)
+                pushed = trainer.policy.pushed_bytes
             if step + 1 + eta < total:
                 order(step + 1 + eta)
             trainer.resume_sampler_state = sampler_states.pop(step + 1, None) or trainer.sampler.state_dict()
             elapsed = time.perf_counter() - t0
             tokens = float(sum(len(s[0].response_ids) for s in everything))
             metrics.update({"time/wait_for_rollouts_s": waited, "time/weight_push_s": push_s, "time/step_s": elapsed,
-                            "engine/push_bytes": float(trainer.policy.pushed_bytes),
+                            "engine/push_bytes": float(pushed),
                             "time/rollout_s": done.seconds if done else 0.0, "time/wait_for_ranks": waited_ranks,
                             "throughput/tokens_per_s": tokens / elapsed, **_engine_metrics(process.counters, before)})
             before = process.counters

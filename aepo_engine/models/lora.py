@@ -4,7 +4,7 @@ The adapters are injected into the HF model in place (``peft.inject_adapter_in_m
 stays the HF class the rest of the engine knows (its decoder, its head, FSDP2's per-layer
 sharding), each adapted linear layer becomes PEFT's ``LoraLayer`` holding ``base_layer`` and the
 adapter ``default``, and every parameter outside the adapters is frozen. The trainer and an HF
-rollout engine inject the same :class:`~aepo_engine.training.config.LoraConfig`, so both models
+rollout engine inject the same :class:`~aepo_engine.models.config.LoraConfig`, so both models
 name the adapter's tensors alike (``model.layers.0.self_attn.q_proj.lora_A.default.weight``):
 the weight push sends those tensors only, through the same buckets as a full model.
 
@@ -31,17 +31,16 @@ from torch import Tensor, nn
 
 from aepo_engine.models.config import LoraConfig
 
-__all__ = ["ADAPTER_NAME", "adapter_names", "adapter_scalings", "apply_lora", "base_name",
+__all__ = ["ADAPTER_NAME", "adapter_names", "adapter_pairs", "adapter_scalings", "apply_lora", "base_name",
            "has_adapter", "initial_adapter", "is_adapter", "merged_state", "peft_config", "read_adapter",
            "write_adapter"]
 
 ADAPTER_NAME = "default"
-_MARKERS = (".lora_A.", ".lora_B.")
 
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter name belongs to a LoRA adapter."""
-    return any(marker in name for marker in _MARKERS)
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def base_name(name: str) -> str:
@@ -124,12 +123,16 @@ def initial_adapter(model: nn.Module, seed: int = 0) -> dict[str, Tensor]:
     return out
 
 
-def _module_of(name: str) -> str:
-    """``...q_proj.lora_A.default.weight`` -> ``...q_proj``."""
-    for marker in _MARKERS:
-        if marker in name:
-            return name.split(marker)[0]
-    raise ValueError(f"{name} is not an adapter tensor")
+def adapter_pairs(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """The adapter tensors of ``state`` by adapted module: ``{"...q_proj": {"A": ..., "B": ...}}``
+    (a module may lack one of the two: the caller checks); other names are skipped."""
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for name, value in state.items():
+        for part in ("A", "B"):
+            marker = f".lora_{part}."
+            if marker in name:
+                pairs.setdefault(name.split(marker)[0], {})[part] = value
+    return pairs
 
 
 def has_adapter(state: Mapping[str, Tensor]) -> bool:
@@ -145,30 +148,23 @@ def adapter_scalings(model: nn.Module) -> dict[str, float]:
             if isinstance(module, LoraLayer) and ADAPTER_NAME in module.scaling}
 
 
-def merged_state(state: Mapping[str, Tensor], scaling: LoraConfig | float | Mapping[str, float]) -> dict[str, Tensor]:
+def merged_state(state: Mapping[str, Tensor], scaling: float | Mapping[str, float]) -> dict[str, Tensor]:
     """A full state dict of an adapted model with each adapter merged into its weight
     (``W + scaling * B @ A``, computed in float64 and stored in W's dtype) under the base model's names.
 
     Args:
         state: every tensor of the adapted model (base layers and adapters), full (not sharded).
-        scaling: the factor: the adapters' config, one number, or one per module
+        scaling: the factor: one number (``LoraConfig.scaling``) or one per module
             (:func:`adapter_scalings`).
     """
-    out: dict[str, Tensor] = {}
-    adapters: dict[str, dict[str, Tensor]] = {}
-    for name, value in state.items():
-        if is_adapter(name):
-            adapters.setdefault(_module_of(name), {})["A" if ".lora_A." in name else "B"] = value
-        else:
-            out[base_name(name)] = value
-    for module, pair in adapters.items():
+    out = {base_name(name): value for name, value in state.items() if not is_adapter(name)}
+    for module, pair in adapter_pairs(state).items():
         key = f"{module}.weight"
         if key not in out or set(pair) != {"A", "B"}:
             raise ValueError(f"merged_state: {module} has adapter tensors {sorted(pair)} and "
                              f"{'a' if key in out else 'no'} base weight")
         weight = out[key]
-        factor = (scaling.scaling if isinstance(scaling, LoraConfig) else
-                  scaling[module] if isinstance(scaling, Mapping) else float(scaling))
+        factor = scaling[module] if isinstance(scaling, Mapping) else float(scaling)
         delta = factor * (pair["B"].double() @ pair["A"].double())
         out[key] = (weight.double() + delta).to(weight.dtype)
     return out

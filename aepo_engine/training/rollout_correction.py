@@ -51,7 +51,6 @@ from aepo_kernels.policy_loss import MAX_LOG_RATIO, decoupled_ppo_weights
 
 __all__ = ["RolloutCorrectionConfig", "rollout_correction"]
 
-_MAX_LOG_RATIO = MAX_LOG_RATIO  # the library's clamp of |log rho| (exp() above it overflows float32)
 
 
 # Token groups of the split ratio statistics: name -> the TokenBatch.token_origin value.
@@ -82,7 +81,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
         raise ValueError("rollout_correction: resolve mode 'auto' for the run first (RolloutCorrectionConfig.resolved)")
     mask = loss_mask > 0
     log_rho = torch.where(mask, old_logprobs.double() - rollout_logprobs.double(), 0.0)
-    log_rho = log_rho.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     rho = log_rho.exp()
     tokens = mask.sum()
     metrics = {"rollout_correction/kl_k3": _mean(rho - 1 - log_rho, mask)}
@@ -100,7 +99,7 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     log_seq = log_rho.sum(-1)
     if config.sequence_ratio == "geometric":
         log_seq = log_seq / counts.clamp(min=1)
-    seq_rho = log_seq.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    seq_rho = log_seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
     metrics.update(_ratio_metrics(seq_rho[rows]))
     if config.mode == "seq_tis":
         metrics["rollout_correction/truncated_share"] = _share(rows & (seq_rho > cap), rows)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from aepo_engine.training.batch import IGNORE_INDEX, ORIGIN_INHERITED, TokenBatch
+from aepo_kernels.trie import group_slices as trie_group_slices
 from aepo_kernels.trie import sequence_tree, trie_rows
 
 if TYPE_CHECKING:
@@ -119,13 +120,8 @@ def update_keys(batch: TokenBatch) -> list[Tensor]:
 # --- the forest ----------------------------------------------------------------------------------
 
 def group_slices(batch: TokenBatch) -> list[slice]:
-    """The batch's prompt groups as slices of consecutive rows (rows of a group must be consecutive)."""
-    groups = batch.group_ids.tolist()
-    starts = [0] + [i for i in range(1, len(groups)) if groups[i] != groups[i - 1]]
-    if len(starts) != len(set(groups)):
-        raise ValueError("rows of one prompt group must be consecutive to build its trie")
-    ends = starts[1:] + [len(groups)]
-    return [slice(a, b) for a, b in zip(starts, ends)]
+    """The batch's prompt groups as slices of consecutive rows (:func:`aepo_kernels.trie.group_slices`)."""
+    return trie_group_slices(batch.group_ids)
 
 
 def build_forest(batch: TokenBatch, keys: Sequence[Tensor]) -> Forest:
@@ -139,7 +135,6 @@ def build_forest(batch: TokenBatch, keys: Sequence[Tensor]) -> Forest:
     Returns:
         The :class:`Forest`.
     """
-    group_slices(batch)  # rows of a group must be consecutive: the engine's error
     tree = sequence_tree(keys[0], batch.lengths, batch.group_ids, keys=keys[1:])
     return Forest(tree.tokens, tree.depth, tree.parent, tree.owner, tree.path, tree.own_start,
                   _inherited_unshared(batch, tree.own_start))

@@ -135,15 +135,6 @@ def lora_rank_slot(rank: int) -> int:
                      f"allowed: {allowed})")
 
 
-def _lora_module(name: str) -> tuple[str, str]:
-    """``...q_proj.lora_A.default.weight`` -> (``...q_proj``, ``"A"``)."""
-    for part in ("A", "B"):
-        marker = f".lora_{part}."
-        if marker in name:
-            return name.split(marker)[0], part
-    raise ValueError(f"{name} is not an adapter tensor")
-
-
 class EngineGroup:
     """The ranks of one in-process tensor-parallel engine and the gloo group they talk over.
 
@@ -476,7 +467,7 @@ class VLLMBackend:
         """
         from vllm.lora.request import LoRARequest
 
-        from aepo_engine.models.lora import is_adapter, write_adapter
+        from aepo_engine.models.lora import adapter_pairs, is_adapter, write_adapter
 
         start = time.perf_counter()
         dtype = self.weight_dtype
@@ -495,11 +486,7 @@ class VLLMBackend:
         if not received:
             raise ValueError("empty adapter push: no tensors in the buckets")
         adapter = {**self._adapter, **received}
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for name, value in adapter.items():
-            module, part = _lora_module(name)
-            pairs.setdefault(module, {})[part] = value
-        for module, pair in pairs.items():
+        for module, pair in adapter_pairs(adapter).items():
             missing = sorted({"A", "B"} - set(pair))
             if missing:
                 raise ValueError(f"adapter push: {module} has no lora_{missing[0]} (each adapted module needs "
