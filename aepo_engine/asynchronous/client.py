@@ -7,6 +7,7 @@ processes of their own; :meth:`RolloutProcess.close` stops it (and ``with`` does
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import queue
 import time
@@ -17,7 +18,7 @@ import torch
 from aepo_engine.asynchronous.messages import (EngineCounters, Failed, Generate, Generated, Order, Ready, StepDone,
                                                Stop, WeightsBegin, WeightsEnd, WeightsReceived, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec, worker_main
-from aepo_engine.rollout.protocol import GenOutput, GenRequest
+from aepo_engine.rollout.protocol import Capabilities, CapabilityAliases, GenOutput, GenRequest
 
 __all__ = ["RemoteEngine", "RolloutProcess", "RolloutProcessDied"]
 
@@ -56,7 +57,7 @@ class RolloutProcess:
             if not isinstance(message, Ready):
                 raise RolloutProcessDied(f"the rollout process sent {type(message).__name__} before it was ready")
             self.pid = message.pid
-            self.ready = message  # the engine's weight dtype, entropies, eos ids
+            self.ready = message  # the engine's weight dtype, capabilities, eos ids
         except BaseException:
             self.close()
             raise
@@ -170,7 +171,7 @@ class RolloutProcess:
         self.close()
 
 
-class RemoteEngine:
+class RemoteEngine(CapabilityAliases):
     """A generation backend (``aepo_engine.rollout.protocol``) that samples with a rollout process's
     engine: an asynchronous run's trainer evaluates through it instead of starting a second engine
     beside the process's (on a GPU that second one would not fit vLLM's start-up check, and the
@@ -183,16 +184,25 @@ class RemoteEngine:
         tokenizer: the trainer's tokenizer (the engine's model's).
         threads: the process's torch threads while it samples these (0: its own); on CPU the
             trainer only waits meanwhile, so it may take every core.
+    Attributes:
+        capabilities: the engine's (``Ready``), less those whose methods this handle does not
+            have: abort, sleep and group (the rollout process's loop uses them, not the trainer).
     """
 
     def __init__(self, process: RolloutProcess, tokenizer: Any, threads: int = 0):
         self.process, self.tokenizer, self.threads = process, tokenizer, threads
-        self.entropy_is_exact = process.ready.entropy_is_exact
+        self.capabilities: Capabilities = dataclasses.replace(process.ready.capabilities, abort=False, sleep=False,
+                                                              group=False)
         self.version = 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.process.ready.eos_token_ids
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The engine's (pushes go through :meth:`RolloutProcess.push_weights`, gathered in it)."""
+        return self.process.weight_dtype
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
         return self.process.generate(requests, self.version, self.threads)

@@ -5,9 +5,10 @@ Trainer -> rollout process: :class:`Order` (a step's prompts, to start once the 
 least ``min_version``), a weight push (:class:`WeightsBegin`, one :class:`WeightBucket` per bucket,
 :class:`WeightsEnd`), :class:`Generate` (the trainer's own requests: its evaluations sample with
 this engine, the run's only one), :class:`Stop`. Rollout process -> trainer: :class:`Ready` (with
-the engine's weight dtype, the one pushes are gathered in), :class:`WeightsReceived` (a push is
-in: the trainer starts the next one only then, so at most one version is on its way),
-:class:`StepDone` (a step's trajectories), :class:`Generated`, :class:`Failed`.
+the engine's weight dtype, the one pushes are gathered in, and its capabilities),
+:class:`WeightsReceived` (a push is in: the trainer starts the next one only then, so at most one
+version is on its way), :class:`StepDone` (a step's trajectories), :class:`Generated`,
+:class:`Failed`.
 
 Weights cross the process boundary as raw bytes, a bucket at a time (``encode_bucket``: name,
 dtype, shape, bytes; the same encoding the out-of-process vLLM engine takes), so the sender never
@@ -22,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from aepo_engine.rollout.backends.vllm_ext import decode_bucket, encode_bucket
-from aepo_engine.rollout.protocol import GenOutput, GenRequest
+from aepo_engine.rollout.protocol import Capabilities, GenOutput, GenRequest
 from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.rollout.trajectory import Trajectory
 
@@ -109,12 +110,12 @@ class EngineCounters:
 class Ready:
     """The engine and tools are up. ``weight_dtype``: the dtype the engine holds its weights in
     (pushes are gathered and sent in it: half the bytes of fp32 for a bf16 engine); None: the
-    trainer's own. ``entropy_is_exact``, ``eos_token_ids``: the engine's (the trainer's handle on
-    it, :class:`aepo_engine.asynchronous.client.RemoteEngine`, reports them)."""
+    trainer's own. ``capabilities``, ``eos_token_ids``: the engine's (the trainer's handle on it,
+    :class:`aepo_engine.asynchronous.client.RemoteEngine`, reports them)."""
 
     pid: int
     weight_dtype: torch.dtype | None = None
-    entropy_is_exact: bool = True
+    capabilities: Capabilities = Capabilities()
     eos_token_ids: tuple[int, ...] = ()
 
 

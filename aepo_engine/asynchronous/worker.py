@@ -119,9 +119,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,
                                     tool_barrier=spec.tool_barrier,
                                     max_batch=None if spec.tool_barrier else getattr(backend, "max_batch_size", None))
-        outbox.put(Ready(os.getpid(), getattr(backend, "weight_dtype", None),
-                         entropy_is_exact=bool(getattr(backend, "entropy_is_exact", True)),
-                         eos_token_ids=tuple(getattr(backend, "eos_token_ids", ()))))
+        outbox.put(Ready(os.getpid(), backend.weight_dtype, capabilities=backend.capabilities,
+                         eos_token_ids=tuple(backend.eos_token_ids)))
         _EngineLoop(rollout, backend, inbox, outbox).run()
     except BaseException:  # noqa: BLE001 - the trainer must hear of any failure
         outbox.put(Failed(traceback.format_exc()))
@@ -205,7 +204,6 @@ class _EngineLoop:
         self.abort, self.wake = threading.Event(), threading.Event()
         self.inbox = _Inbox(inbox, self.abort, self.wake, self.counters, outbox)
         self.admitted: dict[int, float] = {}  # step -> when it was admitted
-        self.can_abort = bool(getattr(backend, "can_abort", False))
 
     def run(self) -> None:
         self.inbox.start()
@@ -220,7 +218,7 @@ class _EngineLoop:
             if self.abort.is_set() and self.inbox.staged is None:
                 self.abort.clear()  # set by a push loaded above, or by stop
             tokens = self.rollout.tokens_sampled
-            sampled = self.rollout.step(self.abort if self.can_abort else None)
+            sampled = self.rollout.step(self.abort if self.backend.capabilities.abort else None)
             self._count_tokens(self.rollout.tokens_sampled - tokens)
             for step, result in self.rollout.finished():
                 self.outbox.put(StepDone(step, result.trajectories, result.stats, _copy(self.counters),

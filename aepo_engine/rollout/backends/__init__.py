@@ -1,9 +1,11 @@
 """Generation backends implementing ``aepo_engine.rollout.protocol.GenerationBackend``, and
 ``build_backend`` for the ``backend`` config section (``backends.config``).
 
-- ``hf.HFBackend``: own sampling loop over a Hugging Face model; exact entropies; CPU or GPU.
-- ``vllm.VLLMBackend``: vLLM offline engine; entropies estimated from top-k log-probs.
-``build_backend`` imports only the one asked for (``vllm`` is optional and heavy).
+Registered by name (``backends.registry``; ``backend.kind`` picks one):
+- ``hf``: ``hf.HFBackend``, own sampling loop over a Hugging Face model; exact entropies; CPU/GPU.
+- ``vllm``: ``vllm.VLLMBackend``, vLLM offline engine; entropies estimated from top-k log-probs.
+Each builder imports its backend's module when called (``vllm`` is optional and heavy). What the
+built instance can do beyond sampling is its ``capabilities`` (``rollout.protocol.Capabilities``).
 
 Engine layout (``engine_layout``): with ``tensor_parallel_size`` T, the ranks of a node are cut
 into groups of T consecutive ranks, one engine per group, and the group's share of the prompts is
@@ -26,8 +28,10 @@ from typing import Any
 import msgspec
 
 from aepo_engine.rollout.backends.config import BackendConfig
+from aepo_engine.rollout.backends.registry import backend_builder, backend_names, register_backend
 
-__all__ = ["BackendConfig", "EngineLayout", "build_backend", "engine_devices", "engine_group", "engine_layout"]
+__all__ = ["BackendConfig", "EngineLayout", "backend_names", "build_backend", "engine_devices", "engine_group",
+           "engine_layout", "register_backend"]
 
 
 class EngineLayout(msgspec.Struct, frozen=True):
@@ -126,7 +130,7 @@ def _kv_budget_utilization(cfg: BackendConfig, model_dir: str, local_rank: int) 
 
 def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int, local_rank: int = 0,
                   group: Any = None, lora: Any = None) -> Any:
-    """The backend ``cfg`` names, loaded from ``model_dir``.
+    """The backend ``cfg.kind`` names (``backends.registry``), loaded from ``model_dir``.
 
     Args:
         cfg: the backend section.
@@ -139,34 +143,64 @@ def build_backend(cfg: BackendConfig, model_dir: str, tokenizer: Any, seed: int,
         group: the in-process engine's group (:func:`engine_group`), None when alone.
         lora: the policy's adapters (``policy.lora``): an enabled one makes the engine take adapter
             pushes (only the adapter's tensors each step) instead of whole models.
+    Raises:
+        ValueError: no backend is registered as ``cfg.kind``; or the one built lacks a capability
+            the run relies on (``lora``, ``sleep``, ``group``: ``rollout.protocol.Capabilities``).
     """
     import torch
 
-    if cfg.kind == "vllm":
-        from aepo_engine.rollout.backends.vllm import VLLMBackend
+    from aepo_engine.rollout.protocol import requires
 
-        extra: dict[str, Any] = {}
-        utilization = cfg.gpu_memory_utilization
-        if cfg.max_num_seqs is not None:
-            extra["max_num_seqs"] = cfg.max_num_seqs
-        if cfg.kv_cache_gib is not None:
-            extra["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
-            if torch.cuda.is_available():  # vLLM's start-up check then asks the plan's share free
-                utilization = _kv_budget_utilization(cfg, model_dir, local_rank)
-        if torch.cuda.is_available() and not cfg.in_process:
-            extra["devices"] = engine_devices(cfg.tensor_parallel_size, local_rank)
-        sleep_level = cfg.sleep_level if cfg.sleeps(torch.cuda.is_available()) else None
-        return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
-                           gpu_memory_utilization=utilization, logprobs_topk=cfg.logprobs_topk,
-                           enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
-                           enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-                           in_process=cfg.in_process, sleep_level=sleep_level, group=group, lora=lora, **extra)
+    backend = backend_builder(cfg.kind)(cfg, model_dir, tokenizer, seed=seed, local_rank=local_rank, group=group,
+                                        lora=lora)
+    if lora is not None and lora.enabled:
+        requires(backend, "lora", why="policy.lora is enabled, so weight pushes carry the adapters only")
+    if cfg.sleeps(torch.cuda.is_available()):
+        requires(backend, "sleep", why="the engine sleeps between steps (backend.sleep_between_steps)")
+    if group is not None:
+        requires(backend, "group", why="it was given an in-process tensor-parallel group to lead or follow")
+    return backend
+
+
+@register_backend("vllm")
+def _build_vllm(cfg: BackendConfig, model_dir: str, tokenizer: Any, *, seed: int, local_rank: int, group: Any,
+                lora: Any) -> Any:
+    """``vllm.VLLMBackend`` with the section's engine options (``build_backend``'s arguments)."""
+    import torch
+
+    from aepo_engine.rollout.backends.vllm import VLLMBackend
+
+    extra: dict[str, Any] = {}
+    utilization = cfg.gpu_memory_utilization
+    if cfg.max_num_seqs is not None:
+        extra["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.kv_cache_gib is not None:
+        extra["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+        if torch.cuda.is_available():  # vLLM's start-up check then asks the plan's share free
+            utilization = _kv_budget_utilization(cfg, model_dir, local_rank)
+    if torch.cuda.is_available() and not cfg.in_process:
+        extra["devices"] = engine_devices(cfg.tensor_parallel_size, local_rank)
+    sleep_level = cfg.sleep_level if cfg.sleeps(torch.cuda.is_available()) else None
+    return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
+                       gpu_memory_utilization=utilization, logprobs_topk=cfg.logprobs_topk,
+                       enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
+                       enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
+                       in_process=cfg.in_process, sleep_level=sleep_level, group=group, lora=lora, **extra)
+
+
+@register_backend("hf")
+def _build_hf(cfg: BackendConfig, model_dir: str, tokenizer: Any, *, seed: int, local_rank: int, group: Any,
+              lora: Any) -> Any:
+    """``hf.HFBackend`` on the section's device, dtype and prefix store (one device: no group;
+    sampling seeds are the requests')."""
+    import torch
+
     from aepo_engine.rollout.backends.hf import HFBackend
 
     device = cfg.device
     if device == "auto":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    extra = {}
+    extra: dict[str, Any] = {}
     if cfg.dtype != "auto":
         extra["dtype"] = getattr(torch, cfg.dtype)
     if not cfg.enable_prefix_caching:

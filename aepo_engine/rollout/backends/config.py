@@ -6,6 +6,8 @@ from typing import Literal
 
 import msgspec
 
+from aepo_engine.rollout.backends.registry import backend_builder
+
 __all__ = ["BackendConfig"]
 
 
@@ -13,8 +15,10 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """The generation backend that samples rollouts.
 
     Attributes:
-        kind: "vllm" (vLLM engine with prefix caching; entropies estimated from top-k logprobs;
-            what a GPU run uses) or "hf" (Hugging Face model, exact entropies; CPU runs).
+        kind: the registered backend that samples (``backends.registry``): "vllm" (vLLM engine
+            with prefix caching; entropies estimated from top-k logprobs; what a GPU run uses) or
+            "hf" (Hugging Face model, exact entropies; CPU runs), or one a module of yours
+            registered before the config is read.
         device: "auto" (cuda when available, else cpu), "cpu" or "cuda" (the HF backend's device).
         max_batch_size: most sequences the HF backend samples at once.
         gpu_memory_utilization: vLLM's share of GPU memory.
@@ -64,7 +68,7 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             the others.
     """
 
-    kind: Literal["hf", "vllm"] = "vllm"
+    kind: str = "vllm"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_size: int = 64
     gpu_memory_utilization: float = 0.5
@@ -91,6 +95,7 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         return self.sleep_between_steps
 
     def __post_init__(self) -> None:
+        backend_builder(self.kind)  # raises for a kind no backend registered, listing those that are
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -21,11 +21,14 @@ would have to fall right on a CDF boundary). Finished rows are dropped from the 
 Stop strings: after each token the decoded tail of the row's output is checked; the output ends
 with the token that completes a stop string (the string's tokens are part of ``token_ids``).
 
-Abort (``can_abort``): ``generate(requests, abort=event)`` checks the event after every sampled
-token; once it is set, every unfinished request ends there with finish reason ``"abort"`` and the
-tokens it has (a request of a later batch that has not started, with none). Asynchronous training
-sets it when new weights have arrived, loads them, and continues the cut segments from their
-prefix (``rollout.scheduler``).
+Capabilities (``rollout.protocol.Capabilities``): abort and exact entropy always; prefix reuse
+where the store is on (below); LoRA where built with it; no sleep mode and no group (one device).
+
+Abort (``capabilities.abort``): ``generate(requests, abort=event)`` checks the event after every
+sampled token; once it is set, every unfinished request ends there with finish reason ``"abort"``
+and the tokens it has (a request of a later batch that has not started, with none). Asynchronous
+training sets it when new weights have arrived, loads them, and continues the cut segments from
+their prefix (``rollout.scheduler``).
 
 Prefix reuse (``prefix_cache_gib`` > 0, the default): a multi-turn rollout sends, round after
 round, the previous round's context plus the sampled tokens plus a tool result, and branches send
@@ -60,7 +63,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from aepo_engine.rollout.entropy import entropy_from_logprobs
-from aepo_engine.rollout.protocol import GenOutput, GenRequest
+from aepo_engine.rollout.protocol import Capabilities, CapabilityAliases, GenOutput, GenRequest
 
 if TYPE_CHECKING:
     from aepo_engine.models.config import LoraConfig
@@ -192,7 +195,7 @@ class _Row:
 
 
 # ---------------------------------------------------------------------------------------------
-class HFBackend:
+class HFBackend(CapabilityAliases):
     """GenerationBackend over a Hugging Face causal LM (exact entropies).
 
     Args:
@@ -209,10 +212,10 @@ class HFBackend:
             injected into this model (``models.lora.apply_lora``, in its dtype), so weight
             pushes carry the adapter's tensors only and are applied in place; the adapter starts
             as PEFT's (B = 0: the base model) until the first push.
+    Attributes:
+        capabilities: abort, exact entropy, prefix reuse (a store with room: ``prefix_cache_gib``
+            > 0 and a model whose cache it can hold), LoRA (``lora`` enabled).
     """
-
-    entropy_is_exact = True
-    can_abort = True
 
     def __init__(self, model_or_path, tokenizer=None, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, max_batch_size: int = 32, prefix_cache_gib: float = 1.0,
@@ -243,6 +246,8 @@ class HFBackend:
             raise ValueError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
         self._plain_cache = _plain_dynamic_cache(self.model)
         self.prefix_store = PrefixStore(int(prefix_cache_gib * 2**30) if self._plain_cache else 0)
+        self.capabilities = Capabilities(abort=True, exact_entropy=True, prefix_reuse=self.prefix_store.max_bytes > 0,
+                                         lora=self.lora is not None)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # Stop strings are checked on every row at every step: call a fast tokenizer's Rust
         # decoder directly (the same text when no clean-up of spaces is configured; a third of

