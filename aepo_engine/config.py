@@ -106,7 +106,7 @@ class TrainLoopConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             thread than with 2 (bench/results/smollm2_trials.jsonl, docs/experiments.md). In
             async mode with max_staleness >= 1 on CPU, 0 splits the cores between the trainer
             and the rollout process (which compute at the same time) and a value gives each
-            process that many (``asynchronous.loop.cpu_thread_split``).
+            process that many (``asynchronous.source.cpu_thread_split``).
     """
 
     steps: int | None = None

@@ -50,7 +50,7 @@ PLOT_GROUPS = {
 # rollout spent in tail rounds (drawn as a line over its bars: a share of generation + tools).
 TIME_PANELS = {
     "synchronous step": {"generation": "time/rollout_generate_s", "tools": "time/rollout_tool_s",
-                         "update": "time/update_s", "weight sync": "time/sync_s"},
+                         "update": "time/update_s", "weight push": "time/weight_push_s"},
     "asynchronous trainer": {"waiting for rollouts": "time/wait_for_rollouts_s", "update": "time/update_s",
                              "weight push": "time/weight_push_s"},
     "asynchronous engine (between two steps)": {"generation": "engine/generate_s", "waiting on tools only":
@@ -200,7 +200,8 @@ def plot_time(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
     panels = [(title, parts) for title, parts in TIME_PANELS.items()
               if any(key in r for r in rows for key in list(parts.values())[:1])]
-    panels = [(t, p) for t, p in panels if not (t == "synchronous step" and any("time/wait_for_rollouts_s" in r for r in rows))]
+    asynchronous = any("engine/version" in r for r in rows)  # the asynchronous source's engine counters
+    panels = [(t, p) for t, p in panels if (t == "synchronous step") != asynchronous]
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), squeeze=False)

@@ -17,13 +17,14 @@ Under ``torchrun`` every rank samples rollouts for its share of the step's promp
 generation backend; trajectories are all-gathered so every rank holds the same global batch,
 which the policy worker splits over ranks (FSDP2). Only rank 0 writes logs and plots.
 
-``train.mode = "async"`` (docs/async.md): a rollout process samples while this one updates
-(:mod:`aepo_engine.asynchronous`); each step's learning part (:meth:`Trainer.learn`) is the same.
+The step exists once (:meth:`Trainer.step`); where its rollouts come from is the run's step
+source (:mod:`aepo_engine.step_source`): this rank's engine when asked (``train.mode = "sync"``), or
+a rollout process that samples while this one updates (``train.mode = "async"``, docs/async.md,
+:mod:`aepo_engine.asynchronous.source`).
 """
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import random
 import sys
@@ -59,6 +60,7 @@ from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, dive
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.step_source import StepSource, SynchronousSource, in_phase
 from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
@@ -146,12 +148,8 @@ class Trainer:
                                       seed=cfg.rollout.seed + self.layout.group[0],
                                       local_rank=distributed.local_rank(), group=group, lora=cfg.policy.lora)
                         if (self.layout.host or in_process) and not cfg.train.asynchronous else None)
-        self.engine_process = None  # an asynchronous run's rollout process (run())
+        self.source: StepSource | None = None  # where the steps' rollouts come from (run())
         self.version = 0  # the policy version the weights are at: the steps trained
-        self.sleeps = self.backend is not None and cfg.backend.sleeps(torch.cuda.is_available())
-        # The dtype the weight sync gathers in: the engine's (rank 0 always holds one; every rank
-        # must gather alike, including those that hold none).
-        self.sync_dtype = distributed.broadcast_object(getattr(self.backend, "weight_dtype", None))
         self.tools = ToolRunner(build_tools(self.tools_config), max_workers=self.tools_config.max_workers)
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
@@ -170,7 +168,6 @@ class Trainer:
             self.judge, _ = start_judge(cfg.eval.judge, self.run_dir / cfg.logging.dir / "judge_cache.jsonl",
                                         warn=lambda line: _log(f"[eval] {line}"))
         self.correction = cfg.rollout_correction.resolved(stale_tokens=cfg.train.stale_tokens)
-        self.resume_sampler_state: dict[str, Any] | None = None  # set by the asynchronous loop
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -189,14 +186,14 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Resume if asked, evaluate, train, evaluate; returns the summary (also summary.json). The
-        tools close however it ends (an asynchronous run's rollout process first): a served search's
-        server and the sandbox pool outlive no run."""
+        step source and the tools close however it ends (the source first: an asynchronous run's
+        rollout process): a served search's server and the sandbox pool outlive no run."""
         try:
             return self._run()
         finally:
             try:
-                if self.engine_process is not None:  # an asynchronous run's rollout process
-                    self.engine_process.close()
+                if self.source is not None:
+                    self.source.close()
             finally:
                 self.tools.close()
 
@@ -208,22 +205,15 @@ class Trainer:
         self._check_checkpoint_space()
         start, extra = self._resume()
         self.version = start
-        if self.cfg.train.asynchronous:
-            from aepo_engine.asynchronous.loop import start_rollout_process
-
-            self.engine_process, self.backend = start_rollout_process(self)
+        self.source = self.make_step_source()
         eval_before = extra.get("eval_before") or self.evaluate("before RL")
         bar = ProgressBar(self.total_steps, start)
         every = self.cfg.logging.print_every_n_steps
         t0, eval_s = time.perf_counter(), 0.0
-        if self.cfg.train.asynchronous:
-            from aepo_engine.asynchronous.loop import async_steps
-
-            steps = async_steps(self, self.engine_process, start)
-        else:
-            steps = (self.train_step(step) for step in range(start, self.total_steps))
+        self.source.start(start)
         try:
-            for step, metrics in zip(range(start, self.total_steps), steps):
+            for step in range(start, self.total_steps):
+                metrics = self.step(step)
                 self.version = step + 1
                 metrics["time/loop_s"] = time.perf_counter() - t0 - eval_s  # the loop so far, evaluations excluded
                 if self.cfg.eval.every_n_steps and (step + 1) % self.cfg.eval.every_n_steps == 0:
@@ -237,30 +227,50 @@ class Trainer:
                     self.save(step, eval_before)
                 fault_point("after_step", step + 1)
         finally:
-            steps.close()  # an asynchronous run: its steps in flight are abandoned (the process stops in run())
+            self.source.stop()  # an asynchronous run: its steps in flight are abandoned
         bar.close()
         eval_after = self.evaluate("after RL")
         return self._finish(eval_before, eval_after, time.perf_counter() - t0)
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One synchronous step: rollouts with this rank's engine, the update, the weight sync."""
+    def make_step_source(self) -> StepSource:
+        """The run's step source (:mod:`aepo_engine.step_source`): this rank's engine, or in an
+        asynchronous run a rollout process started now (its engine is the run's only one)."""
+        cfg = self.cfg
+        parts = dict(sampler=self.sampler, layout=self.layout, encode=self.prompt_ids, weights=self.policy,
+                     bucket_bytes=int(cfg.backend.weight_sync_bucket_mb * 2**20))
+        if not cfg.train.asynchronous:
+            return SynchronousSource(self.backend, self.rollout, sleeps=cfg.backend.sleeps(torch.cuda.is_available()),
+                                     **parts)
+        from aepo_engine.asynchronous.source import AsynchronousSource, worker_spec
+
+        spec = worker_spec(cfg.backend, self.rollout.config, self.tools_config, str(self.model_dir), cfg.seed,
+                           self.world, cfg.train.max_staleness, threads=0, lora=cfg.policy.lora)
+        return AsynchronousSource.launch(spec, torch_threads=cfg.train.torch_threads, tokenizer=self.tokenizer,
+                                         max_staleness=cfg.train.max_staleness, total_steps=self.total_steps, **parts)
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Step ``step``, whatever the run's mode: its rollouts from the step source (this rank's
+        share), scored and gathered over ranks in prompt order, the update (:meth:`learn`), the
+        new weights published to the engine; the step's metrics."""
         t0 = time.perf_counter()
-        examples = self.sampler.next_batch()
-        trajectories, rewards, correct, answers, stats, waited = self._rollout_and_score(examples, step)
-        if self.sleeps:  # the update gets the engine's memory back until the weight sync
-            self._sleep_engine()
-        t_rollout = time.perf_counter() - t0
-        metrics = self.learn(step, examples, trajectories, rewards, correct, answers, stats)
-        t_sync = time.perf_counter()
-        self._sync_weights()
+        rollouts = self.source.collect(step)
+        scored = self.score(rollouts.trajectories, rollouts.examples)
+        t_ranks = time.perf_counter()
+        gathered = distributed.all_gather_objects((scored, rollouts.stats), "the step's rollouts")
+        waited_ranks = time.perf_counter() - t_ranks  # this rank's wait for the slowest one
+        everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
+        stats = [st for _, st in gathered if st is not None]
+        self.source.before_update()
+        metrics = self.learn(step, rollouts.examples, *([s[i] for s in everything] for i in range(4)), stats)
+        metrics.update(self.source.publish(step + 1))
         elapsed = time.perf_counter() - t0
-        tokens = float(sum(len(t.response_ids) for t in trajectories))
-        metrics.update({"time/rollout_s": t_rollout, "time/sync_s": time.perf_counter() - t_sync,
-                        "engine/push_bytes": float(self.policy.pushed_bytes),  # the adapters' only under LoRA
-                        "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
-                        "time/wait_for_ranks": waited,
-                        **{f"time/rollout_{part}_s": sum(getattr(st, f"{part}_s") for st in stats) / len(stats)
-                           for part in ("generate", "tool", "tail")}})
+        tokens = float(sum(len(s[0].response_ids) for s in everything))
+        metrics.update({"time/rollout_s": rollouts.rollout_s, "time/wait_for_rollouts_s": rollouts.waited_s,
+                        "time/wait_for_ranks": waited_ranks, "time/step_s": elapsed,
+                        "throughput/tokens_per_s": tokens / elapsed})
+        if stats:
+            metrics.update({f"time/rollout_{part}_s": sum(getattr(st, f"{part}_s") for st in stats) / len(stats)
+                            for part in ("generate", "tool", "tail")})
         return metrics
 
     def learn(self, step: int, examples: list[Example], trajectories, rewards, correct, answers,
@@ -302,64 +312,6 @@ class Trainer:
                                                   log_cfg.sample_trajectories, log_cfg.sample_trees))
         return metrics
 
-    def _sync_weights(self) -> None:
-        """Stream the updated weights into this rank's engine, a bucket at a time, gathered in the
-        engine's dtype (collective: every rank gathers every bucket, a rank without an engine then
-        drops it). A sleeping engine gets its weights' memory back first and its KV cache after
-        the push: update -> empty cache -> wake weights -> push -> empty cache -> wake KV cache."""
-        buckets = self.policy.iter_weight_buckets(int(self.cfg.backend.weight_sync_bucket_mb * 2**20),
-                                                  dtype=self.sync_dtype)
-        if self.backend is None:
-            for _ in buckets:
-                pass
-            return
-        if self.sleeps:
-            self._wake_engine(["weights"])
-        self.backend.load_weight_buckets(buckets)
-        if self.sleeps:
-            self._wake_engine(["kv_cache"])
-
-    def _sleep_engine(self) -> None:
-        """The engine drops its KV cache (and weights, level 2) and its blocks go back to the driver."""
-        self.backend.sleep()
-        free_cached_memory()
-
-    def _wake_engine(self, tags: list[str]) -> None:
-        """Reallocate ``tags`` of the engine, after returning PyTorch's cached blocks to the driver."""
-        free_cached_memory()
-        self.backend.wake_up(tags)
-
-    def _sample(self, fn):
-        """``fn()``: sampling with this rank's engine, on this rank's share of the prompts. A
-        follower of an in-process tensor-parallel group first replays the host's engine calls
-        (until the host has returned), then runs ``fn`` on its own share, which is empty; the host
-        releases the followers afterwards. Keep collectives out of ``fn``."""
-        if getattr(self.backend, "leads", True) is False:
-            self.backend.follow()
-            return fn()
-        try:
-            return fn()
-        finally:
-            if hasattr(self.backend, "end_phase"):
-                self.backend.end_phase()
-
-    def _rollout_and_score(self, examples: list[Example], step: int):
-        """This engine's share of prompts -> trajectories, rewards, correctness, the answers the
-        reward read (None where it reports none) and the rollout stats, all-gathered in prompt
-        order; and the seconds this rank waited in that gather for the slowest rank."""
-        mine = self.layout.prompts(len(examples))
-        local = self._sample(lambda: self.rollout.rollout([self.prompt_ids(examples[i]) for i in mine], step)
-                             if mine else None)
-        for traj in local.trajectories if local else ():
-            traj.prompt_index = mine[traj.prompt_index]  # the step-global group id
-        scored = self.score(local.trajectories if local else [], examples)
-        t0 = time.perf_counter()
-        gathered = distributed.all_gather_objects((scored, local.stats if local else None), "the step's rollouts")
-        waited = time.perf_counter() - t0  # this rank's wait for the slowest one
-        everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s[0].prompt_index, s[0].traj_id))
-        stats = [st for _, st in gathered if st is not None]
-        return (*([s[i] for s in everything] for i in range(4)), stats, waited)
-
     def score(self, trajectories, examples: list[Example]) -> list[tuple[Any, float, bool, Any]]:
         """``(trajectory, reward, correct, answer)`` of each trajectory; ``prompt_index`` indexes ``examples``."""
         scored = []
@@ -374,19 +326,15 @@ class Trainer:
         the questions are shared out over the engines (``engine_layout``) like rollout prompts."""
         if not self.eval_examples and not self.eval_sets:
             return {}
-        if self.engine_process is not None:  # the rollout process's engine samples them, at these weights
-            from aepo_engine.asynchronous.loop import push_weights
-
-            if self.engine_process.pushed != self.version:
-                push_weights(self, self.engine_process, self.version)
-            self.backend.version = self.version
+        engine = self.source.engine
+        self.source.prepare_evaluation(self.version)  # the engine samples them at these weights
         t0 = time.perf_counter()
         result = {}
         if self.eval_examples:
             chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
             questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
-            local = self._sample(lambda: evaluate(
-                self.backend, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
+            local = in_phase(engine, lambda: evaluate(
+                engine, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
                 [e.ground_truth for e in questions], self.reward_fn,
                 msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions],
                 tool_format=self.tool_format, progress=label if distributed.is_main() else None))
@@ -400,12 +348,12 @@ class Trainer:
     def _evaluate_set(self, eval_set: EvalSet, label: str) -> dict[str, float]:
         """One benchmark of eval.files through the eval command's code: samples, scores, judge,
         summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
+        engine = self.source.engine
         mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
         prompts = [self.tool_format.encode_prompt(eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
-        local = self._sample(lambda: sample_records(self.backend, self.tools, self.tokenizer, self.cfg.rollout,
-                                                    self.cfg.eval, prompts, mine, eval_set.check,
-                                                    tool_format=self.tool_format,
-                                                    progress=f"{label} {eval_set.name}" if distributed.is_main() else None))
+        local = in_phase(engine, lambda: sample_records(
+            engine, self.tools, self.tokenizer, self.cfg.rollout, self.cfg.eval, prompts, mine, eval_set.check,
+            tool_format=self.tool_format, progress=f"{label} {eval_set.name}" if distributed.is_main() else None))
         records = [r for part in distributed.all_gather_objects(local, f"the evaluation of {eval_set.name}") for r in part]
         if self.rank != 0:
             return {}
@@ -431,7 +379,7 @@ class Trainer:
         (checkpoint.on_save_error = "stop") or is reported and retried at the next checkpoint ("warn")."""
         # An asynchronous run has drawn the prompts of later steps already: it saves the sampler's
         # state before those (a resumed run draws them again and samples them afresh).
-        sampler_state = self.resume_sampler_state or self.sampler.state_dict()
+        sampler_state = self.source.resume_point()
         extra = {"step": step, "sampler": sampler_state, "eval_before": eval_before}
         ckpt = self.cfg.checkpoint
         try:
@@ -465,8 +413,7 @@ class Trainer:
             return 0, {}
         for path, problem in loaded.skipped:
             _warn(f"checkpoint {path} is damaged ({problem}): skipped; resuming from {loaded.path} instead")
-        self.sampler.load_state_dict(loaded.extra_state["sampler"])
-        self._sync_weights()
+        self.sampler.load_state_dict(loaded.extra_state["sampler"])  # the engine gets the weights: source.start
         _log(f"[resume] from {loaded.path} (after step {loaded.step})")
         return loaded.step, loaded.extra_state
 
@@ -490,16 +437,6 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-def free_cached_memory() -> None:
-    """Return PyTorch's cached, unused GPU blocks to the driver (garbage first: a block is freed
-    only when no tensor holds it). vLLM's sleep mode allocates its weights and KV cache through a
-    pool of its own, outside PyTorch's caching allocator, so it cannot reuse the blocks the update
-    left cached: without this a wake-up sees the update's reserved peak still held (TRL and verl
-    empty the cache around sleep and wake for the same reason). A no-op without CUDA."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _load_tokenizer(model_dir: str):

@@ -75,8 +75,10 @@ def dump(run_dir: str, out: str, steps: int, extra: list[str]) -> None:
         return result
 
     trainer.rollout.rollout = keep_trajectories
+    trainer.source = trainer.make_step_source()
+    trainer.source.start(0)
     for step in range(steps):
-        metrics = trainer.train_step(step)
+        metrics = trainer.step(step)
         batch = captured["batch"]
         saved.append({"batch": {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
                       "trajectories": captured["trajectories"], "step": step,

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import runs
 from aepo_engine.asynchronous.client import RolloutProcess, RolloutProcessDied
-from aepo_engine.asynchronous.loop import _engine_metrics
+from aepo_engine.asynchronous.source import _engine_metrics
 from aepo_engine.asynchronous.messages import (EngineCounters, StepDone, WeightBucket, WeightsBegin, WeightsEnd,
                                                WeightsReceived, decode_buckets, encode_buckets)
 from aepo_engine.asynchronous.worker import WorkerSpec
@@ -226,7 +226,7 @@ def test_cpu_threads_are_split_between_the_processes_only_when_they_overlap():
     than the synchronous run (docs/async.md): eta >= 1 on CPU splits the cores, the trainer taking
     the larger half; eta = 0 (the processes take turns: bit for bit the synchronous run), CUDA and
     an explicit train.torch_threads keep what they have."""
-    from aepo_engine.asynchronous.loop import cpu_thread_split
+    from aepo_engine.asynchronous.source import cpu_thread_split
 
     assert cpu_thread_split(2, 1, 0, cuda=False) == (1, 1)
     assert cpu_thread_split(2, 2, 0, cuda=False) == (1, 1)
@@ -310,7 +310,7 @@ def test_an_asynchronous_run_has_one_engine_and_evaluates_with_it(tmp_path, monk
         return real_build(*args, **kwargs)
 
     def recording_evaluate(self, label):
-        engines.append(type(self.backend))
+        engines.append(type(self.source.engine))
         return real_evaluate(self, label)
 
     monkeypatch.setattr(train_module, "build_backend", counting_build)

@@ -142,7 +142,8 @@ def test_a_served_search_stops_when_its_owner_is_killed(corpus):
 
 def test_a_failed_run_closes_its_tools():
     """``Trainer.run`` closes the tools however the run ends (a served search's server, the
-    sandbox pool): an asynchronous run whose rollout process died left its server running."""
+    sandbox pool): an asynchronous run whose rollout process died left its server running. The
+    step source (an asynchronous run's: its rollout process) closes first."""
     from types import SimpleNamespace
 
     from aepo_engine.train import Trainer
@@ -157,7 +158,7 @@ def test_a_failed_run_closes_its_tools():
         raise RuntimeError("the rollout process would not stop")
 
     trainer = SimpleNamespace(_run=fail, tools=SimpleNamespace(close=lambda: closed.append("tools")),
-                              engine_process=SimpleNamespace(close=close_process))
+                              source=SimpleNamespace(close=close_process))
     with pytest.raises(RuntimeError, match="rollout process"):
         Trainer.run(trainer)
     assert closed == ["process", "tools"]  # the tools close even when stopping the process fails

@@ -4,10 +4,11 @@ allocator, so PyTorch's cached blocks must go back to the driver before each wak
 update's reserved peak and the woken engine add up (out of memory at the first wake-up on an 80 GB
 GPU); and the weight sync gathers in the engine's dtype, not the fp32 of the master weights.
 
-``Trainer.train_step`` itself runs here (the real batch building, rollout correction, metrics,
-weight-sync loop); only the parts that need a GPU or a model are fakes: the rollouts (fixed
-trajectories), the policy worker (records its calls, yields 3 buckets), the engine (records sleep,
-wake-up and the buckets it takes) and ``torch.cuda.empty_cache`` (records the call).
+``Trainer.step`` itself runs here with the real synchronous step source (the real batch building,
+rollout correction, metrics, weight push); only the parts that need a GPU or a model are fakes: the
+rollouts (fixed trajectories and their scores), the policy worker (records its calls, yields 3
+buckets), the engine (records sleep, wake-up and the buckets it takes) and ``torch.cuda.empty_cache``
+(records the call).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from test_policy_worker import make_traj
 
 from aepo_engine.config import TrainConfig
 from aepo_engine.data.examples import Example
-from aepo_engine.rollout.scheduler import RolloutStats
+from aepo_engine.rollout.backends import engine_layout
+from aepo_engine.rollout.protocol import Capabilities
+from aepo_engine.rollout.scheduler import RolloutResult, RolloutStats
+from aepo_engine.step_source import SynchronousSource
 from aepo_engine.train import Trainer
 
 ENGINE_DTYPE = torch.bfloat16
@@ -43,6 +47,7 @@ class RecordingPolicy:
 
 class RecordingEngine:
     weight_dtype = ENGINE_DTYPE
+    capabilities = Capabilities(sleep=True)
 
     def __init__(self, events):
         self.events = events
@@ -84,20 +89,31 @@ def _stats() -> RolloutStats:
                         discarded_tokens=0, waited_decisions=0)
 
 
-def _rollouts(self, examples, step):
-    trajectories = [make_traj([5, 6, 7], [("model", [8 + i, 9, 10 + k], [-1.0, -2.0, -0.5])], i, k)
-                    for i in range(2) for k in range(2)]
-    return trajectories, [1.0, 0.0, 0.0, 1.0], [True, False, False, True], ["a", None, None, "a"], [_stats()], 0.25
+class FixedRollout:
+    """Four trajectories (2 prompts x 2) whatever the prompts."""
+
+    def rollout(self, prompts, step):
+        assert len(prompts) == 2
+        trajectories = [make_traj([5, 6, 7], [("model", [8 + i, 9, 10 + k], [-1.0, -2.0, -0.5])], i, k)
+                        for i in range(2) for k in range(2)]
+        return RolloutResult(trajectories, _stats())
 
 
-def _trainer(events, monkeypatch) -> Trainer:
+def _score(self, trajectories, examples):
+    return [(t, r, c, a) for t, r, c, a in zip(trajectories, [1.0, 0.0, 0.0, 1.0], [True, False, False, True],
+                                                 ["a", None, None, "a"])]
+
+
+def _trainer(events, monkeypatch, sleeps=True) -> Trainer:
     trainer = Trainer.__new__(Trainer)  # the parts a step needs, without building a model
     trainer.cfg = TrainConfig()
-    trainer.policy, trainer.backend = RecordingPolicy(events), RecordingEngine(events)
-    trainer.sleeps, trainer.sync_dtype = True, ENGINE_DTYPE
-    trainer.sampler, trainer.tokenizer, trainer.logger = Examples(), Tokenizer(), Logger()
+    trainer.policy = RecordingPolicy(events)
+    trainer.source = SynchronousSource(RecordingEngine(events), FixedRollout(), Examples(), engine_layout(1, 0, 1, 0, 1),
+                                       encode=lambda example: [1, 2], weights=trainer.policy, bucket_bytes=1 << 20,
+                                       sleeps=sleeps)
+    trainer.tokenizer, trainer.logger = Tokenizer(), Logger()
     trainer.correction = trainer.cfg.rollout_correction.resolved(stale_tokens=trainer.cfg.train.stale_tokens)
-    monkeypatch.setattr(Trainer, "_rollout_and_score", _rollouts)
+    monkeypatch.setattr(Trainer, "score", _score)
     # The retokenization-drift metric renders the chat template of a real tokenizer (none here);
     # it records that it saw the step's prompts, which is all this test needs of it.
     monkeypatch.setattr("aepo_engine.train.drift_metrics",
@@ -109,20 +125,19 @@ def _trainer(events, monkeypatch) -> Trainer:
 
 def test_the_step_empties_the_cache_before_each_wake_up_and_gathers_in_the_engine_dtype(monkeypatch):
     events: list = []
-    metrics = _trainer(events, monkeypatch).train_step(0)
+    metrics = _trainer(events, monkeypatch).step(0)
     gathered_and_loaded = [("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3
     assert events.count(("drift", 4, 2)) == 1  # the step's metrics saw its 4 trajectories and 2 chats
     assert [e for e in events if e[0] != "drift"] == [
         "sleep", "empty_cache", "compute_logprobs", "update",
         "empty_cache", ("wake_up", ("weights",)), *gathered_and_loaded,
         "empty_cache", ("wake_up", ("kv_cache",))]
-    assert metrics["time/wait_for_ranks"] == 0.25 and metrics["loss/loss"] == 0.5
+    assert metrics["loss/loss"] == 0.5 and metrics["engine/push_bytes"] == 0
+    assert metrics["time/step_s"] >= metrics["time/weight_push_s"] > 0
 
 
 def test_an_engine_that_does_not_sleep_is_not_woken(monkeypatch):
     events: list = []
-    trainer = _trainer(events, monkeypatch)
-    trainer.sleeps = False
-    trainer.train_step(0)
+    _trainer(events, monkeypatch, sleeps=False).step(0)
     assert [e for e in events if e[0] != "drift"] == [
         "compute_logprobs", "update", *[("gather", ENGINE_DTYPE), ("load", ENGINE_DTYPE)] * 3]
