@@ -19,9 +19,13 @@ from the run's config. Per GPU (one FSDP2 rank), bytes:
   hidden state, gathered, and its gradient), its per-occurrence statistics (``[M]`` fp32 vectors,
   M the rows' label positions) and, on CUDA, FlexAttention's block mask (``(T / 128)^2`` int32s,
   negligible).
-- **fused-linear head**: the ``[token_chunk, V]`` logits block (``policy.fused_chunk_bytes``; unset:
-  192 MiB on CPU, at most 2 GiB on CUDA, ``aepo_kernels.fused_linear.chunk_bytes_for``), the
-  fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient.
+- **fused-linear head** (``policy.head_backward``, "auto": ``aepo_kernels.fused_linear.default_head_backward``;
+  docs/head.md): token_outer, the ``[token_chunk, V]`` logits block (``policy.fused_chunk_bytes``;
+  unset: 192 MiB on CPU, at most 2 GiB on CUDA, ``aepo_kernels.fused_linear.chunk_bytes_for``), the
+  fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient;
+  vocab_outer (:func:`vocab_outer_head_bytes`), d_W in the weight dtype, the fp32 ``[T, D]``
+  hidden-state accumulator and its copy in the compute dtype, one vocabulary block's logits,
+  dlogits and fp32 d_W block.
 - **vLLM**: awake, ``backend.gpu_memory_utilization`` of the GPU (weights, KV cache, its
   activations; with ``backend.kv_cache_gib`` the weights/T + that cache); asleep (sleep mode), a
   residual the plan takes as :data:`VLLM_ASLEEP_RESIDUAL` (an assumption: not measured here);
@@ -63,7 +67,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aepo_kernels.fused_linear import CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunks_for_budget
+from aepo_engine.layout_plan import layout_plan
+from aepo_kernels.fused_linear import (
+    CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, VOCAB_OUTER_BLOCK_BYTES, chunks_for_budget, default_head_backward,
+    vocab_outer_chunks,
+)
 
 GIB = 1 << 30
 # nvidia-smi's memory.total of each card, MiB.
@@ -355,25 +363,25 @@ def logprob_block_bytes(vocab: int, tokens: int, budget: int, c: int) -> int:
     return 2 * min(rows, tokens) * vocab_chunk * c
 
 
+def vocab_outer_head_bytes(vocab: int, dim: int, tokens: int, c: int, budget: int | None = None) -> int:
+    """What the vocabulary-outer head (``head_backward = "vocab_outer"``, docs/head.md) holds at its
+    peak, the end of its gradient pass: d_W in the weight dtype (``c`` bytes; the compute dtype's,
+    as FSDP gathers it), the fp32 ``[T, D]`` d_hidden accumulator and its copy in the compute
+    dtype (none when that is fp32), and one block: the ``[rows, vocab_chunk]`` logits (``c``),
+    their fp32 dlogits and its copy in the compute dtype, the fp32 ``[vocab_chunk, D]`` d_W block
+    and its copy in the weight dtype (``fused_linear.vocab_outer_chunks`` of ``budget``, unset:
+    ``VOCAB_OUTER_BLOCK_BYTES``)."""
+    rows, vocab_chunk = vocab_outer_chunks(tokens, vocab, budget or VOCAB_OUTER_BLOCK_BYTES)
+    low = c if c != 4 else 0  # copies in the compute dtype: none when it is fp32
+    block = rows * vocab_chunk * (c + 4 + low) + vocab_chunk * dim * (4 + low)
+    return vocab * dim * c + tokens * dim * (4 + low) + block
+
+
 def micro_batch_tokens(cfg: Any) -> int:
-    """Positions of the largest micro-batch: ``policy.micro_batch_max_tokens``, else
-    ``micro_batch_size`` rows of the longest possible row (prompt + response); with tree batches
-    the nodes of the micro-batch's whole groups (each prompt once)."""
-    policy, prompt, response = cfg.policy, cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens
-    if policy.micro_batch_max_tokens is not None:
-        return policy.micro_batch_max_tokens
-    if policy.trees:
-        groups = max(1, policy.micro_batch_size // cfg.rollout.k)
-        return groups * (prompt + cfg.rollout.k * response)
-    return policy.micro_batch_size * (prompt + response)
-
-
-def micro_batch_rows(cfg: Any) -> int:
-    """Rows of the largest micro-batch (the tree loss's occurrences are their label positions)."""
-    policy = cfg.policy
-    if policy.trees:
-        return max(policy.micro_batch_size // cfg.rollout.k, 1) * cfg.rollout.k
-    return policy.micro_batch_size
+    """Positions of the largest micro-batch, as the batch layout counts them
+    (:meth:`aepo_engine.layout_plan.RowsPlan.planned_positions`: rows' tokens or tree nodes)."""
+    return layout_plan(cfg.policy).planned_positions(cfg.policy, cfg.data.max_prompt_tokens,
+                                                     cfg.rollout.max_response_tokens, cfg.rollout.k)
 
 
 def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: bool = True,
@@ -436,22 +444,33 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     inputs = shape.layers * tokens * d * c  # each layer's input, what checkpointing keeps
     full = shape.layers * tokens * per_layer
     how = "checkpointed" if ckpt else "not checkpointed"
-    unit = "tree nodes" if policy.trees else "tokens"
+    layout = layout_plan(policy)
+    unit = layout.unit
     add("act_forward", f"activations at {tokens} micro-batch {unit}, end of forward ({how})", inputs if ckpt else full,
         f"{inputs / GIB:.2f} with checkpointing, {full / GIB:.2f} without")
     add("act_backward", f"activations during backward ({how}: " + ("the inputs + one layer recomputed)" if ckpt
         else "all saved)"), inputs + tokens * per_layer if ckpt else full)
     final_grad = v * d * (c if c != 4 else 0)  # d_W handed to autograd in the weight's dtype (a copy unless fp32)
     budget = policy.fused_chunk_bytes or (CUDA_CHUNK_BYTES_MAX if cuda else DEFAULT_CHUNK_BYTES)
+    head_order = policy.head_backward if policy.head_backward != "auto" else default_head_backward(
+        "cuda" if cuda else "cpu")
+    if policy.trees:  # the tree loss's head is token-outer whatever head_backward says
+        head_order = "token_outer"
     if policy.use_fused_linear and lora:  # a frozen head: the kernel computes no d_W (needs_input_grad)
         rows = max(1, budget // (v * c))
         add("head", "fused-linear head (logits block, d_hidden; no d_W: the head is frozen under LoRA)",
             min(rows, tokens) * v * c + tokens * d * c)
         add("head_saved", "the head's gradient kept for backward (d_hidden)", tokens * d * c)
+    elif policy.use_fused_linear and head_order == "vocab_outer":
+        add("head", "fused-linear head, vocabulary-outer (d_W in the weight dtype, fp32 d_hidden accumulator + "
+            "d_hidden, one vocabulary block)", vocab_outer_head_bytes(v, d, tokens, c, policy.fused_chunk_bytes))
+        add("head_saved", "the head's gradients kept for backward (d_W, d_hidden)", (final_grad or 4 * v * d)
+            + tokens * d * c)
     elif policy.use_fused_linear:
         rows = max(1, budget // (v * c))
         head = min(rows, tokens) * v * c + 4 * v * d + final_grad + tokens * d * c
-        add("head", "fused-linear head (logits block, fp32 d_W accumulator, d_W in the weight dtype, d_hidden)", head)
+        add("head", "fused-linear head, token-outer (logits block, fp32 d_W accumulator, d_W in the weight dtype, "
+            "d_hidden)", head)
         add("head_saved", "the head's gradients kept for backward (d_W, d_hidden)", (final_grad or 4 * v * d)
             + tokens * d * c)
     else:
@@ -459,15 +478,8 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         add("head_saved", "the head's gradient kept for backward (dlogits)", tokens * v * c)
     add("logprob_pass", "log-prob pass (no grad: hidden states, a logits block and one temporary of its size)",
         2 * tokens * d * c + logprob_block_bytes(v, tokens, budget, c))
-    if policy.trees:
-        row = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
-        # a node is read by at most the k rows of its group
-        occurrences = micro_batch_rows(cfg) * row if policy.micro_batch_max_tokens is None else cfg.rollout.k * tokens
-        add("tree", f"tree loss: parents' hidden states gathered + their gradient ({tokens} nodes), "
-            "per-occurrence statistics", 2 * tokens * d * c + 12 * 4 * occurrences,
-            f"{occurrences} occurrences at most")
-    else:
-        add("tree", "tree loss (none: tree_batches off)", 0)
+    add("tree", *layout.planned_extra(policy, cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens,
+                                      cfg.rollout.k, tokens, d, c))
     engine = cuda and backend.kind == "vllm"
     sleeps = engine and backend.sleeps(cuda)
     tp, e = backend.tensor_parallel_size, engine_dtype_bytes(cfg, checkpoint_bytes)

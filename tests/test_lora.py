@@ -18,7 +18,8 @@ from aepo_engine.models.lora import (adapter_names, apply_lora, base_name, is_ad
                                      write_adapter)
 from aepo_engine.training import PolicyConfig, PolicyWorker
 from aepo_engine.training.optim import OptimConfig
-from aepo_engine.training.policy import LossInputs, PolicyModel
+from aepo_engine.training.layout import LossInputs, RowInputs
+from aepo_engine.training.policy import PolicyModel
 from test_policy_worker import random_batch, vocab_of, with_old_policy
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -126,8 +127,8 @@ def test_the_adapters_gradient_is_the_full_gradient_restricted_to_them_float64(t
                         loss_mask=batch.loss_mask.double(), ref_logprobs=None,
                         global_token_count=batch.loss_mask.sum().double())
     for model in (adapted, merged):
-        loss, _ = PolicyModel(model, 1.0, fused=True, chunk_bytes=None)(batch.input_ids, batch.attention_mask,
-                                                                       batch.labels, inputs)
+        loss, _ = PolicyModel(model, 1.0, fused=True, chunk_bytes=None)(
+            RowInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
         loss.backward()
     params = dict(adapted.named_parameters())
     checked = 0

@@ -60,17 +60,17 @@ from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
 from aepo_engine.models.lora import apply_lora, initial_adapter, is_adapter
-from aepo_engine.training import counterfactual, tree_attention
+from aepo_engine.training import counterfactual
 from aepo_engine.training.attention import packed_row_kwargs
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
 from aepo_engine.training.config import OptimConfig, PolicyConfig  # PolicyConfig re-exported: its old home
 from aepo_engine.training.optim import build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
-from aepo_engine.training.tree import (TreeInputs, TreeMicroBatch, logprob_keys, shard_groups, tree_micro_batches,
-                                      update_keys)
+from aepo_engine.training.layout import (BatchLayout, LossInputs, RowInputs, TreeLossInputs, Purpose,
+                                        batch_layout)
+from aepo_engine.training.tree import TreeInputs
 from aepo_kernels import (
     LossConfig,
-    Occurrences,
     aepo_policy_loss,
     aepo_tree_policy_loss,
     apply_token_weights,
@@ -83,6 +83,7 @@ from aepo_kernels import (
 )
 from aepo_kernels.policy_loss import weight_total
 
+# LossInputs / TreeLossInputs: their home is training.layout (re-exported here, their old one)
 __all__ = ["LossInputs", "PolicyConfig", "PolicyModel", "PolicyWorker", "TreeLossInputs"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -100,47 +101,6 @@ def _weighted_advantages(micro: TokenBatch) -> Tensor:
 
 
 # --- the module FSDP wraps ------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LossInputs:
-    """What the one-pass loss needs besides the model's hidden states: per-token ``[B, L]`` tensors
-    and the global normalisers / statistics of the mini-batch (0-d tensors or None)."""
-
-    old_logprobs: Tensor
-    advantages: Tensor  # [B, L] (per-sequence advantages expanded)
-    loss_mask: Tensor
-    ref_logprobs: Tensor | None
-    global_token_count: Tensor
-    entropy_mean: Tensor | None = None
-    entropy_std: Tensor | None = None
-    stats_masks: dict[str, Tensor] | None = None  # name -> [B, L] mask of split statistics
-    token_rows: bool = False  # also return per-token log-probs and entropies (return_token_loss)
-
-    def packed(self, real: Tensor) -> "LossInputs":
-        """The per-token fields at the real (non-padding) positions, as one ``[1, T]`` row."""
-        pick = lambda t: None if t is None else t[real][None]  # noqa: E731
-        masks = None if self.stats_masks is None else {k: pick(v) for k, v in self.stats_masks.items()}
-        return dataclasses.replace(self, old_logprobs=pick(self.old_logprobs), advantages=pick(self.advantages),
-                                   loss_mask=pick(self.loss_mask), ref_logprobs=pick(self.ref_logprobs),
-                                   stats_masks=masks)
-
-
-@dataclasses.dataclass
-class TreeLossInputs:
-    """What the tree loss needs besides the nodes' hidden states (:mod:`aepo_kernels.tree_loss`):
-    per node ``[N]`` the old (and reference) log-probs, per occurrence (label position) where it
-    reads and its advantage / mask / statistics masks, and the mini-batch's normaliser and
-    statistics as for :class:`LossInputs`."""
-
-    old_logprobs: Tensor  # [N]
-    ref_logprobs: Tensor | None  # [N]
-    occurrences: Occurrences  # [M] each
-    global_token_count: Tensor
-    entropy_mean: Tensor | None = None
-    entropy_std: Tensor | None = None
-    stats_masks: dict[str, Tensor] | None = None  # name -> [M]
-    token_rows: bool = False  # also return per-occurrence log-probs and entropies
-
 
 class PolicyModel(nn.Module):
     """An HF causal LM returning per-token ``(logprobs, entropy)`` of ``labels``, or, given
@@ -162,14 +122,15 @@ class PolicyModel(nn.Module):
     def decoder(self) -> nn.Module:
         return getattr(self.hf, self.hf.base_model_prefix)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, loss_inputs: LossInputs | None = None,
-                tree: TreeInputs | None = None):
-        """Args: ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]``
-        (0 logp at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``. With ``tree``
-        the other tensors are ignored (pass None) and the forest is the batch: ``(logprobs,
-        entropy)`` ``[N]`` per node, or with :class:`TreeLossInputs` the tree loss."""
-        if tree is not None:
-            return self._tree_forward(tree, loss_inputs)
+    def forward(self, inputs: RowInputs | TreeInputs, loss_inputs: LossInputs | TreeLossInputs | None = None):
+        """The batch layout's inputs (:mod:`aepo_engine.training.layout`) run their own forward:
+        :meth:`rows_forward` or :meth:`tree_forward`."""
+        return inputs.run(self, loss_inputs)
+
+    def rows_forward(self, inputs: RowInputs, loss_inputs: LossInputs | None):
+        """Rows ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]`` (0 logp
+        at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``."""
+        input_ids, attention_mask, labels = inputs.input_ids, inputs.attention_mask, inputs.labels
         if not self.pack:
             hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
             if loss_inputs is not None:
@@ -195,9 +156,10 @@ class PolicyModel(nn.Module):
                     global_token_count=inputs.global_token_count, entropy_mean=inputs.entropy_mean,
                     entropy_std=inputs.entropy_std, stats_masks=inputs.stats_masks, return_token_loss=inputs.token_rows)
 
-    def _tree_forward(self, tree: TreeInputs, inputs: TreeLossInputs | None):
+    def tree_forward(self, tree: TreeInputs, inputs: TreeLossInputs | None):
         """The forest's nodes as one sequence (depths as position ids, the tree mask); node n's
-        loss row is its token predicted from its parent's hidden state."""
+        loss row is its token predicted from its parent's hidden state. Returns ``(logprobs,
+        entropy)`` ``[N]`` per node, or with ``inputs`` the tree loss ``(loss, stats)``."""
         hidden = self.decoder(input_ids=tree.tokens, position_ids=tree.depth, attention_mask=None, use_cache=False,
                               tree_mask=tree.mask).last_hidden_state  # [1, N, D]
         hidden = hidden[0, tree.parent.clamp(min=0)]  # [N, D]; a root's row has no label
@@ -240,14 +202,6 @@ class PolicyModel(nn.Module):
         # The head's output is used by nothing else: its buffer can take the gradient.
         logits = head(hidden)  # [B, L, V]
         return aepo_policy_loss(logits, *args, inplace_backward=True, shift_labels=False, **kwargs)
-
-
-def _positions(part: TokenBatch | TreeMicroBatch, packed: bool) -> tuple[int, int]:
-    """``(positions the model computes, non-padding row positions)`` of a micro-batch (host ints)."""
-    if isinstance(part, TreeMicroBatch):
-        return part.forest.num_nodes, int(part.rows.lengths.sum())
-    real = int(part.lengths.sum())
-    return (real if packed else part.input_ids.numel()), real
 
 
 def _in_compute_dtype(hidden: Tensor) -> Tensor:
@@ -298,8 +252,9 @@ class PolicyWorker:
         self.lora = config.lora if config.lora.enabled else None
         if self.lora is not None:  # before sharding: FSDP2 shards the adapters with their layers
             apply_lora(self.model, self.lora)
-        if config.trees:
-            self.model.set_attn_implementation(tree_attention.register())
+        # rows or the rollout tree: everything that depends on it is the layout's (training.layout)
+        self.layout: BatchLayout = batch_layout(config, self.rank, self.world_size)
+        self.layout.prepare(self.model)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
@@ -350,52 +305,21 @@ class PolicyWorker:
 
     # --- forward helpers ------------------------------------------------------------------------
 
-    def _forward(self, micro: TokenBatch) -> tuple[Tensor, Tensor]:
+    def _values(self, micro) -> tuple[Tensor, Tensor]:
         """``(logprobs, entropy)`` ``[b, l]`` of a micro-batch already on ``self.device``."""
         with self._autocast():
-            return self.policy(micro.input_ids, micro.attention_mask, micro.labels)  # [b, l] x2
+            return self.layout.values(self.policy, micro)
 
-    def _tree_forward(self, micro: TreeMicroBatch) -> tuple[Tensor, Tensor]:
-        """``(logprobs, entropy)`` ``[b, l]`` of a tree micro-batch already on ``self.device``: the
-        nodes' values at every label position that reads them."""
-        with self._autocast():
-            logprobs, entropy = self.policy(None, None, None, tree=micro.model_inputs())  # [N] x2
-        return micro.to_rows(logprobs), micro.to_rows(entropy)
-
-    def _shard(self, batch: TokenBatch) -> TokenBatch:
-        """This rank's rows of a global batch: strided rows, or whole groups with tree batches."""
-        if self.config.trees:
-            return shard_groups(batch, self.rank, self.world_size)[0]
-        return batch.shard(self.rank, self.world_size)
-
-    def _parts(self, local: TokenBatch, keys=update_keys) -> tuple[list, int]:
-        """This rank's micro-batches (rows, or :class:`TreeMicroBatch` with tree batches, forests
-        keyed by ``keys``), padded with masked-out ones to the same count on every rank."""
-        if not self.config.trees:
-            return self._micro_batches(local)
-        cfg = self.config
-        by_nodes = cfg.micro_batch_max_tokens
-        parts = tree_micro_batches(local, keys, by_nodes, cfg.micro_batch_size if by_nodes is None else None)
+    def _parts(self, local: TokenBatch, purpose: Purpose = "update") -> tuple[list, int]:
+        """This rank's micro-batches (the layout's), padded with ones that change nothing to the
+        same count on every rank (FSDP's collectives run per forward/backward); returns
+        ``(micro_batches, real_count)``."""
+        parts = self.layout.micro_batches(local, purpose)
         real = len(parts)
         if self.world_size > 1:
             count = torch.tensor([real], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            parts += [TreeMicroBatch.build(local.rows([0]).masked_out(), keys)] * (int(count) - real)
-        return parts, real
-
-    def _micro_batches(self, local: TokenBatch) -> tuple[list[TokenBatch], int]:
-        """This rank's micro-batches, padded with masked-out ones to the same count on every rank
-        (FSDP collectives run per forward/backward); returns ``(micro_batches, real_count)``."""
-        cfg = self.config
-        if cfg.micro_batch_max_tokens is None:
-            parts = local.micro_batches(size=cfg.micro_batch_size)
-        else:
-            parts = local.micro_batches(max_tokens=cfg.micro_batch_max_tokens, packed=self.policy.pack)
-        real = len(parts)
-        if self.world_size > 1 and cfg.micro_batch_max_tokens is not None:
-            count = torch.tensor([real], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            parts += [local.rows([0]).masked_out()] * (int(count) - real)
+            parts += [self.layout.filler(local, purpose)] * (int(count) - real)
         return parts, real
 
     def _all_reduce(self, tensor: Tensor) -> Tensor:
@@ -416,42 +340,14 @@ class PolicyWorker:
         """
         self.policy.eval()
         width = batch.input_ids.shape[1]
-        local = self._shard(batch)
-        parts, real = self._parts(local, keys=logprob_keys)
-        forward = lambda m: self._tree_forward(m) if self.config.trees else self._forward(m)  # noqa: E731
-        outs = [forward(micro.to(self.device)) for micro in parts][:real]
+        local = self.layout.shard(batch)
+        parts, real = self._parts(local, "logprobs")
+        outs = [self._values(micro.to(self.device)) for micro in parts][:real]
         pad = lambda t: nn.functional.pad(t.float(), (0, width - t.shape[1]))  # noqa: E731
         local_out = torch.stack([torch.cat([pad(o[i]) for o in outs]) for i in (0, 1)])  # [2, b, L]
-        gather = self._gather_groups if self.config.trees else self._gather_rows
-        logprobs, entropy = gather(local_out, batch).cpu().unbind(0)
+        logprobs, entropy = self.layout.gather(local_out, batch).cpu().unbind(0)
         # no label, no prediction: padding and the last token hold whatever the batch layout gave
         return logprobs, entropy * (batch.labels != IGNORE_INDEX)
-
-    def _gather_rows(self, local: Tensor, batch: TokenBatch) -> Tensor:
-        """Undo :meth:`TokenBatch.shard` (strided rows): ``[2, b, L]`` per rank -> ``[2, B, L]``."""
-        num_rows = batch.num_rows
-        if self.world_size == 1:
-            return local[:, :num_rows]
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local.contiguous())
-        stacked = torch.stack(gathered, dim=2)  # [2, b, W, L]: row j of rank r is global j * W + r
-        return stacked.flatten(1, 2)[:, :num_rows]
-
-    def _gather_groups(self, local: Tensor, batch: TokenBatch) -> Tensor:
-        """Undo :func:`shard_groups`: ``[2, b_r, L]`` per rank -> ``[2, B, L]`` (every rank knows
-        every rank's rows: the split depends on the global batch only)."""
-        if self.world_size == 1:
-            return local
-        index = [shard_groups(batch, r, self.world_size)[1] for r in range(self.world_size)]
-        most = max(len(i) for i in index)
-        padded = nn.functional.pad(local, (0, 0, 0, most - local.shape[1]))
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded.contiguous())
-        out = local.new_zeros(2, batch.num_rows, local.shape[2])
-        for rows, part in zip(index, gathered):
-            if rows != [-1]:
-                out[:, rows] = part[:, : len(rows)]
-        return out
 
     # --- update ---------------------------------------------------------------------------------
 
@@ -507,7 +403,7 @@ class PolicyWorker:
 
     def _train_step(self, mini: TokenBatch) -> dict[str, float]:
         """One optimizer step on a global mini-batch; one host sync at the end."""
-        local = self._shard(mini)
+        local = self.layout.shard(mini)
         parts, real = self._parts(local)
         moments = self._entropy_moments(local, parts)  # [3] global (sum H, sum H^2, count)
         stats_kwargs = {}
@@ -520,7 +416,7 @@ class PolicyWorker:
                            dtype=torch.float64, device=self.device)
         for micro in parts:
             sums += self._micro_step(micro, count, stats_kwargs)
-        positions = torch.tensor([sum(_positions(p, self.policy.pack)[i] for p in parts[:real]) for i in (0, 1)],
+        positions = torch.tensor([sum(self.layout.positions(p)[i] for p in parts[:real]) for i in (0, 1)],
                                  dtype=torch.float64, device=self.device)
         sums = self._all_reduce(torch.cat([sums, positions]))
         grad_norm = self._reduce_and_clip()
@@ -541,24 +437,18 @@ class PolicyWorker:
                                for j, origin in enumerate(TOKEN_ORIGINS)}
         return record
 
-    def _micro_step(self, micro: TokenBatch | TreeMicroBatch, count: Tensor, stats_kwargs: dict) -> Tensor:
-        """Forward + backward of one micro-batch; returns its ``[2 + K]`` metric sums (detached)."""
+    def _micro_step(self, micro, count: Tensor, stats_kwargs: dict) -> Tensor:
+        """Forward + backward of one micro-batch (the layout's); returns its ``[2 + K]`` metric sums (detached)."""
         micro = micro.to(self.device)
-        rows = micro.rows if isinstance(micro, TreeMicroBatch) else micro
+        rows = self.layout.rows(micro)
         advantages = _weighted_advantages(rows)
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(rows.old_logprobs)
         masks = None if rows.token_origin is None else {
             name: rows.token_origin == value for name, value in TOKEN_ORIGINS.items()}
         cf = self._cf_threshold is not None
-        if isinstance(micro, TreeMicroBatch):
-            loss, stats, token_rows = self._tree_loss(micro, advantages, masks, count, stats_kwargs, cf)
-        else:
-            inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count,
-                                **stats_kwargs, stats_masks=masks, token_rows=cf)
-            with self._autocast():
-                loss, stats = self.policy(micro.input_ids, micro.attention_mask, micro.labels, inputs)
-            token_rows = self._token_rows(micro, stats) if cf else None
+        with self._autocast():
+            loss, stats, token_rows = self.layout.loss(self.policy, micro, advantages, masks, count, stats_kwargs, cf)
         (loss * self.loss_scale).backward()
         tokens = stats["num_tokens"].double()
         weighted = [stats[k].double() * tokens if k in stats else tokens.new_zeros(()) for k in TOKEN_MEAN_STATS]
@@ -569,30 +459,6 @@ class PolicyWorker:
         if not cf:
             return out
         return torch.cat([out, self._counterfactual_sums(rows, advantages, masks, *token_rows, stats_kwargs)])
-
-    def _tree_loss(self, micro: TreeMicroBatch, advantages: Tensor, masks: dict | None, count: Tensor,
-                   stats_kwargs: dict, token_rows: bool):
-        """The tree loss of a micro-batch on the device: ``(loss, stats, (logp, entropy) [b, l] or None)``."""
-        rows, occurs = micro.rows, micro.occurrence  # occurs: [b, l] label positions
-        occurrences = Occurrences(micro.forest.label_node[occurs], advantages[occurs], rows.loss_mask[occurs])
-        ref = None if rows.ref_logprobs is None else micro.node_values(rows.ref_logprobs)
-        inputs = TreeLossInputs(micro.node_values(rows.old_logprobs), ref, occurrences, count, **stats_kwargs,
-                                stats_masks=None if masks is None else {k: m[occurs] for k, m in masks.items()},
-                                token_rows=token_rows)
-        with self._autocast():
-            loss, stats = self.policy(None, None, None, inputs, tree=micro.model_inputs())
-        if not token_rows:
-            return loss, stats, None
-        scatter = lambda t: t.new_zeros(occurs.shape).masked_scatter(occurs, t)  # noqa: E731  [M] -> [b, l]
-        return loss, stats, (scatter(stats["token_logprobs"]), scatter(stats["token_entropy"]))
-
-    def _token_rows(self, micro: TokenBatch, stats: dict) -> tuple[Tensor, Tensor]:
-        """The loss's per-token log-probs and entropies as ``[b, l]`` (unpacked when packed)."""
-        logp, entropy = stats["token_logprobs"], stats["token_entropy"]
-        if self.policy.pack:  # the loss saw the real tokens as one [1, T] row
-            real = micro.attention_mask.bool()
-            logp, entropy = (t.new_zeros(real.shape).masked_scatter(real, t[0]) for t in (logp, entropy))
-        return logp, entropy
 
     def _counterfactual_sums(self, micro: TokenBatch, advantages: Tensor, masks: dict | None, logp: Tensor,
                              entropy: Tensor, stats_kwargs: dict) -> Tensor:
@@ -613,10 +479,7 @@ class PolicyWorker:
         else:
             with torch.no_grad():
                 parts = [m.to(self.device) for m in parts]
-                if self.config.trees:
-                    moments = sum(entropy_moments(self._tree_forward(m)[1], m.rows.loss_mask) for m in parts)
-                else:
-                    moments = sum(entropy_moments(self._forward(m)[1], m.loss_mask) for m in parts)
+                moments = sum(entropy_moments(self._values(m)[1], self.layout.rows(m).loss_mask) for m in parts)
             return self._all_reduce(moments)
         return self._all_reduce(entropy_moments(entropy.to(self.device), local.loss_mask.to(self.device)))
 

@@ -43,6 +43,8 @@ from aepo_kernels.trie import group_slices as trie_group_slices
 from aepo_kernels.trie import sequence_tree, trie_rows
 
 if TYPE_CHECKING:
+    from aepo_engine.training.layout import TreeLossInputs
+    from aepo_engine.training.policy import PolicyModel
     from aepo_engine.training.tree_attention import TreeMask
 
 __all__ = ["NODE_FIELDS", "Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys",
@@ -185,6 +187,10 @@ class TreeInputs:
     parent: Tensor
     labels: Tensor
     mask: "TreeMask"
+
+    def run(self, model: "PolicyModel", loss_inputs: "TreeLossInputs | None"):
+        """``model``'s forward for a forest (:meth:`PolicyModel.tree_forward`)."""
+        return model.tree_forward(self, loss_inputs)
 
 
 @dataclass

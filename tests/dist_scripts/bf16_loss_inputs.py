@@ -37,11 +37,11 @@ def _fields(inputs) -> dict:
 def run(model_dir: str, out: str, layout: str = "rows") -> None:
     built, received = [], []
 
-    call, loss, tree_forward = policy.PolicyModel.__call__, policy.PolicyModel._loss, policy.PolicyModel._tree_forward
+    call, loss, tree_forward = policy.PolicyModel.__call__, policy.PolicyModel._loss, policy.PolicyModel.tree_forward
 
     def recorded_call(self, *args, **kwargs):  # the worker's call: what the batch holds
-        if len(args) == 4:
-            built.append(_fields(args[3]))
+        if len(args) == 2:  # (the layout's inputs, the loss inputs)
+            built.append(_fields(args[1]))
         return call(self, *args, **kwargs)
 
     def recorded_loss(self, hidden, labels, inputs):  # inside the FSDP root's forward
@@ -54,7 +54,7 @@ def run(model_dir: str, out: str, layout: str = "rows") -> None:
         return tree_forward(self, tree, inputs)
 
     policy.PolicyModel.__call__, policy.PolicyModel._loss = recorded_call, recorded_loss
-    policy.PolicyModel._tree_forward = recorded_tree
+    policy.PolicyModel.tree_forward = recorded_tree
     config = policy.PolicyConfig(param_dtype="bfloat16", fsdp="on", ppo_mini_batch_size=8, micro_batch_size=8,
                                  tree_batches="on" if layout == "trees" else "off")
     worker = policy.PolicyWorker(model_dir, config, OptimConfig(lr=1e-3), total_steps=10)

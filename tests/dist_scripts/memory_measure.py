@@ -128,7 +128,7 @@ def main() -> None:
 
     def measured_forward(*a, **k):  # the peak up to the end of the last forward (the head's included)
         result = forward(*a, **k)
-        if len(a) + len(k) > 3:  # the loss forward, not a log-prob pass
+        if len(a) + len(k) > 1:  # (the layout's inputs, the loss inputs): the loss forward, not a log-prob pass
             points["forward_peak"] = max(meter.peak, meter.now()) - meter.base
         return result
 
