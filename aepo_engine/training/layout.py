@@ -19,13 +19,13 @@ rows vs tree itself:
 ``pack_sequences``, their real tokens as one row: HF's padding-free format); :class:`Tree` as the
 tries of its prompt groups (:mod:`aepo_engine.training.tree`), each shared prefix computed once.
 What the model's forward takes is the layout's inputs object (:class:`RowInputs`,
-:class:`aepo_engine.training.tree.TreeInputs`): :class:`PolicyModel`'s forward hands it back to
+:class:`aepo_engine.training.tree.TreeInputs`): ``PolicyModel``'s forward hands it back to
 the matching method, so the module FSDP wraps does not branch either.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,6 @@ from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.config import PolicyConfig
 from aepo_engine.training.tree import TreeMicroBatch, logprob_keys, shard_groups, tree_micro_batches, update_keys
 from aepo_kernels import Occurrences
-
-if TYPE_CHECKING:
-    from aepo_engine.training.policy import PolicyModel
 
 __all__ = ["BatchLayout", "LossInputs", "RowInputs", "Rows", "Tree", "TreeLossInputs", "batch_layout"]
 
@@ -95,8 +92,8 @@ class RowInputs:
     attention_mask: Tensor
     labels: Tensor
 
-    def run(self, model: "PolicyModel", loss_inputs: LossInputs | None):
-        """``model``'s forward for rows (:meth:`PolicyModel.rows_forward`)."""
+    def run(self, model: Any, loss_inputs: LossInputs | None):
+        """``model``'s forward for rows (``training.policy.PolicyModel.rows_forward``)."""
         return model.rows_forward(self, loss_inputs)
 
 

@@ -33,7 +33,7 @@ Positions: a micro-batch of rows computes ``sum_b len_b`` positions, its forest 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
@@ -43,8 +43,6 @@ from aepo_kernels.trie import group_slices as trie_group_slices
 from aepo_kernels.trie import sequence_tree, trie_rows
 
 if TYPE_CHECKING:
-    from aepo_engine.training.layout import TreeLossInputs
-    from aepo_engine.training.policy import PolicyModel
     from aepo_engine.training.tree_attention import TreeMask
 
 __all__ = ["NODE_FIELDS", "Forest", "TreeInputs", "TreeMicroBatch", "build_forest", "group_slices", "logprob_keys",
@@ -188,8 +186,9 @@ class TreeInputs:
     labels: Tensor
     mask: "TreeMask"
 
-    def run(self, model: "PolicyModel", loss_inputs: "TreeLossInputs | None"):
-        """``model``'s forward for a forest (:meth:`PolicyModel.tree_forward`)."""
+    def run(self, model: Any, loss_inputs: Any):
+        """``model``'s forward for a forest (``training.policy.PolicyModel.tree_forward``; with
+        ``training.layout.TreeLossInputs``: the tree loss)."""
         return model.tree_forward(self, loss_inputs)
 
 
