@@ -24,7 +24,8 @@ from aepo_engine.asynchronous.staleness import (admission_version, branching_ver
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.continuous import ContinuousRollout
 from aepo_engine.rollout.protocol import GenOutput
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout, _cut_at_stop
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+from aepo_engine.rollout.segments import cut_at_stop
 from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
 from aepo_engine.tools import Tool, ToolResult, ToolRunner
 from aepo_engine.training.batch import TokenBatch
@@ -161,12 +162,12 @@ def test_a_stop_string_split_by_the_cut_ends_the_segment():
     tok = CharTokenizer()
     ids = tok.encode("ab</se") + tok.encode("arch>and on")  # the backend's continuation missed the stop
     output = GenOutput(ids, [-0.5] * len(ids), [1.0] * len(ids), "length")
-    cut = _cut_at_stop(output, resumed_at=6, stop_strings=("</search>", "</python>"), tokenizer=tok)
+    cut = cut_at_stop(output, resumed_at=6, stop_strings=("</search>", "</python>"), tokenizer=tok)
     assert tok.decode(cut.token_ids) == "ab</search>" and cut.finish_reason == "stop" and cut.stop_string == "</search>"
     assert len(cut.logprobs) == len(cut.entropies) == len(cut.token_ids)
     inside = GenOutput(tok.encode("ab cd</search>"), [0.0] * 14, [0.0] * 14, "stop", "</search>")
-    assert _cut_at_stop(inside, 3, ("</search>",), tok) is inside  # a stop string after the cut: the backend's
-    assert _cut_at_stop(output, 0, ("</search>",), tok) is output  # no cut: nothing to look for
+    assert cut_at_stop(inside, 3, ("</search>",), tok) is inside  # a stop string after the cut: the backend's
+    assert cut_at_stop(output, 0, ("</search>",), tok) is output  # no cut: nothing to look for
 
 
 # ---------------------------------------------------------------------------------------------

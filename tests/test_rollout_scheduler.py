@@ -7,12 +7,16 @@ from __future__ import annotations
 import math
 
 import msgspec
+import numpy as np
 import pytest
 
 from aepo_engine.algorithms.branching import branch_probability, global_sample_count, sigmoid
 from aepo_engine.rollout.config import EXPERIMENTAL_FIELDS, RolloutConfig, RolloutExperiments
+from aepo_engine.rollout.decisions import branch_alpha, decision_due, free_slots, slot_left
+from aepo_engine.rollout.monitoring import evidence_ready, most_global_samples, tool_entropy
 from aepo_engine.rollout.protocol import GenRequest
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
+from aepo_engine.rollout.seeds import ALPHA, SAMPLE, derive_seed
 from aepo_engine.rollout.trajectory import Trajectory, format_rollout_tree, rollout_tree
 from aepo_engine.tools import Tool, ToolResult, ToolRunner, format_tool_result
 from fakes import EOS, CharTokenizer, Policy, ScriptedBackend, ScriptedRunner, make, tool_agent
@@ -59,6 +63,82 @@ def test_branch_probability_hand_worked():
     assert branch_probability(0.6, 0.2, 0.5, 30, 0.05) == 0.0
     # Entropy drop: (0.6 + 0.2 * -1.5) * 1 = 0.3.
     assert branch_probability(0.6, 0.2, -1.5, 0, 0.05) == pytest.approx(0.3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler's rules, hand-worked (rollout.monitoring, rollout.decisions, rollout.seeds)
+
+
+def test_tool_entropy_and_when_the_probe_has_told_enough():
+    # Probe head entropies: H_root 2.0, then 1.0 and 3.0 after its two tool results.
+    # H_tool over all post-tool segments: (1 + 3) / 2 = 2.0; over the first only: 1.0; a probe
+    # without a tool call gives the neutral H_tool = H_root.
+    assert tool_entropy([2.0, 1.0, 3.0], None) == 2.0
+    assert tool_entropy([2.0, 1.0, 3.0], 1) == 1.0
+    assert tool_entropy([0.7], None) == 0.7
+    probe = Trajectory(prompt_ids=[5], prompt_index=0, traj_id=0, step=0, kind="probe")
+    probe.segment_entropies = [2.0, 1.0]  # one post-tool segment so far, still running
+    assert not evidence_ready(probe, None)  # the rule of §1a: m once the whole probe has ended
+    assert evidence_ready(probe, 1) and not evidence_ready(probe, 2)
+    probe.finish_reason = "eos"
+    assert evidence_ready(probe, None) and evidence_ready(probe, 2)
+
+
+def test_most_global_samples_hand_worked():
+    # m_max is the m of H_tool = -0.001 (entropies are >= 0, less float rounding).
+    # k=12, beta=0.5, H_root=2.0: sigmoid(0.5 * 2.001) = 0.73116, 12 * 0.73116 = 8.77 -> 8 + 1 = 9.
+    # H_root=0: 12 * sigmoid(0.0005) = 6.0015 -> 6 + 1 = 7. k=4: 4 * 0.500125 = 2.0005 -> 3.
+    assert most_global_samples(12, 0.5, 2.0) == 9
+    assert most_global_samples(12, 0.5, 0.0) == 7
+    assert most_global_samples(4, 0.5, 0.0) == 3
+    for h_root in (0.0, 0.4, 2.0):  # it bounds the m of every H_tool a probe can report
+        for h_tool in (0.0, 0.4, 1.9, 9.0):
+            assert global_sample_count(12, 0.5, h_root, h_tool) <= most_global_samples(12, 0.5, h_root)
+
+
+def test_branch_slots_hand_worked():
+    # m known (k = 8): 7 members leave 1 slot; 8 leave none (False), whatever the early counters say.
+    assert free_slots(8, 5, 7, 0, None) == 1 and slot_left(8, 5, 7, 0, None) is True
+    assert free_slots(8, 5, 8, 2, 3) == 0 and slot_left(8, 5, 8, 2, 3) is False
+    # m unknown, H_root known with m_max = 5: k - m_max = 3 certain slots; 1 taken -> 2 left;
+    # 3 taken -> whether one is left depends on m (None).
+    assert free_slots(8, None, 4, 1, 3) == 2 and slot_left(8, None, 4, 1, 3) is True
+    assert free_slots(8, None, 6, 3, 3) == 0 and slot_left(8, None, 6, 3, 3) is None
+    # Before H_root (certain_slots None) no slot is certain.
+    assert free_slots(8, None, 1, 0, None) == 0 and slot_left(8, None, 1, 0, None) is None
+
+
+def test_decision_due_only_after_a_tool_result_of_its_own():
+    t = Trajectory(prompt_ids=[5], prompt_index=0, traj_id=0, step=0, kind="global")
+    t.append_model_segment([10, 11], [0.0, 0.0], [1.0, 1.0], 2)
+    assert not decision_due(t)  # no tool result yet
+    t.append_tool_result([12])
+    assert not decision_due(t)  # its reaction is not sampled yet
+    t.append_model_segment([13], [0.0], [1.5], 2)
+    assert decision_due(t)  # model, tool, model: the reaction's entropy is known
+    child = t.fork(2, traj_id=1)
+    child.append_model_segment([14], [0.0], [0.5], 2)
+    assert not decision_due(child)  # the inherited result's decision was its parent's
+    child.append_tool_result([15])
+    child.append_model_segment([16], [0.0], [0.5], 2)
+    assert decision_due(child)
+
+
+def test_branch_alpha_is_the_constant_or_a_draw_of_its_own_seed():
+    t = Trajectory(prompt_ids=[5], prompt_index=2, traj_id=3, step=4, kind="global")
+    assert branch_alpha(RolloutConfig(branch_alpha_mode="constant", branch_alpha=0.3), 7, t, 1) == 0.3
+    draws = [branch_alpha(RolloutConfig(), 7, t, tool_step) for tool_step in (1, 1, 2)]
+    assert draws[0] == draws[1] != draws[2] and all(0.0 <= a < 1.0 for a in draws)
+    assert draws[0] == np.random.default_rng(derive_seed(7, 4, 2, 3, 1, ALPHA)).random()
+    assert derive_seed(7, 4, 2, 3, 1, ALPHA) != derive_seed(7, 4, 2, 3, 1, SAMPLE)
+
+
+def test_derived_seeds_are_those_of_earlier_runs():
+    # Pinned: every sampling seed and branch draw comes from derive_seed, so a change to it
+    # changes every rollout a config has produced so far.
+    assert derive_seed(0, 0, 0, 0, 0, SAMPLE) == 2635072618980576772
+    assert derive_seed(0, 0, 0, 0, 0, ALPHA) == 5674686527938357681
+    assert derive_seed(0, 0, 0, 0, 0, SAMPLE, resumed_at=5) == 1537899932462778545
 
 
 def test_config_rejects_bad_values_and_unknown_fields():

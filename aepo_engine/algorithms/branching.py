@@ -3,7 +3,8 @@
     m = clamp(floor(k * sigmoid(beta * (H_root - H_tool))) + 1, 1, k)           (§1a)
     P = (alpha + gamma * (H_now - H_init)) * (1 - min(1, penalty_slope * l))   (§1c)
 
-The scheduler (``aepo_engine.rollout.scheduler``) applies them; the tests check them by hand.
+The rollout applies them (``aepo_engine.rollout.monitoring``: m; ``aepo_engine.rollout.decisions``:
+P); the tests check them by hand.
 """
 from __future__ import annotations
 

@@ -32,7 +32,9 @@ from typing import Any, Sequence
 
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.protocol import GenerationBackend
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutResult, _key, _PendingCall, _PromptState
+from aepo_engine.rollout.calls import PendingCall
+from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutResult
+from aepo_engine.rollout.state import PromptState, state_key
 from aepo_engine.rollout.trajectory import Trajectory
 
 __all__ = ["ContinuousRollout"]
@@ -57,9 +59,9 @@ class ContinuousRollout(EntropyBalancedRollout):
                          tool_format=tool_format)
         self.tool_barrier = tool_barrier
         self.max_batch = max_batch
-        self.states: dict[tuple[int, int], _PromptState] = {}
+        self.states: dict[tuple[int, int], PromptState] = {}
         self._steps: dict[int, list[tuple[int, int]]] = {}  # step -> its prompts' state keys
-        self._tools: dict[Future, _PendingCall] = {}
+        self._tools: dict[Future, PendingCall] = {}
         self.generate_s = self.tool_wait_s = 0.0  # seconds in the backend / waiting on tools alone
         self.dropped_tool_results = 0  # results whose trajectory was discarded while the call ran
 
@@ -131,13 +133,13 @@ class ContinuousRollout(EntropyBalancedRollout):
         self.tool_wait_s += time.perf_counter() - start if wait_s else 0.0
         for future in sorted(done, key=lambda f: _order(self._tools[f].traj)):  # deterministic order
             pending = self._tools.pop(future)
-            state = self.states.get(_key(pending.traj))
+            state = self.states.get(state_key(pending.traj))
             if state is None or not any(t is pending.traj for t in state.generating()):
                 # Its prompt discarded the trajectory (a speculative sample beyond m, a tentative
                 # child) while the call ran, and may have ended with its step: nothing takes it.
                 self.dropped_tool_results += 1
                 continue
-            self._take_tool_result(pending, future.result(), state.stats)
+            self.calls.take_result(pending, future.result(), state.stats)
         self._advance_all()
         return len(done)
 
@@ -148,11 +150,11 @@ class ContinuousRollout(EntropyBalancedRollout):
     @property
     def cut_segments(self) -> int:
         """Segments cut by a weight update and waiting to be continued."""
-        return len(self._partial)
+        return len(self.segments)
 
     def _advance_all(self) -> None:
         for state in self.states.values():
-            self._advance(state)
+            self.monitoring.advance(state)
 
 
 def _order(traj: Trajectory) -> tuple[int, int, int]:

@@ -4,227 +4,40 @@
 How it schedules them (the probe and the speculative globals, decisions before m, rounds,
 branching, the budget, seeds, what is left out) is docs/rollouts.md, "The scheduler, step by
 step"; the maths (m, P) is :mod:`aepo_engine.algorithms.branching`.
+
+This module runs the rounds: every unfinished trajectory of every prompt samples a segment in one
+backend call, then the round's tool calls run together. The parts it drives, one job each:
+
+- :mod:`~aepo_engine.rollout.state`: one prompt's trajectories during a call (``PromptState``);
+- :mod:`~aepo_engine.rollout.monitoring`: its global samples (pre-monitoring and m, speculative
+  globals, the reserve, refills);
+- :mod:`~aepo_engine.rollout.decisions`: its branch decisions (P, the budget, waiting for m);
+- :mod:`~aepo_engine.rollout.segments`: the backend requests and the segments a weight update cuts;
+- :mod:`~aepo_engine.rollout.calls`: the tool calls (read, run, results appended);
+- :mod:`~aepo_engine.rollout.stats`: the call's counters and :class:`RolloutStats`;
+- :mod:`~aepo_engine.rollout.seeds`: the seeds of every sample and draw.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from aepo_engine.algorithms.branching import branch_probability, global_sample_count
+from aepo_engine.rollout.calls import PendingCall, ToolCalls
 from aepo_engine.rollout.config import RolloutConfig
-from aepo_engine.rollout.protocol import GenerationBackend, GenOutput, GenRequest
+from aepo_engine.rollout.decisions import Branching
+from aepo_engine.rollout.monitoring import PreMonitoring
+from aepo_engine.rollout.protocol import GenerationBackend
+from aepo_engine.rollout.segments import SegmentRequests
+from aepo_engine.rollout.state import PromptState, state_key
+from aepo_engine.rollout.stats import RolloutCounters, RolloutStats, summarize
+from aepo_engine.rollout.trajectory import Trajectory
 from aepo_engine.seeding import section_seed
-from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
-from aepo_engine.tools import TOOL_STOP_STRINGS, MalformedToolCall, ToolCall
+from aepo_engine.tools import TOOL_STOP_STRINGS
 from aepo_engine.tools.formats import TagFormat
 
-# ---------------------------------------------------------------------------------------------
-# Seeds
+__all__ = ["EntropyBalancedRollout", "RolloutResult", "RolloutStats"]
 
-_SAMPLE, _ALPHA = 0, 1  # seed purposes, so sampling seeds and branch draws never coincide
-# Entropies are >= 0; float rounding can put a mean a hair below. m_max is the m of this H_tool,
-# so it bounds m for any H_tool the probe can report.
-_H_TOOL_FLOOR = -1e-3
-
-
-def derive_seed(root_seed: int, step: int, prompt_index: int, traj_id: int, counter: int,
-                purpose: int, resumed_at: int = 0) -> int:
-    """A 63-bit seed from the identifying integers (independent of batch order); ``resumed_at`` > 0
-    for the continuation of a segment cut after that many tokens (a new seed for the rest)."""
-    words = [root_seed, step, prompt_index, traj_id, counter, purpose] + ([resumed_at] if resumed_at else [])
-    seq = np.random.SeedSequence(words)
-    return int(seq.generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bookkeeping
-
-
-def _key(traj: Trajectory) -> tuple[int, int]:
-    """A trajectory's prompt state key: ``(step, prompt index)``."""
-    return traj.step, traj.prompt_index
-
-
-def _uid(traj: Trajectory) -> tuple[int, int, int]:
-    """A key unique to a trajectory for the scheduler's life (an object id may be reused once freed)."""
-    return traj.step, traj.prompt_index, traj.traj_id
-
-
-def _cut_at_stop(output: GenOutput, resumed_at: int, stop_strings: Sequence[str], tokenizer: Any) -> GenOutput:
-    """A segment continued after ``resumed_at`` tokens (a cut), ended at the first stop string that
-    spans the cut: the backend saw only the tokens after it, so it could not match a stop string
-    whose first characters came before (it went on sampling past it; those tokens are dropped)."""
-    if resumed_at == 0 or not stop_strings:
-        return output
-    window = max(len(stop.encode()) for stop in stop_strings) + 1  # tokens decode to >= 1 byte each
-    head = list(output.token_ids[max(0, resumed_at - window):resumed_at])
-    cut_at = len(tokenizer.decode(head))
-    for j in range(resumed_at, min(len(output.token_ids), resumed_at + window)):
-        text = tokenizer.decode(head + list(output.token_ids[resumed_at:j + 1]))
-        hit = next((stop for stop in stop_strings if 0 <= text.find(stop) < cut_at), None)
-        if hit is not None:
-            keep = j + 1
-            return GenOutput(output.token_ids[:keep], output.logprobs[:keep], output.entropies[:keep], "stop", hit)
-    return output
-
-
-@dataclass
-class _Stats:
-    rounds: int = 0
-    tokens_generated: int = 0
-    tool_tokens: int = 0
-    tool_calls_executed: int = 0
-    tool_errors: int = 0
-    malformed_calls: int = 0
-    fresh_global_samples: int = 0
-    discarded_probes: int = 0
-    discarded_speculative: int = 0
-    discarded_tokens: int = 0
-    waited_decisions: int = 0
-    generate_s: float = 0.0
-    tool_s: float = 0.0
-    tail_s: float = 0.0
-    widest_round: int = 0
-
-    def time_round(self, width: int, generate_s: float, tool_s: float) -> None:
-        """Add a round's seconds; a round less than half as wide as the widest so far counts as
-        tail (the call waiting for its slowest trajectories)."""
-        self.generate_s += generate_s
-        self.tool_s += tool_s
-        self.widest_round = max(self.widest_round, width)
-        if 2 * width < self.widest_round:
-            self.tail_s += generate_s + tool_s
-
-
-@dataclass
-class _Partial:
-    """What a segment cut short by a weight update (``GenOutput.finish_reason == "abort"``) has
-    sampled so far; the next round continues it from there."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def add(self, output: GenOutput, version: int) -> None:
-        self.token_ids += output.token_ids
-        self.logprobs += output.logprobs
-        self.entropies += output.entropies
-        self.versions += [version] * len(output.token_ids)
-
-
-@dataclass(frozen=True)
-class _PendingCall:
-    """A tool call a segment ended with, waiting for its result."""
-
-    traj: Trajectory
-    call: ToolCall
-    ended_turn: bool  # the segment ended the model's turn (eos): the format inserts the result after it
-
-
-@dataclass
-class _PromptState:
-    """The trajectories of one prompt during a rollout call; ``step`` and ``stats`` are those of
-    the call (the training step its prompts are for, and its counters)."""
-
-    index: int
-    prompt_ids: list[int]
-    step: int = 0
-    stats: _Stats = field(default_factory=_Stats)
-    members: list[Trajectory] = field(default_factory=list)  # returned; at most k
-    probe: Trajectory | None = None      # while probing, and afterwards if discarded
-    speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
-    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, not members
-    m: int | None = None                 # global samples; None while probing
-    h_root: float | None = None
-    h_tool: float | None = None
-    next_id: int = 0
-    # Before m is known (docs/rollouts.md, "Decisions before m"):
-    certain_slots: int | None = None     # k - m_max once H_root is known (0: branch_before_m off)
-    early_branches: int = 0              # children created while m was unknown
-    waiting: set[int] = field(default_factory=set)  # ids of trajectories whose decisions wait
-    pending: list[tuple[Trajectory, int, float]] = field(default_factory=list)  # (traj, segment, H_now)
-    roots: dict[int, int] = field(default_factory=dict)  # branch id -> id of its root trajectory
-    # children started for waiting decisions, keyed by (parent id, segment index)
-    tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
-    # would-be children sampling beside their parent's reaction this round (same key)
-    presampled: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
-
-    def new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id - 1
-
-    def running(self) -> list[Trajectory]:
-        """Unfinished trajectories that may be returned (the reserve not included)."""
-        pool = list(self.members) + self.speculative
-        if self.probe is not None and self.probe not in pool:
-            pool.append(self.probe)
-        return [t for t in pool if not t.done]
-
-    def generating(self) -> list[Trajectory]:
-        """What the next round samples: ``running`` and the unfinished reserve, in id order
-        (creation order): within a round, decisions claim the budget in this order."""
-        pool = self.running() + [t for t in self.reserve if not t.done] + \
-            [t for t in self.tentative.values() if not t.done] + list(self.presampled.values())
-        return sorted(pool, key=lambda t: t.traj_id)
-
-
-@dataclass(frozen=True)
-class RolloutStats:
-    """What one :meth:`EntropyBalancedRollout.rollout` call did.
-
-    Attributes:
-        m: global samples per prompt (spec 1a).
-        h_root, h_tool: pre-monitoring entropies per prompt (None without pre-monitoring).
-        branches: branches taken; branch_decisions: branch decisions made;
-            branch_budget_blocked: decisions with P > tau but no budget left.
-        mean_branch_probability: mean P over the decisions (None without decisions).
-        tool_calls_executed, tool_errors, malformed_calls: tool use.
-        finish_reasons, kinds: counts over the returned trajectories.
-        tokens_generated: all sampled tokens, discarded probes included; tool_tokens: tool-result
-            tokens appended; rounds: backend calls.
-        fresh_global_samples: global samples started because a prompt's trajectories all ended;
-            discarded_probes: probes thrown away (``reuse_probe_as_sample=False``);
-            discarded_speculative: speculative samples beyond m that no refill needed, thrown
-            away (branches used the budget), the branches that speculative samples beyond m
-            took before m was known, and children started early for waiting decisions that got
-            no slot (``speculative_branches``), and pre-sampled children no decision took
-            (``presample_children``);
-            waited_decisions: branch decisions that waited for m (``branch_before_m``);
-            discarded_tokens: model tokens sampled in discarded trajectories (part of
-            tokens_generated; the rest is what the returned trajectories hold).
-        generate_s, tool_s: seconds in the backend and waiting for tool calls (the slowest call
-            of each round); tail_s: the part of both spent in rounds less than half as wide as
-            the widest before them (the slowest trajectories, with the rest finished).
-    """
-
-    m: list[int]
-    h_root: list[float | None]
-    h_tool: list[float | None]
-    branches: int
-    branch_decisions: int
-    branch_budget_blocked: int
-    mean_branch_probability: float | None
-    tool_calls_executed: int
-    tool_errors: int
-    malformed_calls: int
-    finish_reasons: dict[str, int]
-    kinds: dict[str, int]
-    tokens_generated: int
-    tool_tokens: int
-    rounds: int
-    fresh_global_samples: int
-    discarded_probes: int
-    discarded_speculative: int
-    discarded_tokens: int
-    waited_decisions: int
-    generate_s: float = 0.0
-    tool_s: float = 0.0
-    tail_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -234,10 +47,6 @@ class RolloutResult:
 
     trajectories: list[Trajectory]
     stats: RolloutStats
-
-
-# ---------------------------------------------------------------------------------------------
-# The scheduler
 
 
 class EntropyBalancedRollout:
@@ -273,9 +82,10 @@ class EntropyBalancedRollout:
         # The policy version of the backend's weights: recorded on every token it samples.
         self.policy_version = 0
         self.tokens_sampled = 0  # every token the backend returned, over the scheduler's life
-        self._partial: dict[tuple[int, int, int], _Partial] = {}  # _uid(trajectory) -> its cut segment so far
-
-    # -- public -------------------------------------------------------------------------------
+        self.segments = SegmentRequests(config, self.seed, self.stop_strings, self.tokenizer)
+        self.calls = ToolCalls(tool_runner, self.tool_format, self.tokenizer, config)
+        self.branching = Branching(config, self.seed)
+        self.monitoring = PreMonitoring(config, self.branching)
 
     def rollout(self, prompts: list[list[int]], step: int, version: int | None = None,
                 progress: Callable[[int, int, int], None] | None = None) -> RolloutResult:
@@ -302,426 +112,98 @@ class EntropyBalancedRollout:
                 break
             self._round(states, batch)
             for state in states.values():
-                self._advance(state)
+                self.monitoring.advance(state)
             if progress is not None:
                 done = sum(len(s.members) == self.config.k and not s.generating() for s in states.values())
                 stats = next(iter(states.values())).stats  # one per call (_new_states)
                 progress(done, len(states), stats.tokens_generated)
         return self._result(list(states.values()))
 
-    def _new_states(self, prompts: list[list[int]], step: int) -> dict[tuple[int, int], _PromptState]:
+    def _new_states(self, prompts: list[list[int]], step: int) -> dict[tuple[int, int], PromptState]:
         """Started prompt states of one rollout call, keyed by ``(step, prompt index)``."""
         if step < 0:
             raise ValueError(f"step must be >= 0 because it seeds the rollout, got {step}")
         for i, ids in enumerate(prompts):
             if len(ids) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs a context")
-        stats = _Stats()
-        states = {(step, i): _PromptState(i, list(ids), step, stats) for i, ids in enumerate(prompts)}
+        stats = RolloutCounters()
+        states = {(step, i): PromptState(i, list(ids), step, stats) for i, ids in enumerate(prompts)}
         for state in states.values():
-            self._start(state)
+            self.monitoring.start(state)
         return states
 
-    def _next_batch(self, states: dict[tuple[int, int], _PromptState]) -> list[Trajectory]:
+    def _next_batch(self, states: dict[tuple[int, int], PromptState]) -> list[Trajectory]:
         """What the next round samples (pre-sampled children started first, when on)."""
         if self.config.branching and self.config.experimental.presample_children:
             for state in states.values():
-                self._presample(state)
+                self.branching.presample(state)
         return [t for state in states.values() for t in state.generating()]
 
-    def _result(self, states: list[_PromptState]) -> RolloutResult:
+    def _result(self, states: list[PromptState]) -> RolloutResult:
         """The call's k trajectories per prompt and statistics, once nothing is left to sample."""
         for state in states:  # reserve samples no refill needed: the budget went to branches
-            self._discard_reserve(state, state.stats)
-        done = {(state.step, state.index) for state in states}  # cut segments of discarded trajectories
-        self._partial = {uid: part for uid, part in self._partial.items() if uid[:2] not in done}
+            state.discard_reserve()
+        self.segments.forget({(state.step, state.index) for state in states})  # cut segments of discarded trajectories
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
-        return RolloutResult(out, self._summarize(states, out, states[0].stats if states else _Stats()))
-
-    # -- prompt life cycle --------------------------------------------------------------------
-
-    def _start(self, state: _PromptState) -> None:
-        cfg = self.config
-        if cfg.branching and cfg.pre_monitoring:
-            state.probe = self._new(state, "probe")
-            if cfg.experimental.reuse_probe_as_sample:
-                state.members.append(state.probe)
-            state.speculative = [self._new(state, "global")
-                                 for _ in range(cfg.speculative_globals)]
-            return
-        state.m = cfg.global_samples_without_monitoring if cfg.branching else cfg.k
-        for _ in range(state.m):
-            state.members.append(self._new(state, "global"))
-
-    def _advance(self, state: _PromptState) -> None:
-        """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
-        stats = state.stats
-        if state.m is None:
-            if not self._evidence_ready(state.probe):
-                if state.certain_slots is None and state.probe.segment_entropies:  # after its first segment
-                    self._bound_m(state)
-                return
-            self._finish_probe(state, stats)
-        missing = self.config.k - len(state.members)
-        if missing > 0 and not state.running():
-            resumed, state.reserve = state.reserve[:missing], state.reserve[missing:]
-            state.members.extend(resumed)
-            for _ in range(missing - len(resumed)):
-                state.members.append(self._new(state, "global"))
-            stats.fresh_global_samples += missing
-            for traj in resumed:  # the budget is spent now: recorded as blocked decisions
-                self._decide_late(state, traj)
-        if state.m is not None and len(state.members) == self.config.k and state.reserve:
-            self._discard_reserve(state, stats)  # no refill can need it any more
-
-    @staticmethod
-    def _discard_reserve(state: _PromptState, stats: _Stats) -> None:
-        stats.discarded_speculative += len(state.reserve)
-        stats.discarded_tokens += sum(sum(t.loss_mask) for t in state.reserve)
-        state.reserve = []
-
-    def _evidence_ready(self, probe: Trajectory) -> bool:
-        """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
-        wanted = self.config.experimental.monitor_tool_steps
-        return probe.done or (wanted is not None and len(probe.segment_entropies) - 1 >= wanted)
-
-    def _bound_m(self, state: _PromptState) -> None:
-        """H_root is known: m <= m_max. Free the k - m_max branch slots every m leaves, and top
-        the speculative globals up to the most that any m keeps (``speculative_top_up``)."""
-        cfg = self.config
-        m_max = global_sample_count(cfg.k, cfg.beta, state.probe.segment_entropies[0],
-                                    _H_TOOL_FLOOR)
-        state.certain_slots = cfg.k - m_max if cfg.experimental.branch_before_m else 0
-        if cfg.speculative_top_up:
-            most_kept = m_max - int(cfg.experimental.reuse_probe_as_sample)
-            for _ in range(most_kept - len(state.speculative)):
-                state.speculative.append(self._new(state, "global"))
-
-    def _finish_probe(self, state: _PromptState, stats: _Stats) -> None:
-        cfg, probe = self.config, state.probe
-        state.h_root = probe.segment_entropies[0]
-        after_tool = probe.segment_entropies[1:][: cfg.experimental.monitor_tool_steps]
-        # No tool call: no evidence about post-tool uncertainty -> neutral H_tool (module doc).
-        state.h_tool = sum(after_tool) / len(after_tool) if after_tool else state.h_root
-        state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
-        reused = cfg.experimental.reuse_probe_as_sample
-        wanted = state.m - int(reused)
-        kept, state.reserve = state.speculative[:wanted], state.speculative[wanted:]
-        state.speculative = []
-        for traj in state.reserve:
-            self._to_reserve(state, traj, stats)
-        state.members.extend(kept)
-        for _ in range(wanted - len(kept)):
-            state.members.append(self._new(state, "global"))
-        state.probe = None  # a reused probe goes on as a member; a discarded one stops here
-        if not reused:
-            stats.discarded_probes += 1
-            stats.discarded_tokens += sum(probe.loss_mask)
-        if len(state.members) > cfg.k:
-            raise RuntimeError(f"prompt {state.index}: {len(state.members)} trajectories for "
-                               f"k={cfg.k}: a branch before m took a slot m did not leave")
-        # The decisions that waited for m claim what is left, in the order they were taken.
-        pending, state.pending, state.waiting = state.pending, [], set()
-        stats.waited_decisions += len(pending)
-        for traj, seg_index, h_now in pending:
-            if any(traj is member for member in state.members):  # not in reserve, not dropped
-                self._decide(state, traj, seg_index, h_now)
-        for child in state.tentative.values():  # their decisions found no slot
-            stats.discarded_speculative += 1
-            stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
-        state.tentative = {}
-
-    def _to_reserve(self, state: _PromptState, traj: Trajectory, stats: _Stats) -> None:
-        """Put a speculative global beyond m in reserve: as a refill it is a fresh global sample
-        that can no longer branch, so the branches it took are dropped (their own tokens counted
-        as discarded) and its decisions are forgotten (a refill takes them again, blocked)."""
-        dropped = [t for t in state.members if state.roots.get(t.traj_id) == traj.traj_id]
-        for child in dropped:
-            state.members.remove(child)
-            stats.discarded_speculative += 1
-            stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
-        traj.decisions.clear()
-        traj.consecutive_branches = 0
-
-    def _decide_late(self, state: _PromptState, traj: Trajectory) -> None:
-        """Take the decisions of every model segment of ``traj`` that reacts to a tool result,
-        in order (a resumed reserve sample has taken none)."""
-        model_segments = [j for j, s in enumerate(traj.segments) if s.kind == "model"]
-        for n_model, seg_index in enumerate(model_segments[1:], start=1):
-            self._decide(state, traj, seg_index, traj.segment_entropies[n_model])
-
-    def _new(self, state: _PromptState, kind: str) -> Trajectory:
-        return Trajectory(prompt_ids=state.prompt_ids, prompt_index=state.index,
-                          traj_id=state.new_id(), step=state.step, kind=kind)
+        counters = states[0].stats if states else RolloutCounters()
+        return RolloutResult(out, summarize([s.m for s in states], [s.h_root for s in states],
+                                            [s.h_tool for s in states], out, counters))
 
     # -- one round ----------------------------------------------------------------------------
 
-    def _round(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory]) -> None:
+    def _round(self, states: dict[tuple[int, int], PromptState], batch: list[Trajectory]) -> None:
         """One round: sample every trajectory of ``batch``, then run their tool calls together."""
         start = time.perf_counter()
         calls = self._generate(states, batch)
         generated = time.perf_counter()
         if calls:
             self._run_tools(states, calls)
-        for stats in {id(states[_key(t)].stats): states[_key(t)].stats for t in batch}.values():
+        for stats in {id(states[state_key(t)].stats): states[state_key(t)].stats for t in batch}.values():
             stats.time_round(len(batch), generated - start, time.perf_counter() - generated)
 
-    def _generate(self, states: dict[tuple[int, int], _PromptState], batch: list[Trajectory],
-                  abort: Any = None) -> list[_PendingCall]:
+    def _generate(self, states: dict[tuple[int, int], PromptState], batch: list[Trajectory],
+                  abort: Any = None) -> list[PendingCall]:
         """Sample a segment for every trajectory of ``batch`` (``abort``: a ``threading.Event`` a
         backend that can stop mid-call checks, ``GenerationBackend.can_abort``; a segment it cuts
-        is kept and continued next round), take the branch decisions due and classify the
-        segments; returns the tool calls to run, with their callers."""
+        is kept and continued next round), take the branch decisions due and read the segments'
+        tool calls; returns the calls to run, with their callers."""
         cfg = self.config
-        requests = [self._request(t) for t in batch]
+        requests = [self.segments.request(t) for t in batch]
         outputs = (self.backend.generate(requests, abort=abort) if abort is not None
                    else self.backend.generate(requests))
         if len(outputs) != len(batch):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(batch)} requests")
-        for stats in {id(states[_key(t)].stats): states[_key(t)].stats for t in batch}.values():
+        for stats in {id(states[state_key(t)].stats): states[state_key(t)].stats for t in batch}.values():
             stats.rounds += 1
         finished = []
         for traj, output in zip(batch, outputs):
-            states[_key(traj)].stats.tokens_generated += len(output.token_ids)
+            states[state_key(traj)].stats.tokens_generated += len(output.token_ids)
             self.tokens_sampled += len(output.token_ids)
-            output, versions = self._complete_segment(traj, output)
+            output, versions = self.segments.complete(traj, output, self.policy_version)
             if output is None:  # cut by a weight update: continued next round
                 continue
             traj.append_model_segment(output.token_ids, output.logprobs, output.entropies,
                                       cfg.n_entropy_tokens, versions)
             finished.append((traj, output))
-        for traj, _ in finished:  # branch decisions first: a child copies the prefix before this call
-            state = states[_key(traj)]
-            if cfg.branching and self._decision_due(traj) and self._samples(state, traj):
-                self._take_decision(state, traj, len(traj.segments) - 1,
-                                    traj.segment_entropies[-1])
+        if cfg.branching:  # decisions first: a child copies the prefix before this segment's call
+            for traj, _ in finished:
+                self.branching.after_segment(states[state_key(traj)], traj)
         dropped: set[int] = set()  # pre-sampled children no decision took: their calls never run
-        for state in {id(states[_key(t)]): states[_key(t)] for t in batch}.values():
-            for child in state.presampled.values():
+        for state in {id(states[state_key(t)]): states[state_key(t)] for t in batch}.values():
+            for child in state.drop_presampled():
                 dropped.add(id(child))
-                self._partial.pop(_uid(child), None)
-                state.stats.discarded_speculative += 1
-                state.stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
-            state.presampled = {}
+                self.segments.drop(child)
         calls = []
         for traj, output in finished:
             if id(traj) in dropped:
                 continue
-            call = self._classify(traj, output, states[_key(traj)].stats)
+            call = self.calls.read(traj, output, states[state_key(traj)].stats)
             if call is not None:
-                calls.append(_PendingCall(traj, call, output.finish_reason == "eos"))
+                calls.append(call)
         return calls
 
-    def _complete_segment(self, traj: Trajectory, output: GenOutput) -> tuple[GenOutput | None, list[int]]:
-        """``(output, per-token versions)`` of a finished segment, the tokens of its cut parts first;
-        ``(None, [])`` when it was cut (again) by a weight update: kept for the next round."""
-        partial = self._partial.pop(_uid(traj), None)
-        if partial is None and output.finish_reason != "abort":
-            return output, [self.policy_version] * len(output.token_ids)
-        partial = partial or _Partial()
-        resumed_at = len(partial.token_ids)
-        partial.add(output, self.policy_version)
-        merged = GenOutput(partial.token_ids, partial.logprobs, partial.entropies, output.finish_reason,
-                           output.stop_string)  # text "": _classify decodes the whole segment
-        merged = _cut_at_stop(merged, resumed_at, self.stop_strings, self.tokenizer)
-        if merged.finish_reason == "abort":
-            self._partial[_uid(traj)] = partial
-            return None, []
-        return merged, partial.versions[:len(merged.token_ids)]
-
-    def _request(self, traj: Trajectory) -> GenRequest:
-        """The request for ``traj``'s next segment, or for the rest of a segment a weight update
-        cut (its own seed; the entropy head and the token budget count what was sampled)."""
-        cfg = self.config
-        partial = self._partial.get(_uid(traj))
-        done = partial.token_ids if partial is not None else []
-        remaining = cfg.max_response_tokens - len(traj.response_ids)
-        seed = derive_seed(self.seed, traj.step, traj.prompt_index, traj.traj_id, len(traj.segments),
-                           _SAMPLE, resumed_at=len(done))
-        return GenRequest(prompt_ids=tuple(traj.prompt_ids) + tuple(traj.response_ids) + tuple(done),
-                          max_new_tokens=min(cfg.max_tokens_per_segment, remaining) - len(done),
-                          stop_strings=self.stop_strings, seed=seed,
-                          temperature=cfg.temperature, top_p=cfg.top_p,
-                          entropy_tokens=max(cfg.n_entropy_tokens - len(done), 0))
-
-    def _classify(self, traj: Trajectory, output: GenOutput, stats: _Stats
-                  ) -> ToolCall | None:
-        """Set the finish reason of a trajectory that ends here, or return its tool call."""
-        cfg = self.config
-        # A format whose calls end the turn (Llama-3 JSON) reads a call from a segment ended by eos.
-        if output.finish_reason == "eos" and not self.tool_format.calls_end_turn:
-            traj.finish_reason = "eos"
-            return None
-        if output.finish_reason == "length" or len(traj.response_ids) >= cfg.max_response_tokens:
-            traj.finish_reason = "length"  # a call at the cap could not receive its result
-            return None
-        text = output.text or self.tokenizer.decode(output.token_ids)
-        call = self.tool_format.parse_call(text)
-        if call is None:
-            traj.finish_reason = "eos" if output.finish_reason == "eos" else "stop"
-        elif isinstance(call, MalformedToolCall):
-            traj.malformed_calls += 1
-            stats.malformed_calls += 1
-            traj.finish_reason = "malformed"
-        elif traj.tool_calls >= cfg.max_tool_calls:
-            traj.finish_reason = "tool_limit"
-        else:
-            return call
-        return None
-
-    def _run_tools(self, states: dict[tuple[int, int], _PromptState], calls: list[_PendingCall]) -> None:
-        results = self.tool_runner.run([pending.call for pending in calls])
-        if len(results) != len(calls):
-            raise RuntimeError(f"tool runner returned {len(results)} results for "
-                               f"{len(calls)} calls")
-        for pending, result in zip(calls, results):
-            self._take_tool_result(pending, result, states[_key(pending.traj)].stats)
-
-    def _take_tool_result(self, pending: _PendingCall, result: Any, stats: _Stats) -> None:
-        """Append a tool call's result to its trajectory (cut to the response budget)."""
-        traj, call = pending.traj, pending.call
-        traj.tool_log.append(ToolCallRecord(call.tool, call.payload, result.text, result.ok, result.elapsed_s))
-        remaining = self.config.max_response_tokens - len(traj.response_ids)
-        # plain text: tags and control tokens the tool printed cannot act as the engine's
-        ids = self.tool_format.result_ids(result.text, pending.ended_turn)
-        traj.append_tool_result(list(ids)[:remaining])
-        traj.tool_calls += 1
-        stats.tool_calls_executed += 1
-        stats.tool_errors += int(not result.ok)
-        stats.tool_tokens += min(len(ids), remaining)
-        if len(traj.response_ids) >= self.config.max_response_tokens:
-            traj.finish_reason = "length"
-
-    # -- branching ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _decision_due(traj: Trajectory) -> bool:
-        """The last segment reacts to a tool result this trajectory received itself."""
-        segs = traj.segments
-        return (len(segs) >= 2 and segs[-2].kind == "tool"
-                and segs[-1].start != traj.branch_position)
-
-    def _samples(self, state: _PromptState, traj: Trajectory) -> bool:
-        """``traj`` will be returned if its prompt's m keeps it (a discarded probe never is, a
-        reserve sample only once a refill resumes it)."""
-        if any(traj is t for t in state.reserve):
-            return False
-        return traj is not state.probe or self.config.experimental.reuse_probe_as_sample
-
-    def _take_decision(self, state: _PromptState, traj: Trajectory, seg_index: int,
-                       h_now: float) -> None:
-        """Decide now, or leave the decision waiting for m (with the trajectory's later ones:
-        their l depends on its outcome)."""
-        if traj.traj_id in state.waiting:
-            state.pending.append((traj, seg_index, h_now))
-        elif not self._decide(state, traj, seg_index, h_now):
-            state.waiting.add(traj.traj_id)
-            state.pending.append((traj, seg_index, h_now))
-            if len(state.tentative) < self.config.experimental.speculative_branches:
-                self._start_tentative(state, traj, seg_index)
-
-    def _start_tentative(self, state: _PromptState, traj: Trajectory, seg_index: int) -> None:
-        """Start now the child a waiting decision (it wants a branch) gets if m leaves it a slot,
-        so that it does not start rounds late; it takes no decision of its own before that."""
-        child = state.presampled.pop((traj.traj_id, seg_index), None) or \
-            self._fork(state, traj, seg_index)
-        child.consecutive_branches = child.inherited_branches = traj.consecutive_branches + 1
-        state.waiting.add(child.traj_id)
-        state.tentative[(traj.traj_id, seg_index)] = child
-
-    def _decide(self, state: _PromptState, traj: Trajectory, seg_index: int, h_now: float) -> bool:
-        """Take the branch decision for the model segment ``traj.segments[seg_index]``; False
-        (nothing recorded) when it wants a branch slot whose existence depends on m."""
-        cfg = self.config
-        tool_step = sum(s.kind == "tool" for s in traj.segments[:seg_index])
-        if cfg.branch_alpha_mode == "random":
-            seed = derive_seed(self.seed, traj.step, traj.prompt_index, traj.traj_id, tool_step, _ALPHA)
-            alpha = float(np.random.default_rng(seed).random())
-        else:
-            alpha = cfg.branch_alpha
-        l_before = traj.consecutive_branches
-        p = branch_probability(alpha, cfg.gamma, h_now - traj.h_init, l_before,
-                               cfg.penalty_slope, cfg.branch_penalty)
-        wants = p > cfg.tau
-        slot = self._slot_left(state) if wants else False
-        if slot is None:
-            return False
-        if slot:
-            traj.consecutive_branches = l_before + 1
-            key = (traj.traj_id, seg_index)
-            child = (state.tentative.pop(key, None) or state.presampled.pop(key, None)
-                     or self._fork(state, traj, seg_index))
-            child.consecutive_branches = child.inherited_branches = l_before + 1
-            state.members.append(child)
-            state.early_branches += int(state.m is None)
-        else:
-            traj.consecutive_branches = 0
-        traj.decisions.append(BranchDecision(
-            tool_step=tool_step, h_init=traj.h_init, h_now=h_now, alpha=alpha,
-            consecutive_branches=l_before, probability=p, branched=slot,
-            budget_blocked=wants and not slot))
-        return True
-
-    @staticmethod
-    def _fork(state: _PromptState, traj: Trajectory, seg_index: int) -> Trajectory:
-        """A child of ``traj`` at ``seg_index`` with a new id, recorded under its root trajectory
-        (so that dropping a speculative global drops its descendants)."""
-        child = traj.fork(seg_index, state.new_id())
-        state.roots[child.traj_id] = state.roots.get(traj.traj_id, traj.traj_id)
-        return child
-
-    def _presample(self, state: _PromptState) -> None:
-        """Start the would-be children of this round's decisions, one per certainly free slot
-        (module doc, "Pre-sampled children")."""
-        if state.m is not None:
-            free = self.config.k - len(state.members)
-        else:
-            free = (state.certain_slots or 0) - state.early_branches
-        for traj in sorted(state.running(), key=lambda t: t.traj_id):
-            if free <= 0:
-                return
-            segs = traj.segments
-            if (traj.traj_id in state.waiting or not segs or segs[-1].kind != "tool"
-                    or segs[-1].end == traj.branch_position or not self._samples(state, traj)):
-                continue  # no decision of its own follows this round, or it waits for m
-            state.presampled[(traj.traj_id, len(segs))] = self._fork(state, traj, len(segs))
-            free -= 1
-
-    def _slot_left(self, state: _PromptState) -> bool | None:
-        """A branch slot is free (True), taken (False), or depends on the unknown m (None)."""
-        if state.m is not None:
-            return len(state.members) < self.config.k
-        return True if state.early_branches < (state.certain_slots or 0) else None
-
-    # -- statistics ---------------------------------------------------------------------------
-
-    def _summarize(self, states: list[_PromptState], out: list[Trajectory], stats: _Stats
-                   ) -> RolloutStats:
-        decisions = [d for t in out for d in t.decisions]
-        probs = [d.probability for d in decisions]
-        return RolloutStats(
-            m=[s.m for s in states],
-            h_root=[s.h_root for s in states],
-            h_tool=[s.h_tool for s in states],
-            branches=sum(d.branched for d in decisions),
-            branch_decisions=len(decisions),
-            branch_budget_blocked=sum(d.budget_blocked for d in decisions),
-            mean_branch_probability=sum(probs) / len(probs) if probs else None,
-            tool_calls_executed=stats.tool_calls_executed,
-            tool_errors=stats.tool_errors,
-            malformed_calls=stats.malformed_calls,
-            finish_reasons=dict(Counter(t.finish_reason for t in out)),
-            kinds=dict(Counter(t.kind for t in out)),
-            tokens_generated=stats.tokens_generated,
-            tool_tokens=stats.tool_tokens,
-            rounds=stats.rounds,
-            fresh_global_samples=stats.fresh_global_samples,
-            discarded_probes=stats.discarded_probes,
-            discarded_speculative=stats.discarded_speculative,
-            discarded_tokens=stats.discarded_tokens,
-            waited_decisions=stats.waited_decisions,
-            generate_s=stats.generate_s,
-            tool_s=stats.tool_s,
-            tail_s=stats.tail_s,
-        )
+    def _run_tools(self, states: dict[tuple[int, int], PromptState], calls: list[PendingCall]) -> None:
+        """Run a round's tool calls together and append each result to its trajectory."""
+        for pending, result in zip(calls, self.calls.run(calls)):
+            self.calls.take_result(pending, result, states[state_key(pending.traj)].stats)

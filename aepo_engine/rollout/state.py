@@ -1,0 +1,101 @@
+"""One prompt during a rollout call (:class:`PromptState`): its trajectories by role (members, the
+probe, speculative globals, the reserve, children that wait on or anticipate a decision), what
+pre-monitoring has found, and the bookkeeping of trajectories it creates and discards.
+
+What the roles mean and how a prompt moves through them: docs/rollouts.md, "The scheduler, step
+by step"; the rules that move it are :mod:`aepo_engine.rollout.monitoring` (global samples) and
+:mod:`aepo_engine.rollout.decisions` (branches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aepo_engine.rollout.stats import RolloutCounters
+from aepo_engine.rollout.trajectory import Trajectory, TrajectoryKind
+
+__all__ = ["PromptState", "state_key"]
+
+
+def state_key(traj: Trajectory) -> tuple[int, int]:
+    """A trajectory's prompt state key: ``(step, prompt index)``."""
+    return traj.step, traj.prompt_index
+
+
+@dataclass
+class PromptState:
+    """The trajectories of one prompt during a rollout call; ``step`` and ``stats`` are those of
+    the call (the training step its prompts are for, and its counters)."""
+
+    index: int
+    prompt_ids: list[int]
+    step: int = 0
+    stats: RolloutCounters = field(default_factory=RolloutCounters)
+    members: list[Trajectory] = field(default_factory=list)  # returned; at most k
+    probe: Trajectory | None = None      # while probing, and afterwards if discarded
+    speculative: list[Trajectory] = field(default_factory=list)  # globals started while probing
+    reserve: list[Trajectory] = field(default_factory=list)  # speculative beyond m, not members
+    m: int | None = None                 # global samples; None while probing
+    h_root: float | None = None
+    h_tool: float | None = None
+    next_id: int = 0
+    # Before m is known (docs/rollouts.md, "Decisions before m"):
+    certain_slots: int | None = None     # k - m_max once H_root is known (0: branch_before_m off)
+    early_branches: int = 0              # children created while m was unknown
+    waiting: set[int] = field(default_factory=set)  # ids of trajectories whose decisions wait
+    pending: list[tuple[Trajectory, int, float]] = field(default_factory=list)  # (traj, segment, H_now)
+    roots: dict[int, int] = field(default_factory=dict)  # branch id -> id of its root trajectory
+    # children started for waiting decisions, keyed by (parent id, segment index)
+    tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
+    # would-be children sampling beside their parent's reaction this round (same key)
+    presampled: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def new(self, kind: TrajectoryKind) -> Trajectory:
+        """A trajectory from the bare prompt (a probe or a global sample) with the next id."""
+        return Trajectory(prompt_ids=self.prompt_ids, prompt_index=self.index,
+                          traj_id=self.new_id(), step=self.step, kind=kind)
+
+    def fork(self, traj: Trajectory, seg_index: int) -> Trajectory:
+        """A child of ``traj`` at ``seg_index`` with a new id, recorded under its root trajectory
+        (so that dropping a speculative global drops its descendants)."""
+        child = traj.fork(seg_index, self.new_id())
+        self.roots[child.traj_id] = self.roots.get(traj.traj_id, traj.traj_id)
+        return child
+
+    def running(self) -> list[Trajectory]:
+        """Unfinished trajectories that may be returned (the reserve not included)."""
+        pool = list(self.members) + self.speculative
+        if self.probe is not None and self.probe not in pool:
+            pool.append(self.probe)
+        return [t for t in pool if not t.done]
+
+    def generating(self) -> list[Trajectory]:
+        """What the next round samples: ``running`` and the unfinished reserve, in id order
+        (creation order): within a round, decisions claim the budget in this order."""
+        pool = self.running() + [t for t in self.reserve if not t.done] + \
+            [t for t in self.tentative.values() if not t.done] + list(self.presampled.values())
+        return sorted(pool, key=lambda t: t.traj_id)
+
+    def count_discarded_child(self, child: Trajectory) -> None:
+        """Count a child thrown away: one discarded speculative trajectory, and the tokens it
+        sampled itself (those after its branch point)."""
+        self.stats.discarded_speculative += 1
+        self.stats.discarded_tokens += sum(child.loss_mask[child.branch_position:])
+
+    def drop_presampled(self) -> list[Trajectory]:
+        """Discard (and count) the pre-sampled children that no decision of this round took;
+        returns them."""
+        dropped = list(self.presampled.values())
+        for child in dropped:
+            self.count_discarded_child(child)
+        self.presampled = {}
+        return dropped
+
+    def discard_reserve(self) -> None:
+        """Discard (and count) the reserve: no refill can need it any more."""
+        self.stats.discarded_speculative += len(self.reserve)
+        self.stats.discarded_tokens += sum(sum(t.loss_mask) for t in self.reserve)
+        self.reserve = []
