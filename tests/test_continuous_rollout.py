@@ -43,7 +43,7 @@ def _signature(trajectories):
 def _drain(rollout: ContinuousRollout, abort=None) -> dict[int, object]:
     results = {}
     while rollout.steps_in_flight:
-        if not rollout.step(abort):
+        if not rollout.round(abort):
             rollout.take_tool_results(wait_s=0.05)
         results.update(dict(rollout.finished()))
     return results
@@ -136,7 +136,7 @@ def test_cut_segments_continue_under_the_new_weights(tiny_hf):
         backend = HFBackend(model, tok)
         rollout = ContinuousRollout(backend, runner, config)
         rollout.admit(prompts, step=0)
-        assert rollout.step(CutAfter(5))  # every segment of the first round is cut after 5 tokens
+        assert rollout.round(CutAfter(5))  # every segment of the first round is cut after 5 tokens
         assert rollout.cut_segments > 0
         backend.update_weights(v1)
         rollout.policy_version = 1
@@ -260,7 +260,7 @@ def test_a_tool_result_for_a_discarded_trajectory_is_dropped():
                 if held is None and not any(t is pending.traj for t in state.generating()):
                     held = future  # discarded while its call runs
             runner.answer(keep=held)
-            if not rollout.step():
+            if not rollout.round():
                 rollout.take_tool_results()
             results.update(dict(rollout.finished()))
         assert list(results) == [0] and not rollout.states

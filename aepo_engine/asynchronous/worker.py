@@ -218,7 +218,7 @@ class _EngineLoop:
             if self.abort.is_set() and self.inbox.staged is None:
                 self.abort.clear()  # set by a push loaded above, or by stop
             tokens = self.rollout.tokens_sampled
-            sampled = self.rollout.step(self.abort if self.backend.capabilities.abort else None)
+            sampled = self.rollout.round(self.abort if self.backend.capabilities.abort else None)
             self._count_tokens(self.rollout.tokens_sampled - tokens)
             for step, result in self.rollout.finished():
                 self.outbox.put(StepDone(step, result.trajectories, result.stats, _copy(self.counters),

@@ -17,8 +17,8 @@ of them has ended. What differs from one :meth:`EntropyBalancedRollout.rollout` 
 - **Late results.** A prompt may discard a trajectory while its call runs (a speculative sample
   beyond m, a tentative child), and its step may end before the result is back: such a result is
   dropped (``dropped_tool_results``).
-- **Partial rollouts.** :meth:`step` takes the ``abort`` event a backend with ``can_abort`` checks
-  every token; a weight update sets it, the segments it cuts are kept and continued from their
+- **Partial rollouts.** :meth:`round` takes the ``abort`` event a backend with
+  ``capabilities.abort`` checks every token; a weight update sets it, the segments it cuts are kept and continued from their
   prefix under the new weights (``policy_version`` is stamped on every token), never dropped.
 
 Deliberately left out: priorities beyond step order, and preemption of a running tool call.
@@ -102,7 +102,7 @@ class ContinuousRollout(EntropyBalancedRollout):
         batch.sort(key=lambda t: (t.step, t.prompt_index, t.traj_id))
         return batch if self.max_batch is None else batch[: self.max_batch]
 
-    def step(self, abort: Any = None) -> bool:
+    def round(self, abort: Any = None) -> bool:
         """One round over :meth:`ready` (``abort``: see the module docstring); then take the tool
         results that are back and advance the prompts. Returns False when nothing was ready."""
         batch = self.ready()
