@@ -18,8 +18,9 @@ of them has ended. What differs from one :meth:`EntropyBalancedRollout.rollout` 
   beyond m, a tentative child), and its step may end before the result is back: such a result is
   dropped (``dropped_tool_results``).
 - **Partial rollouts.** :meth:`round` takes the ``abort`` event a backend with
-  ``capabilities.abort`` checks every token; a weight update sets it, the segments it cuts are kept and continued from their
-  prefix under the new weights (``policy_version`` is stamped on every token), never dropped.
+  ``capabilities.abort`` checks every token; a weight update sets it, the segments it cuts are
+  kept and continued from their prefix under the new weights (``policy_version`` is stamped on
+  every token), never dropped.
 
 Deliberately left out: priorities beyond step order, and preemption of a running tool call.
 """
