@@ -3,17 +3,17 @@
 A batch layout (rows or the rollout tree, :mod:`aepo_engine.training.layout`) decides how many
 positions a micro-batch makes the model compute and what the tree loss holds besides. The
 arithmetic lives here, torch-free, so that :mod:`aepo_engine.memory_plan` asks the layout instead
-of branching on ``policy.trees``; the training layouts (``training.layout.Rows`` / ``Tree``) are
+of branching on ``policy.trees``; the training layouts (``training.layout.RowLayout`` / ``TreeLayout``) are
 these classes with the runtime half added.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RowsPlan", "TreePlan", "layout_plan"]
+__all__ = ["RowLayoutPlan", "TreeLayoutPlan", "layout_plan"]
 
 
-class RowsPlan:
+class RowLayoutPlan:
     """Right-padded rows (or packed: the same positions, padding dropped)."""
 
     unit = "tokens"  # what a micro-batch's positions are
@@ -33,7 +33,7 @@ class RowsPlan:
         return "tree loss (none: tree_batches off)", 0, ""
 
 
-class TreePlan:
+class TreeLayoutPlan:
     """The tries of whole prompt groups (each prompt once, each shared prefix once)."""
 
     unit = "tree nodes"
@@ -61,6 +61,6 @@ class TreePlan:
                 f"{occurrences} occurrences at most")
 
 
-def layout_plan(policy: Any) -> type[RowsPlan] | type[TreePlan]:
+def layout_plan(policy: Any) -> type[RowLayoutPlan] | type[TreeLayoutPlan]:
     """The layout the policy section trains with (``policy.trees``)."""
-    return TreePlan if policy.trees else RowsPlan
+    return TreeLayoutPlan if policy.trees else RowLayoutPlan

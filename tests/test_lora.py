@@ -18,7 +18,7 @@ from aepo_engine.models.lora import (adapter_names, apply_lora, base_name, is_ad
                                      write_adapter)
 from aepo_engine.training import PolicyConfig, PolicyWorker
 from aepo_engine.training.optim import OptimConfig
-from aepo_engine.training.layout import LossInputs, RowInputs
+from aepo_engine.training.layout import LossInputs, RowModelInputs
 from aepo_engine.training.policy import PolicyModel
 from test_policy_worker import random_batch, vocab_of, with_old_policy
 
@@ -128,7 +128,7 @@ def test_the_adapters_gradient_is_the_full_gradient_restricted_to_them_float64(t
                         global_token_count=batch.loss_mask.sum().double())
     for model in (adapted, merged):
         loss, _ = PolicyModel(model, 1.0, fused=True, chunk_bytes=None)(
-            RowInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
+            RowModelInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
         loss.backward()
     params = dict(adapted.named_parameters())
     checked = 0

@@ -345,7 +345,7 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
     """The worker's in-forward one-pass loss and gradient == policy_loss_from_logprobs on the
     model's log-probs/entropies (the former two-stage path), with the global statistics; and no
     extra no-grad pass runs inside the loss (the statistics are supplied)."""
-    from aepo_engine.training.layout import LossInputs, RowInputs
+    from aepo_engine.training.layout import LossInputs, RowModelInputs
     from aepo_kernels import entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
     import aepo_kernels.loss_call as loss_call
 
@@ -363,13 +363,13 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
         loss.backward()
         return {k: p.grad.clone() for k, p in worker.model.named_parameters() if p.grad is not None}
 
-    logp, entropy = worker.policy(RowInputs(batch.input_ids, batch.attention_mask, batch.labels))
+    logp, entropy = worker.policy(RowModelInputs(batch.input_ids, batch.attention_mask, batch.labels))
     two_stage, stats_two = policy_loss_from_logprobs(logp, entropy, batch.old_logprobs, batch.advantages, batch.loss_mask,
                                                      config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=count)
     expected = grads(two_stage)
     monkeypatch.setattr(loss_call, "_entropy_stats", lambda config, mask, m, s, entropy_pass: (m, s))  # no second pass
     inputs = LossInputs(batch.old_logprobs, adv, batch.loss_mask, None, count, mean, std)
-    one_pass, stats_one = worker.policy(RowInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
+    one_pass, stats_one = worker.policy(RowModelInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
     got = grads(one_pass)
     assert stats_one["clipfrac_high"] + stats_one["clipfrac_low"] > 0
     torch.testing.assert_close(one_pass, two_stage, rtol=1e-5, atol=1e-7)

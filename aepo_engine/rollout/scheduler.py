@@ -30,7 +30,7 @@ from aepo_engine.rollout.monitoring import PreMonitoring
 from aepo_engine.rollout.protocol import GenerationBackend
 from aepo_engine.rollout.segments import SegmentRequests
 from aepo_engine.rollout.state import PromptState, state_key
-from aepo_engine.rollout.stats import RolloutCounters, RolloutStats, summarize
+from aepo_engine.rollout.stats import RolloutCounters, RolloutStats, rollout_stats
 from aepo_engine.rollout.trajectory import Trajectory
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools import TOOL_STOP_STRINGS
@@ -147,7 +147,7 @@ class EntropyBalancedRollout:
         out = [t for state in states for t in sorted(state.members, key=lambda t: t.traj_id)]
         assert all(len(s.members) == self.config.k for s in states), "budget bookkeeping broke"
         counters = states[0].stats if states else RolloutCounters()
-        return RolloutResult(out, summarize([s.m for s in states], [s.h_root for s in states],
+        return RolloutResult(out, rollout_stats([s.m for s in states], [s.h_root for s in states],
                                             [s.h_tool for s in states], out, counters))
 
     # -- one round ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What a rollout call counts: :class:`RolloutCounters` while it runs, :class:`RolloutStats`
-(:func:`summarize`) when it returns.
+(:func:`rollout_stats`) when it returns.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Sequence
 
 from aepo_engine.rollout.trajectory import Trajectory
 
-__all__ = ["RolloutCounters", "RolloutStats", "summarize"]
+__all__ = ["RolloutCounters", "RolloutStats", "rollout_stats"]
 
 
 @dataclass
@@ -97,7 +97,7 @@ class RolloutStats:
     tail_s: float = 0.0
 
 
-def summarize(m: list[int], h_root: list[float | None], h_tool: list[float | None],
+def rollout_stats(m: list[int], h_root: list[float | None], h_tool: list[float | None],
               trajectories: Sequence[Trajectory], counters: RolloutCounters) -> RolloutStats:
     """The statistics of a rollout call.
 

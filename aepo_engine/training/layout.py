@@ -15,10 +15,10 @@ rows vs tree itself:
 - :meth:`positions`: what a micro-batch costs the model (positions computed vs row positions);
   and before any batch exists, what the memory plans read (:mod:`aepo_engine.layout_plan`).
 
-:class:`Rows` lays a micro-batch out as right-padded ``[b, l]`` rows (or, with
-``pack_sequences``, their real tokens as one row: HF's padding-free format); :class:`Tree` as the
-tries of its prompt groups (:mod:`aepo_engine.training.tree`), each shared prefix computed once.
-What the model's forward takes is the layout's inputs object (:class:`RowInputs`,
+:class:`RowLayout` lays a micro-batch out as right-padded ``[b, l]`` rows (or, with
+``pack_sequences``, their real tokens as one row: HF's padding-free format); :class:`TreeLayout`
+as the tries of its prompt groups (:mod:`aepo_engine.training.tree`), each shared prefix computed once.
+What the model's forward takes is the layout's inputs object (:class:`RowModelInputs`,
 :class:`aepo_engine.training.tree.TreeInputs`): ``PolicyModel``'s forward hands it back to
 the matching method, so the module FSDP wraps does not branch either.
 """
@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from aepo_engine.layout_plan import RowsPlan, TreePlan
+from aepo_engine.layout_plan import RowLayoutPlan, TreeLayoutPlan
 from aepo_engine.training import tree_attention
 from aepo_engine.training.batch import TokenBatch
 from aepo_engine.training.config import PolicyConfig
 from aepo_engine.training.tree import TreeMicroBatch, logprob_keys, shard_groups, tree_micro_batches, update_keys
 from aepo_kernels import Occurrences
 
-__all__ = ["BatchLayout", "LossInputs", "RowInputs", "Rows", "Tree", "TreeLossInputs", "batch_layout"]
+__all__ = ["BatchLayout", "LossInputs", "RowLayout", "RowModelInputs", "TreeLayout", "TreeLossInputs", "batch_layout"]
 
 Purpose = Literal["logprobs", "update"]  # what the micro-batches are for (a tree folds by different keys)
 
@@ -85,7 +85,7 @@ class TreeLossInputs:
 
 
 @dataclasses.dataclass
-class RowInputs:
+class RowModelInputs:
     """A micro-batch of rows as the model takes it: right-padded ``[b, l]`` tensors."""
 
     input_ids: Tensor
@@ -97,7 +97,7 @@ class RowInputs:
         return model.rows_forward(self, loss_inputs)
 
 
-class Rows(RowsPlan):
+class RowLayout(RowLayoutPlan):
     """Right-padded rows (module docstring).
 
     Args:
@@ -131,13 +131,13 @@ class Rows(RowsPlan):
         return micro
 
     def values(self, model: nn.Module, micro: TokenBatch) -> tuple[Tensor, Tensor]:
-        return model(RowInputs(micro.input_ids, micro.attention_mask, micro.labels))  # [b, l] x2
+        return model(RowModelInputs(micro.input_ids, micro.attention_mask, micro.labels))  # [b, l] x2
 
     def loss(self, model: nn.Module, micro: TokenBatch, advantages: Tensor, masks: dict[str, Tensor] | None,
              count: Tensor, stats: dict[str, Tensor], token_rows: bool):
         inputs = LossInputs(micro.old_logprobs, advantages, micro.loss_mask, micro.ref_logprobs, count, **stats,
                             stats_masks=masks, token_rows=token_rows)
-        loss, out = model(RowInputs(micro.input_ids, micro.attention_mask, micro.labels), inputs)
+        loss, out = model(RowModelInputs(micro.input_ids, micro.attention_mask, micro.labels), inputs)
         if not token_rows:
             return loss, out, None
         logp, entropy = out["token_logprobs"], out["token_entropy"]
@@ -160,7 +160,7 @@ class Rows(RowsPlan):
         return (real if self.pack else micro.input_ids.numel()), real
 
 
-class Tree(TreePlan):
+class TreeLayout(TreeLayoutPlan):
     """The tries of the prompt groups (module docstring; :mod:`aepo_engine.training.tree`).
 
     Args:
@@ -233,12 +233,12 @@ class Tree(TreePlan):
         return micro.forest.num_nodes, int(micro.rows.lengths.sum())
 
 
-BatchLayout = Rows | Tree
+BatchLayout = RowLayout | TreeLayout
 
 
 def batch_layout(config: PolicyConfig, rank: int, world_size: int) -> BatchLayout:
     """The layout the policy section asks for (``trees``; ``micro_batch_size``,
     ``micro_batch_max_tokens``, ``pack_sequences`` resolved) on ``rank`` of ``world_size``."""
     if config.trees:
-        return Tree(config.micro_batch_size, config.micro_batch_max_tokens, rank, world_size)
-    return Rows(config.micro_batch_size, config.micro_batch_max_tokens, config.packs, rank, world_size)
+        return TreeLayout(config.micro_batch_size, config.micro_batch_max_tokens, rank, world_size)
+    return RowLayout(config.micro_batch_size, config.micro_batch_max_tokens, config.packs, rank, world_size)

@@ -66,7 +66,7 @@ from aepo_engine.training.loading import build_meta_model, load_hf_model, load_s
 from aepo_engine.training.config import OptimConfig, PolicyConfig  # PolicyConfig re-exported: its old home
 from aepo_engine.training.optim import build_lr_scheduler
 from aepo_engine.training.batch import IGNORE_INDEX, TOKEN_ORIGINS, TokenBatch
-from aepo_engine.training.layout import (BatchLayout, LossInputs, RowInputs, TreeLossInputs, Purpose,
+from aepo_engine.training.layout import (BatchLayout, LossInputs, RowModelInputs, TreeLossInputs, Purpose,
                                         batch_layout)
 from aepo_engine.training.tree import TreeInputs
 from aepo_kernels import (
@@ -122,13 +122,13 @@ class PolicyModel(nn.Module):
     def decoder(self) -> nn.Module:
         return getattr(self.hf, self.hf.base_model_prefix)
 
-    def forward(self, inputs: RowInputs | TreeInputs, loss_inputs: LossInputs | TreeLossInputs | None = None):
+    def forward(self, inputs: RowModelInputs | TreeInputs, loss_inputs: LossInputs | TreeLossInputs | None = None):
         """The batch layout's inputs (:mod:`aepo_engine.training.layout`) run their own forward:
         :meth:`rows_forward` or :meth:`tree_forward`."""
         return inputs.run(self, loss_inputs)
 
-    def rows_forward(self, inputs: RowInputs, loss_inputs: LossInputs | None):
-        """Rows ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]`` (0 logp
+    def rows_forward(self, inputs: RowModelInputs, loss_inputs: LossInputs | None):
+        """RowLayout ``[B, L]`` each, right-padded. Returns: fp32 ``(logprobs, entropy)`` ``[B, L]`` (0 logp
         at -100 and on padding), or with ``loss_inputs`` ``(loss, stats)``."""
         input_ids, attention_mask, labels = inputs.input_ids, inputs.attention_mask, inputs.labels
         if not self.pack:
