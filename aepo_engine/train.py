@@ -46,10 +46,9 @@ from aepo_engine.config import TrainConfig, apply_torch_threads, config_problems
 from aepo_engine.config_loader import ConfigError, dump_config, format_help, load_config
 from aepo_engine.errors import entry_point
 from aepo_engine.data import Example, PromptSampler, fit_prompts
-from aepo_engine.evaluation.benchmarks import EvalSet, eval_messages, load_eval_source
-from aepo_engine.evaluation.core import evaluate, judge_records, merge_eval_results, sample_records
+from aepo_engine.evaluation.benchmarks import load_eval_source
+from aepo_engine.evaluation.during_run import RunEvaluation
 from aepo_engine.evaluation.judge import start_judge
-from aepo_engine.evaluation.report import summarize
 from aepo_engine.faults import fault_point
 from aepo_engine.files import write_text_atomic
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
@@ -60,7 +59,7 @@ from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, dive
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
-from aepo_engine.step_source import StepSource, SynchronousSource, in_phase
+from aepo_engine.step_source import StepSource, SynchronousSource
 from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tasks import prepare_task
 from aepo_engine.tools import ToolRunner, build_tools
@@ -168,6 +167,9 @@ class Trainer:
             self.judge, _ = start_judge(cfg.eval.judge, self.run_dir / cfg.logging.dir / "judge_cache.jsonl",
                                         warn=lambda line: _log(f"[eval] {line}"))
         self.correction = cfg.rollout_correction.resolved(stale_tokens=cfg.train.stale_tokens)
+        self.evaluation = RunEvaluation(cfg.eval, cfg.rollout, self.eval_examples, self.eval_sets, self.tools,
+                                        self.tokenizer, self.tool_format, self.reward_fn, self.prompt_ids, self.layout,
+                                        self.judge, self.run_dir / cfg.logging.dir / "eval_samples", log=_log)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -322,49 +324,12 @@ class Trainer:
         return scored
 
     def evaluate(self, label: str) -> dict[str, float]:
-        """Held-out metrics, then ``<benchmark>/<metric>`` for each of eval.files; under torchrun
-        the questions are shared out over the engines (``engine_layout``) like rollout prompts."""
-        if not self.eval_examples and not self.eval_sets:
+        """The run's evaluation (:class:`~aepo_engine.evaluation.during_run.RunEvaluation`) with the
+        step source's engine at the weights trained so far."""
+        if not self.evaluation:
             return {}
-        engine = self.source.engine
-        self.source.prepare_evaluation(self.version)  # the engine samples them at these weights
-        t0 = time.perf_counter()
-        result = {}
-        if self.eval_examples:
-            chosen = self.eval_examples[: self.cfg.eval.num_questions or None]
-            questions = [chosen[i] for i in self.layout.prompts(len(chosen))]
-            local = in_phase(engine, lambda: evaluate(
-                engine, self.tools, self.tokenizer, self.cfg.rollout, [self.prompt_ids(e) for e in questions],
-                [e.ground_truth for e in questions], self.reward_fn,
-                msgspec.structs.replace(self.cfg.eval, num_questions=0), categories=[e.data_source for e in questions],
-                tool_format=self.tool_format, progress=label if distributed.is_main() else None))
-            result = merge_eval_results(distributed.all_gather_objects(local, "the held-out evaluation"))
-        for eval_set in self.eval_sets:
-            result.update(self._evaluate_set(eval_set, label))
-        _log(f"[eval {label}] " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if not k.startswith("questions/"))
-             + f" ({time.perf_counter() - t0:.0f}s)")
-        return result
-
-    def _evaluate_set(self, eval_set: EvalSet, label: str) -> dict[str, float]:
-        """One benchmark of eval.files through the eval command's code: samples, scores, judge,
-        summary; the records go to logs/eval_samples/<label>/<benchmark>.jsonl (rank 0)."""
-        engine = self.source.engine
-        mine = [eval_set.examples[i] for i in self.layout.prompts(len(eval_set.examples))]
-        prompts = [self.tool_format.encode_prompt(eval_messages(e, self.cfg.eval.system_prompt)) for e in mine]
-        local = in_phase(engine, lambda: sample_records(
-            engine, self.tools, self.tokenizer, self.cfg.rollout, self.cfg.eval, prompts, mine, eval_set.check,
-            tool_format=self.tool_format, progress=f"{label} {eval_set.name}" if distributed.is_main() else None))
-        records = [r for part in distributed.all_gather_objects(local, f"the evaluation of {eval_set.name}") for r in part]
-        if self.rank != 0:
-            return {}
-        if self.judge is not None:
-            judge_records(records, self.judge)
-        folder = self.run_dir / self.cfg.logging.dir / "eval_samples" / label.replace(" ", "_")
-        folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(folder / f"{eval_set.name}.jsonl",
-                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        summary = summarize(records, self.cfg.eval.pass_ks)[eval_set.name]
-        return {f"{eval_set.name}/{key}": float(value) for key, value in summary.items()}
+        self.source.prepare_evaluation(self.version)
+        return self.evaluation(self.source.engine, label)
 
     # --- checkpoints ------------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ folder.
 Modules: ``config`` (the ``eval`` section), ``benchmarks`` (names, formats, prompts), ``scoring``
 (per-sample scores, pass@k), ``authors`` (the AEPO/ARPO authors' evaluator reproduced, for
 ``eval.scoring = "authors"``), ``core`` (sampling and scoring), ``judge`` (OpenAI-compatible LLM
-judge), ``report`` (summaries and files). docs/scoring.md
-compares the engine's and the authors' rules.
+judge), ``report`` (summaries and files), ``during_run`` (a training run's evaluations: before RL,
+every ``eval.every_n_steps``, after RL). docs/scoring.md compares the project's and the authors'
+rules.
 """
 from typing import TYPE_CHECKING
 
