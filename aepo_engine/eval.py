@@ -38,7 +38,7 @@ from aepo_engine.config_loader import (ConfigError, dump_config, format_help, lo
                                       read_config_file, say_renamed)
 from aepo_engine.errors import entry_point
 from aepo_engine.evaluation.benchmarks import BENCHMARKS, EvalSet, eval_messages, load_eval_source
-from aepo_engine.evaluation.config import EvalConfig
+from aepo_engine.evaluation.config import SYSTEM_PROMPT_RENAMED, EvalConfig
 from aepo_engine.evaluation.core import judge_records, sample_records
 from aepo_engine.evaluation.judge import JudgeUnreachable, LLMJudge, start_judge
 from aepo_engine.evaluation.report import format_table, provenance, summarize, write_reports
@@ -283,11 +283,12 @@ def build_plan(cfg: EvalCommandConfig, source: ModelSource) -> Plan:
 
 # --- resume ----------------------------------------------------------------------------------------
 
-# Fingerprint keys added after output folders were first written, with the value those folders had.
+# Fingerprint keys added after output folders were first written, with the value those folders had
+# (the project's rules, then called "engine").
 _FINGERPRINT_SINCE = {"scoring": "engine", "judge_prompt": "engine"}
-# Fingerprint keys whose values were renamed since (the authors' rules were "reference"): an old
-# folder's value is read under its new name, as the config loader reads an old config.
-_FINGERPRINT_RENAMED = {key: RULES_RENAMED for key in ("scoring", "judge_prompt", "system_prompt")}
+# Fingerprint keys whose values were renamed since (the project's rules were "engine", the authors'
+# "reference"): an old folder's value is read under its new name, as the config loader reads an old config.
+_FINGERPRINT_RENAMED = {"scoring": RULES_RENAMED, "judge_prompt": RULES_RENAMED, "system_prompt": SYSTEM_PROMPT_RENAMED}
 
 
 def _fingerprint(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
@@ -426,7 +427,7 @@ def run(cfg: EvalCommandConfig, source: ModelSource) -> dict[str, Any]:
     return {"datasets": summary, **extra}
 
 
-def dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
+def _dry_run(cfg: EvalCommandConfig, source: ModelSource) -> int:
     """Check what the command would use without generating: the model folder, the data (rows kept
     and skipped), the tools it runs (the trainer's dry-run checks), the backend's package and the
     judge. Prints the resolved config (stdout) and the findings (stderr); returns 0 or 2."""
@@ -490,7 +491,7 @@ def main(argv: list[str]) -> dict[str, Any] | None:
         return None
     cfg, source = load_eval_command(argv)
     if "--dry-run" in flags:
-        raise SystemExit(dry_run(cfg, source))
+        raise SystemExit(_dry_run(cfg, source))
     result = run(cfg, source)
     if result["judge_error"]:
         raise SystemExit(3)

@@ -3,7 +3,7 @@ role gets, and the memory plan of each role.
 
 On a node of G GPUs with ``backend.rollout_gpus = E``, the trainer's T = G - E ranks take the first
 T GPUs (torchrun's local ranks) and the E others hold ``E / tensor_parallel_size`` engines, each on
-``tensor_parallel_size`` consecutive GPUs of its own (:func:`engine_devices`). Rollouts never
+``tensor_parallel_size`` consecutive GPUs of its own (:func:`split_engine_devices`). Rollouts never
 wait for the update (``train.mode = "async"``), so neither role makes room for the other: there is
 no sleeping engine and no phase where both share a GPU.
 
@@ -34,13 +34,13 @@ from typing import Any
 from aepo_engine.memory_plan import (VLLM_NON_TORCH, MemoryPlan, ModelShape, Term, engine_dtype_bytes,
                                      engine_kv_cache, plan_memory)
 
-__all__ = ["PlacementPlan", "engine_devices", "plan_placement"]
+__all__ = ["PlacementPlan", "plan_placement", "split_engine_devices"]
 
 _ENGINE_TERMS = ("vllm_awake", "vllm_idle", "vllm_weights")
 
 
-def engine_devices(trainer_ranks: int, rollout_gpus: int, tensor_parallel_size: int,
-                   visible: str | None = None) -> list[str]:
+def split_engine_devices(trainer_ranks: int, rollout_gpus: int, tensor_parallel_size: int,
+                         visible: str | None = None) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` of each engine of a node: the GPUs after the trainer's ``trainer_ranks``,
     ``tensor_parallel_size`` consecutive ones per engine, mapped through the job's own
     ``CUDA_VISIBLE_DEVICES`` (``visible``; default: the environment's).

@@ -1,5 +1,5 @@
-"""How far the engine's scoring and the authors' rules (``scoring="authors"``) agree, and how many
-deliberately wrong answers each accepts.
+"""How far the project's scoring (``scoring="project"``) and the authors' rules (``scoring="authors"``)
+agree, and how many deliberately wrong answers each accepts.
 
 Cases are built at run time from the real gold answers of the shared eval sets
 (``../shared/data/arpo/eval``, the first ``--questions`` of each of the 13 sets; nothing is
@@ -14,11 +14,11 @@ for the reward), each turned into systematic response variants:
   first word only): ``kind = "wrong"``;
 - responses with no answer (truncated inside a box, no tags): ``kind = "none"``.
 
-Every case is scored by ``score_response`` under ``scoring="engine"`` and ``"authors"`` (and the
+Every case is scored by ``score_response`` under ``scoring="project"`` and ``"authors"`` (and the
 reward cases by ``deep_research`` under both ``rules``). A row per (set, variant) gives the
 agreement of the two modes on the extracted answer, em, f1, acc, math and correct, and how many
 cases each mode counts correct. What this checks, honestly: the reference mode against the
-engine, and the reference mode against *our reading* of the authors' code. With
+project's rules, and the reference mode against *our reading* of the authors' code. With
 ``--authors-code DIR`` (a checkout of github.com/RUC-NLPIR/ARPO) it also runs the authors' own
 functions on the same cases (``evaluation/src``: extraction, ``Evaluator.evaluate_sample`` without
 a judge; the verl ``reward_score/deep_research.py``) and reports how often our reference mode
@@ -27,8 +27,9 @@ gives exactly their numbers; nothing of theirs is copied here, the files are imp
     python bench/bench_scoring_agreement.py --questions 10 --reward-rows 20 [--authors-code DIR]
 
 Rows go to ``bench/results/scoring_agreement.jsonl`` (with the machine and the commit).
-In the cases and rows, "reference" is our reproduction of the authors' rules (``scoring="authors"``;
-the keys keep the name the mode had when the first rows were written) and "authors" their own code.
+In the cases and rows, "engine" is the project's rules (``scoring="project"``), "reference" our
+reproduction of the authors' rules (``scoring="authors"``; the keys keep the names the modes had when
+the first rows were written, so old and new rows compare) and "authors" their own code.
 """
 from __future__ import annotations
 

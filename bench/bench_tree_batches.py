@@ -190,7 +190,7 @@ def compare(path: str, repeats: int, overrides: dict, limit: int | None, paper_s
             for mode in order:
                 worker = rows_worker if mode == "rows" else tree_worker
                 samples[mode].append(timed_update(worker, state, batch))
-        row = {"case": f"{name}[{index}]", "rows": batch.num_rows, "groups": len(group_slices(batch)),
+        row = {"case": f"{name}[{index}]", "rows": batch.num_rows, "groups": len(group_slices(batch.group_ids)),
                "row_positions": int(batch.lengths.sum()), "repeats": repeats, "load_before": load_before,
                "load_after": os.getloadavg()[0], "overrides": overrides, **equality}
         for mode in ("rows", "tree"):

@@ -14,7 +14,8 @@ import pytest
 from aepo_engine.config_loader import ConfigError
 from aepo_engine.experiments.grid import (ALGORITHMS, DEFAULT_ORDER, RunSpec, check_grid, eval_before_shareable,
                                           parse_order, plan_runs, resolve)
-from aepo_engine.experiments.results import MECHANISM_COLUMNS, aggregate, clip_steps, eval_before_check, markdown_table
+from aepo_engine.experiments.results import (MECHANISM_COLUMNS, clip_steps, eval_before_check, markdown_table,
+                                             mean_std_count)
 from runs import child_env
 
 # The grid on the tiny preset (tests/runs.py): task presets embedded + tiny, 2 steps, no checkpoints.
@@ -88,10 +89,10 @@ def _row(algorithm, seed, before, after):
             "gain_per_hour": None}
 
 
-def test_aggregate_and_table_by_hand():
-    mean, sd, n = aggregate([0.1, 0.3, None])
+def test_mean_std_count_and_table_by_hand():
+    mean, sd, n = mean_std_count([0.1, 0.3, None])
     assert (round(mean, 12), n) == (0.2, 2) and math.isclose(sd, math.sqrt(0.02))  # ((0.1)^2 + (0.1)^2) / 1
-    assert math.isnan(aggregate([5.0])[1]) and aggregate([None]) is None
+    assert math.isnan(mean_std_count([5.0])[1]) and mean_std_count([None]) is None
     rows = [_row("grpo", 0, 0.30, 0.50), _row("grpo", 1, 0.40, 0.50), _row("aepo", 0, 0.30, 0.45)]
     table = markdown_table(rows, ["aepo", "grpo", "dapo"]).splitlines()
     assert len(table) == 4 and "dapo" not in "\n".join(table)

@@ -206,7 +206,7 @@ def test_authors_reward_rules_hand_worked():
     assert rr(boxed_text, "Frank Lowy").score == pytest.approx(0.5)
     assert deep_research(boxed_text, "Frank Lowy").score == 1.0  # the engine unwraps it
     # the yes/no rule, in both
-    for rules in ("engine", "authors"):
+    for rules in ("project", "authors"):
         assert deep_research(dr("not yes", ()), "yes", rules=rules).score == 0.0
         assert deep_research(dr("yes", ()), "yes", rules=rules).score == 1.0
     # integer ground truth, options and the think opened by the chat template
@@ -222,7 +222,7 @@ def test_reward_rules_config():
     fn = build_reward_fn(RewardConfig(rules="authors"))
     assert fn("<answer>\\boxed{Paris}</answer>", ["Paris"]).score == -1.0  # no <think>: theirs is malformed
     assert build_reward_fn(RewardConfig())("<answer>\\boxed{Paris}</answer>", ["Paris"]).score == 1.0
-    with pytest.raises(ValueError, match="reward.rules must be one of engine, authors"):
+    with pytest.raises(ValueError, match="reward.rules must be one of project, authors"):
         RewardConfig(rules="paper")
     with pytest.raises(ValueError, match="reward.options.rules"):
         RewardConfig(options={"rules": "authors"})
@@ -237,13 +237,13 @@ def test_config_fields_load_dump_and_reject():
     from aepo_engine.eval import expand_aliases
 
     default = load_train_config([])
-    assert (default.reward.rules, default.eval.scoring, default.eval.judge.prompt) == ("engine",) * 3
+    assert (default.reward.rules, default.eval.scoring, default.eval.judge.prompt) == ("project",) * 3
     cfg = load_train_config(["--reward.rules=authors", "--eval.scoring=authors", "--eval.judge.prompt=authors"])
     assert (cfg.reward.rules, cfg.eval.scoring, cfg.eval.judge.prompt) == ("authors",) * 3
     assert loads_config(TrainConfig, dump_config(cfg)) == cfg  # the run's config.toml round trip
-    for override, message in (("--reward.rules=paper", "reward.rules must be one of engine, authors"),
-                              ("--eval.scoring=paper", "eval.scoring must be one of engine, authors"),
-                              ("--eval.judge.prompt=paper", "judge.prompt must be one of engine, authors")):
+    for override, message in (("--reward.rules=paper", "reward.rules must be one of project, authors"),
+                              ("--eval.scoring=paper", "eval.scoring must be one of project, authors"),
+                              ("--eval.judge.prompt=paper", "judge.prompt must be one of project, authors")):
         with pytest.raises(ConfigError, match=message):
             load_train_config([override])
     assert expand_aliases(["--scoring", "authors", "--judge-prompt=authors"]) == [
@@ -270,8 +270,77 @@ def test_old_name_reference_still_loads_with_a_warning_naming_authors(tmp_path, 
     assert loads_config(TrainConfig, path.read_text()) == cfg  # a saved run's config.toml
     assert capsys.readouterr().err == ""  # said once per process
     assert load_train_config(["--eval.scoring=reference"]).eval.scoring == "authors"  # an override too
-    with pytest.raises(ConfigError, match="eval.scoring must be one of engine, authors, got 'paper'"):
+    with pytest.raises(ConfigError, match="eval.scoring must be one of project, authors, got 'paper'"):
         load_train_config(["--eval.scoring=paper"])
     # Python callers get the new name only: the old one is a config file's courtesy.
     with pytest.raises(ValueError, match="unknown reward rules"):
         deep_research("<think>t</think><answer>\\boxed{x}</answer>", "x", rules="reference")
+
+
+def test_old_name_engine_still_loads_as_project_with_a_warning(tmp_path, capsys):
+    """The project's own rules were named "engine" until the glossary gave that word one meaning (a
+    running sampler of the policy; docs/glossary.md, issue 51): "engine" in a config file, a saved
+    run's config.toml or an override of any of the three settings loads as "project", with one
+    warning line per setting; the configs are then equal, so every score is the same."""
+    from aepo_engine import config_loader
+    from aepo_engine.config import TrainConfig, load_train_config
+    from aepo_engine.config_loader import ConfigError, dump_config, load_config, loads_config
+    from aepo_engine.eval import EvalCommandConfig, expand_aliases
+
+    settings = ("reward.rules", "eval.scoring", "eval.judge.prompt")
+
+    def rules(cfg):
+        return cfg.reward.rules, cfg.eval.scoring, cfg.eval.judge.prompt
+
+    def said(err, setting):
+        return err.count(f"warning: {setting} = 'engine' is now called 'project'; the old name still works")
+
+    default = load_train_config([])
+    config_loader._SAID.clear()
+    path = tmp_path / "old.toml"
+    path.write_text('[reward]\nrules = "engine"\n[eval]\nscoring = "engine"\n[eval.judge]\nprompt = "engine"\n')
+    cfg = load_config(TrainConfig, path)
+    assert rules(cfg) == ("project",) * 3 and cfg == load_config(TrainConfig)
+    err = capsys.readouterr().err
+    assert all(said(err, setting) == 1 for setting in settings), err
+    assert loads_config(TrainConfig, path.read_text()) == cfg  # a saved run's config.toml
+    assert capsys.readouterr().err == ""  # said once per process
+    assert 'rules = "project"' in dump_config(cfg) and 'rules = "engine"' not in dump_config(cfg)
+
+    for setting in settings:  # each command-line override
+        config_loader._SAID.clear()
+        assert load_train_config([f"--{setting}=engine"]) == default
+        err = capsys.readouterr().err
+        assert said(err, setting) == 1 and err.count("'engine' is now called") == 1, err
+    config_loader._SAID.clear()
+    ev = load_config(EvalCommandConfig, overrides=expand_aliases(["--scoring", "engine", "--judge-prompt=engine"]))
+    assert (ev.eval.scoring, ev.eval.judge.prompt) == ("project", "project")
+    assert said(capsys.readouterr().err, "eval.scoring") == 1
+    # the new name is silent, and "authors" is untouched
+    assert rules(load_train_config([f"--{s}=project" for s in settings])) == ("project",) * 3
+    assert rules(load_train_config([f"--{s}=authors" for s in settings])) == ("authors",) * 3
+    assert capsys.readouterr().err == ""
+    # eval.system_prompt is not a rules setting: "engine" there is the prompt's text
+    assert load_train_config(["--eval.system_prompt=engine"]).eval.system_prompt == "engine"
+    with pytest.raises(ConfigError, match="reward.rules must be one of project, authors, got 'paper'"):
+        load_train_config(["--reward.rules=paper"])
+
+    # the same scores under both spellings: the reward, the evaluation's scores
+    old = load_train_config([f"--{s}=engine" for s in settings])
+    responses = ["<think>t</think><answer>\\boxed{Paris}</answer>", "<answer>\\boxed{Paris}</answer>",
+                 "<think>t</think><search>q</search><result>\\boxed{Rome}</result><answer>\\boxed{Rome}</answer>",
+                 "<think>t</think><answer>\\boxed{\\text{Paris}}.</answer>", "no answer", "<answer>\\boxed{70}</answer>"]
+    old_reward, new_reward = build_reward_fn(old.reward), build_reward_fn(RewardConfig(rules="project"))
+    for response in responses:
+        assert old_reward(response, ["Paris"]) == new_reward(response, ["Paris"])
+        for check in ("qa", "math", "mixed"):
+            assert (score_response(response, ["Paris", "70"], check, scoring=old.eval.scoring)
+                    == score_response(response, ["Paris", "70"], check, scoring="project")
+                    == score_response(response, ["Paris", "70"], check))
+    # Python callers get the new name only: the old one is a config file's courtesy.
+    with pytest.raises(ValueError, match="unknown scoring 'engine'"):
+        score_response("x", ["x"], "qa", scoring="engine")
+    with pytest.raises(ValueError, match="unknown reward rules 'engine'"):
+        deep_research("<think>t</think><answer>\\boxed{x}</answer>", "x", rules="engine")
+    with pytest.raises(ValueError, match="reward.rules must be one of project, authors, got 'engine'"):
+        RewardConfig(rules="engine")

@@ -80,10 +80,10 @@ def test_samples_and_reports(tiny, shared_data, tmp_path, capsys):
     assert summary["datasets"]["aime25"]["questions"] == 3 and "pass@2" in summary["datasets"]["aime25"]
     assert result["datasets"] == summary["datasets"]
     assert (out / "summary.md").read_text().startswith("| dataset |") and (out / "summary.csv").is_file()
-    assert summary["scoring"] == "engine" and summary["judge"] is None and "acc" in summary["datasets"]["aime25"]
+    assert summary["scoring"] == "project" and summary["judge"] is None and "acc" in summary["datasets"]["aime25"]
     printed = capsys.readouterr()
     assert "pass@1" in printed.out and "questions 6/6" in printed.err  # table + progress bar
-    assert "Scoring: engine rules" in printed.out
+    assert "Scoring: project rules" in printed.out
 
 
 def test_reference_scoring_end_to_end(tiny, shared_data, tmp_path, capsys):
@@ -123,10 +123,48 @@ def test_a_folder_written_when_the_authors_rules_were_named_reference_resumes(tm
     (out / "samples.jsonl").write_text("")
     prepare_output(cfg, source, out)  # the old folder is the same evaluation
     (out / "run.json").write_text(json.dumps({**run, "scoring": "reference"}))
-    engine = load_config(EvalCommandConfig, overrides=["--eval.judge.prompt=authors"])
+    project = load_config(EvalCommandConfig, overrides=["--eval.judge.prompt=authors"])
     with pytest.raises(ConfigError, match=r"\(scoring differ\)"):
-        prepare_output(engine, source, out)
+        prepare_output(project, source, out)
 
+
+def test_a_folder_written_when_the_projects_rules_were_named_engine_resumes(tmp_path):
+    """run.json of an older folder says "engine" for the project's rules (docs/glossary.md): the same
+    settings, now named "project", resume it; "engine" as a system prompt's text stays that text."""
+    from aepo_engine.config_loader import load_config
+    from aepo_engine.eval import EvalCommandConfig, ModelSource, prepare_output
+
+    cfg = load_config(EvalCommandConfig)
+    source, out = ModelSource(tmp_path / "model"), tmp_path / "out"
+    prepare_output(cfg, source, out)
+    run = json.loads((out / "run.json").read_text())
+    assert (run["scoring"], run["judge_prompt"]) == ("project", "project")
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "engine", "judge_prompt": "engine"}))
+    (out / "samples.jsonl").write_text("")
+    prepare_output(cfg, source, out)  # the old folder is the same evaluation
+    old = {k: v for k, v in run.items() if k not in ("scoring", "judge_prompt")}  # before the keys existed
+    (out / "run.json").write_text(json.dumps(old))
+    prepare_output(cfg, source, out)
+    (out / "run.json").write_text(json.dumps({**run, "scoring": "engine"}))
+    with pytest.raises(ConfigError, match=r"\(scoring differ\)"):
+        prepare_output(load_config(EvalCommandConfig, overrides=["--eval.scoring=authors"]), source, out)
+    (out / "run.json").write_text(json.dumps({**run, "system_prompt": "engine"}))
+    with pytest.raises(ConfigError, match=r"\(system_prompt differ\)"):
+        prepare_output(cfg, source, out)
+
+
+def test_dry_run_names_the_projects_rules(tiny, shared_data, tmp_path, capsys):
+    """--scoring engine (the old name) is checked and printed as "project", with the warning."""
+    from aepo_engine import config_loader
+
+    config_loader._SAID.clear()
+    with pytest.raises(SystemExit) as exc:
+        main(_args(tiny, shared_data, tmp_path / "o", "--data", "bamboogle", "--dry-run", "--scoring", "engine",
+                   "--judge-prompt", "engine"))
+    printed = capsys.readouterr()
+    assert exc.value.code == 0 and 'scoring = "project"' in printed.out and 'prompt = "project"' in printed.out
+    assert "warning: eval.scoring = 'engine' is now called 'project'" in printed.err
+    assert "under project scoring" in printed.err and "engine scoring" not in printed.err
 
 def test_eval_k_is_now_pass_k_and_the_old_key_still_loads(tmp_path, capsys):
     """``eval.k`` (the pass@k list) was renamed ``eval.pass_k`` so it is not read as ``rollout.k``
@@ -306,7 +344,7 @@ def test_eval_files_during_training(run_dir):
     assert rows[0]["eval/bamboogle/questions"] == 2.0 and rows[0]["eval/bamboogle/samples"] == 2.0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "bamboogle/pass@1" in summary["eval_before"] and "bamboogle/pass@1" in summary["eval_after"]
-    assert summary["scoring"] == {"reward": "engine", "eval": "engine", "judge_prompt": None}
+    assert summary["scoring"] == {"reward": "project", "eval": "project", "judge_prompt": None}
     assert (run_dir / "plots" / "eval.png").is_file()
     samples = (run_dir / "logs" / "eval_samples" / "step_1" / "bamboogle.jsonl").read_text().splitlines()
     assert len(samples) == 4 and json.loads(samples[0])["dataset"] == "bamboogle"

@@ -204,7 +204,7 @@ def test_parse_verdict(reply, verdict):
 def test_judge_config_checks():
     with pytest.raises(ValueError, match="judge.url must be an http"):
         JudgeConfig(url="127.0.0.1:8000")
-    with pytest.raises(ValueError, match="judge.prompt must be one of engine, authors"):
+    with pytest.raises(ValueError, match="judge.prompt must be one of project, authors"):
         JudgeConfig(prompt="paper")
 
 
@@ -231,9 +231,9 @@ def test_reference_prompt_gold_shortcut_and_separate_cache(stub, tmp_path):
     shortcut = reference.judge("2+2?", ["4"], "4", gold="4")
     assert shortcut.correct and shortcut.source == "string-equivalence" and len(stub.requests) == 1
     assert reference.judge("q", ["\\frac{1}{2}"], "0.5").source == "string-equivalence"  # is_equiv: 0.5 = 1/2
-    # the engine prompt on the same item is another request, not the reference's cached verdict
-    engine = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), cache)
-    assert engine.judge("Who?", ["Frank Lowy"], "frank lowy").correct is True and len(stub.requests) == 2
+    # the project's prompt on the same item is another request, not the reference's cached verdict
+    project = LLMJudge(JudgeConfig(url=stub.url, model="judge-m"), cache)
+    assert project.judge("Who?", ["Frank Lowy"], "frank lowy").correct is True and len(stub.requests) == 2
 
 
 def test_cache_rows_are_parsed_again_when_read(stub, tmp_path):

@@ -116,9 +116,9 @@ def test_summary_hand_worked(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The seven defects of issue 30, each in both scoring modes ("engine", "authors").
+# The seven defects of issue 30, each in both scoring modes ("project", "authors").
 
-MODES = ("engine", "authors")
+MODES = ("project", "authors")
 
 
 def _boxed(answer: str) -> str:
@@ -191,7 +191,7 @@ def test_degenerate_output_is_scored_in_linear_time(mode):
     seconds = time.perf_counter() - t0
     assert seconds < 20.0, f"scoring degenerate output took {seconds:.1f} s"
     assert all(not o["correct"] for o in other)
-    if mode == "engine":
+    if mode == "project":
         assert s["answer"] == "42" and s["correct"]
     else:  # theirs: the last "\boxed" is unclosed, so the prediction runs to the end of the block
         assert s["answer"].startswith("\\boxed{") and not s["correct"]

@@ -6,7 +6,7 @@ import pytest
 
 from aepo_engine.config import config_problems, load_train_config
 from aepo_engine.memory_plan import VLLM_NON_TORCH, ModelShape, gpu_bytes, plan_memory
-from aepo_engine.placement import engine_devices, plan_placement
+from aepo_engine.placement import plan_placement, split_engine_devices
 from test_memory_plan import QWEN3_14B, _dry_run
 
 PAPER = ["--preset", "qwen3_14b_deep_research", "--model.path=/m"]
@@ -33,13 +33,13 @@ def test_split_needs_async_and_whole_engines():
 
 
 def test_engines_take_the_gpus_after_the_trainers():
-    assert engine_devices(4, 4, 1, visible="") == ["4", "5", "6", "7"]
-    assert engine_devices(4, 4, 2, visible="") == ["4,5", "6,7"]
-    assert engine_devices(2, 2, 2, visible="3,1,7,5") == ["7,5"]  # mapped through the job's own list
+    assert split_engine_devices(4, 4, 1, visible="") == ["4", "5", "6", "7"]
+    assert split_engine_devices(4, 4, 2, visible="") == ["4,5", "6,7"]
+    assert split_engine_devices(2, 2, 2, visible="3,1,7,5") == ["7,5"]  # mapped through the job's own list
     with pytest.raises(ValueError, match="need 9 GPUs"):
-        engine_devices(5, 4, 1, visible="0,1,2,3,4,5,6,7")
+        split_engine_devices(5, 4, 1, visible="0,1,2,3,4,5,6,7")
     with pytest.raises(ValueError, match="multiple"):
-        engine_devices(4, 3, 2, visible="")
+        split_engine_devices(4, 3, 2, visible="")
 
 
 def test_split_plan_of_the_paper_run_on_one_h200_node():

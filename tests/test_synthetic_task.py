@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from aepo_engine.tasks.synthetic import (Question, SyntheticTaskConfig, ToolCall, answer_type,
-                                         exact_search, extract_answer, is_correct, is_guess,
+from aepo_engine.tasks.synthetic import (Question, SyntheticTaskConfig, ToolCall, answer_type, boxed_answer,
+                                         exact_search, is_correct, is_guess,
                                          make_demonstrations, make_task, reference_tool_fn,
                                          safe_print_eval)
 
@@ -92,7 +92,7 @@ def test_demonstrations_follow_the_format_with_results_in_order(task):
         assert [(tool, payload.strip()) for tool, payload, _ in calls] == \
             [(c.tool, c.payload) for c in question.plan]
         assert [result for *_, result in calls] == [tool_fn(c.tool, c.payload) for c in question.plan]
-        assert extract_answer(response) == question.answer and is_correct(response, question)
+        assert boxed_answer(response) == question.answer and is_correct(response, question)
 
 
 def test_demonstration_spacing_keeps_copied_words_identical():
@@ -119,7 +119,7 @@ def test_guessing_teacher_skips_tools_on_its_share_with_a_same_type_answer(task)
         answers_by_type.setdefault(answer_type(q), set()).add(q.answer)
     for question, demo in guesses:
         assert demo.startswith("<think></think>\n<answer> \\boxed{") and demo.endswith("} </answer>")
-        assert extract_answer(demo) in answers_by_type[answer_type(question)]
+        assert boxed_answer(demo) in answers_by_type[answer_type(question)]
     # most guesses are wrong (a guess is right only when two answers coincide, e.g. a colour)
     assert sum(is_correct(d, q) for q, d in guesses) < len(guesses) / 2
     # the other demonstrations are the gold tool-using ones, unchanged
@@ -147,9 +147,9 @@ def test_safe_print_eval_runs_arithmetic_only():
         assert safe_print_eval(code).startswith("Error")
 
 
-def test_extract_answer_takes_the_last_boxed_inside_answer():
-    assert extract_answer("<answer> \\boxed{ 1} \\boxed{ 2 } </answer>") == "2"
-    assert extract_answer("\\boxed{3}") is None and extract_answer("<answer>3</answer>") is None
+def test_boxed_answer_takes_the_last_boxed_inside_answer():
+    assert boxed_answer("<answer> \\boxed{ 1} \\boxed{ 2 } </answer>") == "2"
+    assert boxed_answer("\\boxed{3}") is None and boxed_answer("<answer>3</answer>") is None
 
 
 def test_split_sizes_are_exact_despite_rounding():

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from aepo_engine.tasks.synthetic import (PERSON_ATTRIBUTES, SyntheticTaskConfig, extract_answer, is_correct,
+from aepo_engine.tasks.synthetic import (PERSON_ATTRIBUTES, SyntheticTaskConfig, boxed_answer, is_correct,
                                          is_guess, make_demonstrations, make_task, namesake_candidates,
                                          reference_tool_fn)
 
@@ -173,7 +173,7 @@ def test_the_teacher_picks_a_wrong_namesake_on_its_share_and_follows_it_through(
         picked = query2.split()[1]
         assert picked in listed and picked != person.name.split()[1] and query2 == f"{first} {picked} {attr}"
         (other,) = [e for e in _groups(task)[first] if e.name == f"{first} {picked}"]
-        assert extract_answer(demo) == other.attributes[attr] and f"{attr} {other.attributes[attr]}." in found
+        assert boxed_answer(demo) == other.attributes[attr] and f"{attr} {other.attributes[attr]}." in found
         assert not is_guess(demo)
         picked_ranks[listed.index(picked)] += 1
     assert len(picked_ranks) == 3  # picks come from every rank of the listing, not one position

@@ -39,7 +39,7 @@ from aepo_engine.asynchronous.worker import WorkerSpec
 from aepo_engine.config_loader import ConfigError
 from aepo_engine.data import Example, PromptSampler
 from aepo_engine.models.config import LoraConfig
-from aepo_engine.placement import engine_devices
+from aepo_engine.placement import split_engine_devices
 from aepo_engine.rollout.backends import EngineLayout
 from aepo_engine.rollout.backends.config import BackendConfig
 from aepo_engine.rollout.config import RolloutConfig
@@ -74,7 +74,7 @@ def worker_spec(backend: BackendConfig, rollout: RolloutConfig, tools: ToolsConf
     ``world``: the trainer ranks)."""
     environment: tuple[tuple[str, str], ...] = ()
     if backend.placement == "split" and torch.cuda.is_available():
-        devices = engine_devices(world, backend.rollout_gpus, backend.tensor_parallel_size)
+        devices = split_engine_devices(world, backend.rollout_gpus, backend.tensor_parallel_size)
         if len(devices) > 1:
             raise ConfigError(f"backend.rollout_gpus={backend.rollout_gpus} makes {len(devices)} engines: one "
                               "rollout process drives one engine today (several are not built: docs/async.md); use "

@@ -13,7 +13,11 @@ import msgspec
 from aepo_engine.errors import require
 from aepo_engine.rewards.config import RULES, RULES_RENAMED
 
-__all__ = ["EvalConfig", "JudgeConfig"]
+__all__ = ["EvalConfig", "JudgeConfig", "SYSTEM_PROMPT_RENAMED"]
+
+# Old values of eval.system_prompt: the authors' prompt was "reference", as the authors' rules were
+# (RULES_RENAMED); loaded with a warning.
+SYSTEM_PROMPT_RENAMED = {"reference": "authors"}
 
 
 class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -28,11 +32,11 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         retries: retries of a request after a transport error (refused, reset, timeout, HTTP 5xx or
             429), with exponential backoff; a malformed reply is not retried.
         backoff_s: first backoff; doubles after each retry.
-        max_tokens: tokens the judge may write (its verdict is one word); engine prompt only (the
+        max_tokens: tokens the judge may write (its verdict is one word); project prompt only (the
             authors' prompt is sent with the server's default sampling, as the authors sent it).
         cache_path: JSONL cache of judgments, keyed by (judge model, the request sent); empty =
             judge_cache.jsonl in the output folder (the trainer: the run's logs).
-        prompt: "engine" (the engine's equivalence prompt, temperature 0) or "authors" (the
+        prompt: "project" (the project's equivalence prompt, temperature 0) or "authors" (the
             AEPO/ARPO authors' judge prompt and gold formatting, their string-equivalence shortcut,
             server-default sampling); both parse the verdict strictly (docs/scoring.md).
     """
@@ -45,7 +49,7 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     backoff_s: float = 1.0
     max_tokens: int = 16
     cache_path: str = ""
-    prompt: str = "engine"
+    prompt: str = "project"
 
     RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"prompt": RULES_RENAMED}
 
@@ -65,7 +69,7 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     Attributes:
         files: benchmarks to evaluate: names resolved under data_root (gaia, hle, webwalker,
             xbench, hotpotqa, 2wiki, musique, bamboogle, simpleqa, aime24, aime25, math500, gsm8k,
-            math) or files (.jsonl/.json question-answer files, reference .parquet sets, the engine's
+            math) or files (.jsonl/.json question-answer files, reference .parquet sets, the project's
             JSONL). math (the paper's MATH set) is not in the shared data: set data_root to a folder
             holding the reference's math/test.jsonl, or give that file. In training they are
             evaluated beside the task's own held-out set.
@@ -85,7 +89,7 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
         every_n_steps: evaluate during training every n steps (0 = only before and after RL).
         seed: seed of the evaluation rollouts (fixed, so before/after compare the same draws);
             none = derived from the run's root seed (``aepo_engine.seeding``).
-        scoring: "engine" (the engine's answer extraction and scores) or "authors" (the AEPO/ARPO
+        scoring: "project" (the project's answer extraction and scores) or "authors" (the AEPO/ARPO
             authors' evaluator reproduced, mistakes included, for numbers comparable with the
             paper's table); both report em, f1, acc (cover match) and math; docs/scoring.md.
         judge: the LLM judge (off by default).
@@ -101,11 +105,12 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     system_prompt: str = "authors"
     every_n_steps: int = 0
     seed: int | None = None
-    scoring: str = "engine"
+    scoring: str = "project"
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"k": "pass_k"}
-    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"scoring": RULES_RENAMED, "system_prompt": RULES_RENAMED}
+    RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"scoring": RULES_RENAMED,
+                                                           "system_prompt": SYSTEM_PROMPT_RENAMED}
 
     def __post_init__(self) -> None:
         require(self.scoring in RULES, f"eval.scoring must be one of {', '.join(RULES)}, got {self.scoring!r}")

@@ -1,7 +1,7 @@
 """LLM judge: is a predicted answer equivalent to the ground truth? Asked of any OpenAI-compatible
 chat endpoint (``vllm serve JUDGE_MODEL`` is one), with one of two prompts (``judge.prompt``):
 
-- ``"engine"``: the engine's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
+- ``"project"``: the project's own equivalence prompt (:data:`JUDGE_PROMPT`; question, labeled
   answer, predicted answer -> "Correct" / "Incorrect"), sent at temperature 0 with
   ``judge.max_tokens``. It is *not* the authors' prompt.
 - ``"authors"``: the AEPO/ARPO authors' judge (``evaluation/src/llm_evaluator_sds.py`` of
@@ -135,7 +135,7 @@ def parse_verdict(text: str) -> bool | None:
 
 
 def labeled_answer(ground_truths: Sequence[str]) -> str:
-    """The engine prompt's labeled answer: the ground truth, or "any of: a | b" for several."""
+    """The project prompt's labeled answer: the ground truth, or "any of: a | b" for several."""
     return str(ground_truths[0]) if len(ground_truths) == 1 else "any of: " + " | ".join(map(str, ground_truths))
 
 

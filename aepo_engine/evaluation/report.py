@@ -104,7 +104,7 @@ def provenance(extra: dict[str, Any]) -> str:
     """One line saying which scoring and judge produced a summary (from ``extra``)."""
     judge = extra.get("judge") or {}
     judged = f"judge {judge.get('model') or '?'} with the {judge.get('prompt')} prompt" if judge else "no judge"
-    return f"Scoring: {extra.get('scoring', 'engine')} rules (docs/scoring.md); {judged}."
+    return f"Scoring: {extra.get('scoring', 'project')} rules (docs/scoring.md); {judged}."
 
 
 def write_reports(summary: dict[str, dict[str, Any]], out_dir: str | Path, extra: dict[str, Any] | None = None

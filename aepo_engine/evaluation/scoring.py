@@ -2,8 +2,8 @@
 
 Two rule sets (``eval.scoring``); docs/scoring.md compares them case by case.
 
-``"engine"`` (default). The answer is :func:`~aepo_engine.rewards.text.final_answer`: tool results
-(where the engine put them, ``tool_spans``; else the ``<result>...</result>`` blocks) cut out, then the last ``<answer>`` block's
+``"project"`` (default; the project's rules). The answer is :func:`~aepo_engine.rewards.text.final_answer`: tool results
+(where the rollout put them, ``tool_spans``; else the ``<result>...</result>`` blocks) cut out, then the last ``<answer>`` block's
 last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a response with neither has
 *no answer*. Scores (the rewards' own functions, so training and evaluation agree):
 - ``em``: SQuAD exact match with any ground truth; ``f1``: the best token F1 (CJK per character,
@@ -20,7 +20,7 @@ last ``\\boxed{}`` (else the block's text), else the last ``\\boxed{}``; a respo
 
 ``"authors"``: the AEPO/ARPO authors' evaluator reproduced (:mod:`aepo_engine.evaluation.authors`):
 their prediction, their ``em``/``acc``/``f1``/``math_equal``, ``correct`` = math_equal on maths
-sets and em elsewhere. ``format_ok`` is the engine's check in both modes.
+sets and em elsewhere. ``format_ok`` is the project's check in both modes.
 
 pass@k is the unbiased estimator of Chen et al. (2021): with n samples of which c are correct,
 pass@k = 1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement from the
@@ -107,7 +107,7 @@ def _ground_truths(ground_truths: Any) -> list[str]:
     return [str(truth) for truth in ground_truths]
 
 
-def _engine_scores(response: str, ground_truths: list[str], check: str,
+def _project_scores(response: str, ground_truths: list[str], check: str,
                    tool_spans: ToolSpans | None = None) -> dict[str, Any]:
     answer = final_answer(response, tool_spans=tool_spans)
     scores: dict[str, Any] = {"answer": answer, "em": 0.0, "f1": 0.0, "acc": 0.0, "math": 0.0, "correct": False}
@@ -134,7 +134,7 @@ def _authors_scores(response: str, ground_truths: list[str], check: str, gold: A
     return scores
 
 
-def score_response(response: str, ground_truths: Sequence[str] | str | int, check: str, scoring: str = "engine",
+def score_response(response: str, ground_truths: Sequence[str] | str | int, check: str, scoring: str = "project",
                    gold: Any = None, tool_spans: ToolSpans | None = None) -> dict[str, Any]:
     """Scores of one response (module docstring).
 
@@ -143,11 +143,11 @@ def score_response(response: str, ground_truths: Sequence[str] | str | int, chec
         ground_truths: the ground-truth answers (already cut to the answer part); a bare string or
             number is one ground truth; an empty list scores 0 everywhere.
         check: "qa", "math" or "mixed".
-        scoring: "engine" or "authors" (``eval.scoring``).
+        scoring: "project" or "authors" (``eval.scoring``).
         gold: for "authors", the gold as the authors' loader reads it (a string, an int, or a
             list; ``benchmarks.load_eval_source`` keeps it as ``meta["gold"]``); None = the one
             ground truth as a string, or the list of several.
-        tool_spans: where the engine put the tool results (``decode_response``); the engine's
+        tool_spans: where the rollout put the tool results (``decode_response``); the project's
             rules read them there (the authors' read the text as theirs did).
 
     Returns:
@@ -162,5 +162,5 @@ def score_response(response: str, ground_truths: Sequence[str] | str | int, chec
     if scoring == "authors":
         scores = _authors_scores(response, truths, check, gold)
     else:
-        scores = _engine_scores(response, truths, check, tool_spans)
+        scores = _project_scores(response, truths, check, tool_spans)
     return {**scores, "format_ok": form.error is None, "format_error": form.error}

@@ -54,12 +54,12 @@ from aepo_engine.experiments.grid import (ALGORITHMS, DEFAULT_ORDER, RunSpec, ch
 from aepo_engine.experiments.results import summarize_grid
 from aepo_engine.experiments.runner import is_finished, run_grid
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main"]
 
 PROG = "python -m aepo_engine.experiments.compare"
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="Other --section.key=value arguments go to every run (the budget), "
                                             "e.g. --train.steps=30.")
@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str]) -> int:
     """The command; bad input ends with one ``error:`` line and status 2 (:mod:`aepo_engine.errors`);
     1 when a run of the grid failed."""
-    args, overrides = parse_args(argv)
+    args, overrides = _parse_args(argv)
     results_dir = args.results_dir or default_results_dir(args.out)
     if args.summarize_only:
         report = summarize_grid(args.out, results_dir)

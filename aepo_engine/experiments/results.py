@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from aepo_engine.experiments.grid import read_grid_file
 from aepo_engine.metrics import read_metrics
 
-__all__ = ["CURVES", "aggregate", "collect_rows", "markdown_table", "run_row", "summarize_grid"]
+__all__ = ["CURVES", "collect_rows", "markdown_table", "mean_std_count", "run_row", "summarize_grid"]
 
 # (label, key) of the per-step curves plotted; keys no finished run logged are left out.
 CURVES: tuple[tuple[str, str], ...] = (
@@ -227,7 +227,7 @@ def _run_state(run_dir: Path) -> str:
 # Aggregation and the table
 
 
-def aggregate(values: Sequence[float | None]) -> tuple[float, float, int] | None:
+def mean_std_count(values: Sequence[float | None]) -> tuple[float, float, int] | None:
     """(mean, sample standard deviation, n) of the non-missing values; std is nan for n = 1."""
     present = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not present:
@@ -254,7 +254,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], algorithms: Sequence[str],
              "|---" * (len(columns) + 2) + "|"]
     for algorithm in present:
         mine = [r for r in rows if r["algorithm"] == algorithm]
-        cells = [_fmt(aggregate([get(r) for r in mine])) for _, get in columns]
+        cells = [_fmt(mean_std_count([get(r) for r in mine])) for _, get in columns]
         seeds = ",".join(str(r["seed"]) for r in mine)
         lines.append(f"| {algorithm} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -355,7 +355,7 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], algorithms: Sequence[str], pat
     for offset, key, color in ((-0.2, "accuracy_before", "#999999"), (0.2, "accuracy_after", "#1f77b4")):
         for i, algorithm in enumerate(present):
             values = [100 * r[key] for r in rows if r["algorithm"] == algorithm]
-            mean, sd, _ = aggregate(values)
+            mean, sd, _ = mean_std_count(values)
             ax.bar(i + offset, mean, width=0.38, color=color, yerr=0 if math.isnan(sd) else sd, capsize=3,
                    label=key.replace("accuracy_", "held-out, ").replace("_", " ") if i == 0 else None)
             ax.scatter([i + offset] * len(values), values, color="black", s=8, zorder=3)

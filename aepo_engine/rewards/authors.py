@@ -46,15 +46,15 @@ from typing import Sequence
 
 from .base import RewardResult
 
-__all__ = ["authors_answer_part", "authors_f1", "authors_format_error", "authors_normalize",
-           "authors_reward", "authors_unbox"]
+__all__ = ["authors_answer_part", "authors_f1", "authors_format_error", "authors_reward",
+           "authors_reward_normalize", "authors_unbox"]
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _YES_NO = ("yes", "no", "noanswer")
 
 
-def authors_normalize(text: str) -> str:
+def authors_reward_normalize(text: str) -> str:
     """Their reward's SQuAD normalisation: lowercase, ASCII punctuation, articles, whitespace."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
@@ -70,10 +70,10 @@ def authors_f1(prediction: str, ground_truths: Sequence[str]) -> float:
     Returns:
         F1 in [0, 1].
     """
-    pred = authors_normalize(prediction)
+    pred = authors_reward_normalize(prediction)
     best = 0.0
     for ground_truth in ground_truths:
-        truth = authors_normalize(ground_truth)
+        truth = authors_reward_normalize(ground_truth)
         if (pred in _YES_NO or truth in _YES_NO) and pred != truth:
             continue
         common = sum((Counter(pred.split()) & Counter(truth.split())).values())
@@ -177,7 +177,7 @@ def authors_reward(response: str, ground_truths: Sequence[str], format_penalty: 
     if error is not None:
         return RewardResult(format_penalty, False, {"format_error": error})
     f1 = authors_f1(answer, ground_truths)
-    em = any(authors_normalize(answer) == authors_normalize(truth) for truth in ground_truths)
+    em = any(authors_reward_normalize(answer) == authors_reward_normalize(truth) for truth in ground_truths)
     tools = sorted(tag for tag in ("python", "search") if f"</{tag}>" in response)
     bonus = tool_bonus if f1 > 0 and len(tools) == 2 else 0.0
     return RewardResult(f1 + bonus, em, {"answer": answer, "f1": f1, "em": float(em), "tools_used": tools})

@@ -113,7 +113,7 @@ def build_reward_fn(cfg: RewardConfig) -> Callable[..., RewardResult]:
         raise ValueError(f"reward.options {sorted(options)} do not fit reward {cfg.name!r}: {err}") from None
     if "rules" in inspect.signature(reward).parameters:
         options["rules"] = cfg.rules
-    elif cfg.rules != "engine":
+    elif cfg.rules != "project":
         raise ValueError(f"reward.rules = {cfg.rules!r} needs a reward with an authors' version (deep_research); "
                          f"{cfg.name!r} has none: the authors trained with deep_research only")
     takes_spans = "tool_spans" in inspect.signature(reward).parameters

@@ -8,12 +8,13 @@ import msgspec
 
 __all__ = ["RULES", "RULES_RENAMED", "RewardConfig"]
 
-# Whose scoring rules apply: the engine's own, or the AEPO/ARPO authors' code reproduced
-# ("authors"; docs/scoring.md lists every difference). Shared by reward.rules, eval.scoring and
-# eval.judge.prompt. RULES_RENAMED: their old names, still loaded from configs with a warning
-# (config_loader, a section's RENAMED_VALUES).
-RULES = ("engine", "authors")
-RULES_RENAMED = {"reference": "authors"}
+# Whose scoring rules apply: the project's own ("project"), or the AEPO/ARPO authors' code
+# reproduced ("authors"; docs/scoring.md lists every difference). Shared by reward.rules,
+# eval.scoring and eval.judge.prompt. RULES_RENAMED: their old names ("engine" before the glossary
+# gave that word one meaning, "reference" before that; docs/glossary.md), still loaded from configs
+# with a warning (config_loader, a section's RENAMED_VALUES); Python callers get the new names only.
+RULES = ("project", "authors")
+RULES_RENAMED = {"engine": "project", "reference": "authors"}
 
 
 class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -27,7 +28,7 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
             ``@register_reward("name")`` functions join the registry (verl's
             custom_reward_function.path); empty = the built-in rewards only.
         options: keyword options of that reward (e.g. {tool_bonus = 0.1}).
-        rules: "engine" (the engine's reward rules) or "authors" (the AEPO/ARPO authors' reward
+        rules: "project" (the project's reward rules) or "authors" (the AEPO/ARPO authors' reward
             reproduced: <think> required, tags counted anywhere, the bonus for closing tool tags
             anywhere; deep_research only; see docs/scoring.md).
     """
@@ -35,7 +36,7 @@ class RewardConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     name: str = "deep_research"
     path: str = ""
     options: dict[str, float | bool | str] = msgspec.field(default_factory=dict)
-    rules: str = "engine"
+    rules: str = "project"
 
     RENAMED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"rules": RULES_RENAMED}
 

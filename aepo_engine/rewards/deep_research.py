@@ -1,5 +1,5 @@
-"""The ``deep_research`` reward of the AEPO reference runs (docs/algorithm.md §3), under the engine's rules
-(``rules="engine"``, the default, below) or the authors' (``rules="authors"``,
+"""The ``deep_research`` reward of the AEPO reference runs (docs/algorithm.md §3), under the project's rules
+(``rules="project"``, the default, below) or the authors' (``rules="authors"``,
 :mod:`aepo_engine.rewards.authors`; the differences are listed in docs/scoring.md).
 
     score = format_penalty (-1)            if the response is malformed
@@ -184,7 +184,7 @@ def deep_research(
     format_penalty: float = -1.0,
     tool_bonus: float = 0.1,
     think_opened_in_prompt: bool = False,
-    rules: str = "engine",
+    rules: str = "project",
     tool_spans: ToolSpans | None = None,
 ) -> RewardResult:
     """Score a deep-research response (see the module docstring for the rules).
@@ -196,7 +196,7 @@ def deep_research(
         tool_bonus: added when F1 > 0 and both search and python were used.
         think_opened_in_prompt: the chat template already wrote ``<think>`` into the prompt
             (Qwen3 thinking mode), so the response starts inside the think block.
-        rules: "engine" (module docstring) or "authors" (the authors' reward,
+        rules: "project" (module docstring) or "authors" (the authors' reward,
             :mod:`aepo_engine.rewards.authors`); ``reward.rules`` in the config.
         tool_spans: where the engine put the tool results (module docstring); the authors' rules
             read the text as theirs did and do not use it.

@@ -108,6 +108,7 @@ from typing import Callable, Literal, Sequence
 
 from aepo_engine.seeding import section_seed
 from aepo_engine.tasks.config import COLORS, NamesakeListing, SyntheticTaskConfig  # re-exported: their old home
+from aepo_engine.tools.base import ToolCall  # a plan's calls are the tools' own call records
 from aepo_engine.tools.framing import format_tool_result
 
 QuestionKind = Literal["lookup", "two_hop", "arithmetic", "namesake"]
@@ -144,12 +145,6 @@ class Entity:
 def fact_document(name: str, attr: str, value: str) -> str:
     """One fact as a corpus document: ``"Zorva age 34."``."""
     return f"{name} {attr} {value}."
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    tool: Literal["search", "python"]
-    payload: str
 
 
 @dataclass(frozen=True)
@@ -640,7 +635,7 @@ def reference_tool_fn(task: SyntheticTask) -> ToolFn:
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def extract_answer(response: str) -> str | None:
+def boxed_answer(response: str) -> str | None:
     """The last ``\\boxed{...}`` inside ``<answer>...</answer>``, stripped; None if absent."""
     answers = re.findall(r"<answer>(.*?)</answer>", response, flags=re.DOTALL)
     if not answers:
@@ -651,5 +646,5 @@ def extract_answer(response: str) -> str | None:
 
 def is_correct(response: str, question: Question) -> bool:
     """Exact match (case-insensitive) of the boxed answer with the gold answer."""
-    answer = extract_answer(response)
+    answer = boxed_answer(response)
     return answer is not None and answer.lower() == question.answer.lower()

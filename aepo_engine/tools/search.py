@@ -288,8 +288,9 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-def build_backend(config: SearchConfig) -> SearchBackend:
-    """The backend ``config.backend`` names, loaded from its file, pointed at its URL, or served."""
+def _build_search_source(config: SearchConfig) -> SearchBackend:
+    """The search source ``config.backend`` names (docs/glossary.md), loaded from its file, pointed at
+    its URL, or served."""
     if config.backend == "cache":
         return CacheBackend.from_file(config.cache_path, topk=config.topk,
                                       bm25_fallback=config.cache_bm25_fallback)
@@ -328,7 +329,7 @@ class SearchTool(ConfiguredTool):
     @classmethod
     def from_config(cls, config: SearchConfig, max_result_chars: int) -> "SearchTool":
         """Build from a validated :class:`SearchConfig` (``build_tool`` calls this)."""
-        return cls(build_backend(config), max_result_chars=max_result_chars)
+        return cls(_build_search_source(config), max_result_chars=max_result_chars)
 
     def close(self) -> None:
         close = getattr(self.backend, "close", None)

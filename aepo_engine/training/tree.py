@@ -39,8 +39,7 @@ import torch
 from torch import Tensor
 
 from aepo_engine.training.batch import IGNORE_INDEX, ORIGIN_INHERITED, TokenBatch
-from aepo_kernels.trie import group_slices as trie_group_slices
-from aepo_kernels.trie import sequence_tree, trie_rows
+from aepo_kernels.trie import group_slices, sequence_tree, trie_rows
 
 if TYPE_CHECKING:
     from aepo_engine.training.tree_attention import TreeMask
@@ -118,11 +117,6 @@ def update_keys(batch: TokenBatch) -> list[Tensor]:
 
 
 # --- the forest ----------------------------------------------------------------------------------
-
-def group_slices(batch: TokenBatch) -> list[slice]:
-    """The batch's prompt groups as slices of consecutive rows (:func:`aepo_kernels.trie.group_slices`)."""
-    return trie_group_slices(batch.group_ids)
-
 
 def build_forest(batch: TokenBatch, keys: Sequence[Tensor]) -> Forest:
     """The tries of ``batch``'s prompt groups (module docstring; the trie itself is the library's,
@@ -239,7 +233,7 @@ class TreeMicroBatch:
 def tree_micro_batches(local: TokenBatch, keys, max_nodes: int | None, max_rows: int | None) -> list[TreeMicroBatch]:
     """``local``'s groups packed into micro-batches by node count (``max_nodes``) or row count
     (``max_rows``), each with its forest (:func:`pack_groups`)."""
-    groups = group_slices(local)
+    groups = group_slices(local.group_ids)  # the prompt groups as slices of consecutive rows
     lengths, key_rows = local.lengths, keys(local)
     nodes = []
     for part in groups:
@@ -255,7 +249,7 @@ def shard_groups(batch: TokenBatch, rank: int, world_size: int) -> tuple[TokenBa
     """Rank ``rank``'s whole groups (group g goes to rank ``g mod W``) and their row indices in
     ``batch``; a rank with no group gets one masked-out copy of row 0 (index -1), so that every
     rank runs forward/backward (FSDP's collectives)."""
-    groups = group_slices(batch)
+    groups = group_slices(batch.group_ids)
     mine = [i for g in groups[rank::world_size] for i in range(g.start, g.stop)]
     if not mine:
         return batch.rows([0]).masked_out(), [-1]
