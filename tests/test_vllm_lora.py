@@ -3,7 +3,8 @@
 One subprocess (this file run as a script: the in-process engine makes it a world of one, which a
 pytest process must not become) builds a LoRA engine in process (``external_launcher``, the
 default for vLLM), samples the base model, then takes three adapter pushes (random A and B, so the
-adapter really changes the model; the third repeats the first's values under a new version) and a
+adapter really changes the model; the third repeats the first's values under a new version; after
+the first, calls with an ``abort`` event: never set, and cut after a few engine steps) and a
 refused full-weight push; an engine in processes of its own then takes the first push too. It
 writes a JSON report; the tests below check it against ``apply_lora``'s HF model with the same
 adapter values, and against the base model (the adapter must change the log-probs). Skipped when
@@ -14,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -107,6 +109,12 @@ def _scenarios(model_dir: str) -> dict:
     report["adapter_tensors"] = len(first)
     _push(engine, first, report, "push1")
     report["v1"] = _dump(engine.generate(reqs))
+    # abort under the adapter (the engine stepped by hand: tests/test_backends_vllm_abort.py)
+    from test_backends_vllm_abort import CutAfter
+
+    report["v1_never_set"] = _dump(engine.generate(reqs, abort=threading.Event()))
+    cut = engine.generate(reqs, abort=CutAfter(6))
+    report["v1_cut"] = [dict(d, finish_reason=o.finish_reason) for d, o in zip(_dump(cut), cut)]
     _push(engine, adapted_model(model_dir, seed=2)[1], report, "push2")
     report["v2"] = _dump(engine.generate(reqs))
     _push(engine, first, report, "push3")  # the first values again, as a new version
@@ -193,6 +201,22 @@ def test_each_push_is_a_new_version(report):
     assert [rep[k]["loras"] for k in ("push1", "push2", "push3")] == [[1], [2], [3]]
     assert [rep[k]["dirs"] for k in ("push1", "push2", "push3")] == [["v1"], ["v1", "v2"], ["v2", "v3"]]
     assert rep["root_removed_on_gc"]
+
+
+def test_abort_under_the_adapter(report):
+    """Stepped by hand with an event never set, the engine samples what ``LLM.generate`` does under
+    the adapter; cut after a few steps, each request returns the first tokens of its uncut run."""
+    _, rep = report
+    assert rep["v1_never_set"] == rep["v1"]
+    assert sum(o["finish_reason"] == "abort" for o in rep["v1_cut"]) >= 3
+    for cut, full in zip(rep["v1_cut"], rep["v1"]):
+        n = len(cut["token_ids"])
+        if cut["finish_reason"] == "abort":
+            assert 0 < n < len(full["token_ids"]) and cut["token_ids"] == full["token_ids"][:n]
+            torch.testing.assert_close(torch.tensor(cut["logprobs"]), torch.tensor(full["logprobs"][:n]),
+                                       atol=1e-5, rtol=0)
+        else:  # ended within those steps: as uncut
+            assert cut["token_ids"] == full["token_ids"]
 
 
 def test_non_adapter_push_is_refused(report):

