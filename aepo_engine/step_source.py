@@ -32,7 +32,8 @@ import torch
 from aepo_engine import distributed
 from aepo_engine.data import Example, PromptSampler
 from aepo_engine.rollout.backends import EngineLayout
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.rollout.continuous import ContinuousRollout
+from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.rollout.trajectory import Trajectory
 
 __all__ = ["PolicyWeights", "StepRollouts", "StepSource", "SynchronousSource", "free_cached_memory", "in_phase"]
@@ -140,7 +141,7 @@ class SynchronousSource:
 
     Args:
         engine: this rank's generation backend (None on a rank that hosts none and replays none).
-        rollout: the entropy-balanced rollout over ``engine``.
+        rollout: the step's scheduler over ``engine`` (``rollout.schedule``: continuous or rounds).
         sampler: the run's prompt sampler (every rank draws every step).
         layout: which of a step's prompts this rank's engine samples.
         encode: a prompt's token ids.
@@ -153,7 +154,7 @@ class SynchronousSource:
     rank 0: every rank must gather alike, including those that hold no engine).
     """
 
-    def __init__(self, engine: Any, rollout: EntropyBalancedRollout, sampler: PromptSampler, layout: EngineLayout,
+    def __init__(self, engine: Any, rollout: ContinuousRollout, sampler: PromptSampler, layout: EngineLayout,
                  encode: Callable[[Example], list[int]], weights: PolicyWeights, bucket_bytes: int, sleeps: bool):
         self.engine, self.rollout, self.sampler, self.layout = engine, rollout, sampler, layout
         self.encode, self.weights, self.bucket_bytes = encode, weights, bucket_bytes
@@ -168,7 +169,7 @@ class SynchronousSource:
         t0 = time.perf_counter()
         examples = self.sampler.next_batch()
         mine = self.layout.prompts(len(examples))
-        local = in_phase(self.engine, lambda: self.rollout.rollout([self.encode(examples[i]) for i in mine], step)
+        local = in_phase(self.engine, lambda: self.rollout.run_step([self.encode(examples[i]) for i in mine], step)
                          if mine else None)
         for traj in local.trajectories if local else ():
             traj.prompt_index = mine[traj.prompt_index]  # the step-global group id

@@ -58,7 +58,8 @@ from aepo_engine.rollout.backends import build_backend, engine_group, engine_lay
 from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, diversity_metrics, entropy_tail_metrics,
                                           premonitoring_metrics)
 from aepo_engine.rollout.samples import sample_rows
-from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutStats
+from aepo_engine.rollout.continuous import ContinuousRollout
+from aepo_engine.rollout.scheduler import RolloutStats
 from aepo_engine.step_source import StepSource, SynchronousSource
 from aepo_engine.rollout.trajectory import reward_view
 from aepo_engine.tasks import prepare_task
@@ -153,8 +154,9 @@ class Trainer:
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
-        self.rollout = EntropyBalancedRollout(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer,
-                                              tool_format=self.tool_format)
+        # the step's scheduler (rollout.schedule); an asynchronous run's process builds its own
+        self.rollout = ContinuousRollout.for_schedule(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer,
+                                                      tool_format=self.tool_format)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,
                                      shuffle=cfg.data.shuffle)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
@@ -246,7 +248,7 @@ class Trainer:
         from aepo_engine.asynchronous.source import AsynchronousSource, worker_spec
 
         spec = worker_spec(cfg.backend, self.rollout.config, self.tools_config, str(self.model_dir), cfg.seed,
-                           self.world, cfg.train.max_staleness, threads=0, lora=cfg.policy.lora)
+                           self.world, threads=0, lora=cfg.policy.lora)
         return AsynchronousSource.launch(spec, torch_threads=cfg.train.torch_threads, tokenizer=self.tokenizer,
                                          max_staleness=cfg.train.max_staleness, total_steps=self.total_steps, **parts)
 

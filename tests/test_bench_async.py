@@ -19,21 +19,29 @@ import simulate_async as sim  # noqa: E402
 def test_modes_and_run_rows(tmp_path):
     assert bench_async.mode_args("sync") == ["--train.mode=sync"]
     assert bench_async.mode_args("async:2") == ["--train.mode=async", "--train.max_staleness=2"]
+    assert bench_async.mode_args("sync:continuous") == ["--train.mode=sync", "--rollout.schedule=continuous"]
+    assert bench_async.mode_args("async:1:rounds") == ["--train.mode=async", "--train.max_staleness=1",
+                                                       "--rollout.schedule=rounds"]
+    with pytest.raises(SystemExit, match="SCHEDULE"):
+        bench_async.mode_args("sync:fast")
     with pytest.raises(SystemExit, match="async:ETA"):
         bench_async.mode_args("async")
     logs = tmp_path / "logs"
     logs.mkdir()
     # three steps ending at 40, 60 and 80 s of the loop: 135 steps/hour overall, 180 in steady state
     rows = [{"step": i, "time/loop_s": t, "time/step_s": 20.0, "time/update_s": 5.0, "staleness/mean": s,
-             "reward/mean": 0.1 * i} for i, (t, s) in enumerate(((40.0, 0.0), (60.0, 1.0), (80.0, 0.5)))]
+             "reward/mean": 0.1 * i, "engine/generate_s": 8.0, "time/wait_for_rollouts_s": 10.0}
+            for i, (t, s) in enumerate(((40.0, 0.0), (60.0, 1.0), (80.0, 0.5)))]
     (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.3}, "eval_after": {"accuracy": 0.5}}))
     log = "\tUser time (seconds): 100.5\n\tSystem time (seconds): 9.5\n\tMaximum resident set size (kbytes): 2048000\n"
     row = bench_async.summarize_run(tmp_path, log, {"mode": "async:1"})
     assert row["steps_per_hour"] == 135.0 and row["steady_steps_per_hour"] == 180.0
-    assert row["time_sums_s"] == {"time/update_s": 15.0, "time/step_s": 60.0}
+    assert row["time_sums_s"] == {"time/update_s": 15.0, "time/step_s": 60.0, "engine/generate_s": 24.0,
+                                  "time/wait_for_rollouts_s": 30.0}
     assert (row["acc_before"], row["acc_after"], row["cpu_s"], row["max_rss_mb"]) == (0.3, 0.5, 110.0, 2000.0)
     assert row["staleness_mean"] == 0.5
+    assert (row["engine_idle_share"], row["trainer_idle_share"]) == (0.7, 0.375)  # 24 s generating, 30 s waiting of 80
 
 
 def _shapes():

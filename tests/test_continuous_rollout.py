@@ -11,6 +11,7 @@ still found.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -21,15 +22,16 @@ import torch
 
 from aepo_engine.asynchronous.staleness import (admission_version, branching_version_gaps, staleness_metrics,
                                                 token_staleness)
-from aepo_engine.rollout.config import RolloutConfig
+from aepo_engine.rollout.config import RolloutConfig, RolloutExperiments
 from aepo_engine.rollout.continuous import ContinuousRollout
 from aepo_engine.rollout.protocol import GenOutput
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.segments import cut_at_stop
+from aepo_engine.rollout.state import state_key
 from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
 from aepo_engine.tools import Tool, ToolResult, ToolRunner
 from aepo_engine.training.batch import TokenBatch
-from fakes import CharTokenizer, ScriptedBackend
+from fakes import CharTokenizer, ScriptedBackend, tool_agent
 from test_rollout_scheduler import E2E_TEXTS, PROMPTS, FoundTool, PureRunner, random_tool_agent, tiny_hf  # noqa: F401
 
 CONFIG = dict(k=6, n_entropy_tokens=4, max_response_tokens=400, max_tokens_per_segment=100)
@@ -65,6 +67,115 @@ def test_barrier_rounds_one_step_at_a_time_are_the_synchronous_rollout():
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.rounds == expected.stats.rounds and got.stats.m == expected.stats.m
         assert all(v == step for t in got.trajectories for v, m in zip(t.versions, t.loss_mask) if m)
+
+
+class ScriptedLatency(Tool):
+    """The result a :class:`PureRunner` gives (``search(q)``), after a latency drawn from the
+    payload and ``order`` (each order a different arrival order of the same calls)."""
+
+    name = "search"
+
+    def __init__(self, order: int, most_s: float = 0.03):
+        self.order, self.most_s = order, most_s
+
+    def __call__(self, payload: str) -> ToolResult:
+        time.sleep(random.Random(f"{self.order}:{payload}").uniform(0.0, self.most_s))
+        return ToolResult(f"search({payload})", ok=True)
+
+
+EXPERIMENTS = {
+    "default": RolloutExperiments(),
+    "strict": RolloutExperiments(speculative_global_samples=0, branch_before_m=False, speculative_branches=0),
+    "reserve": RolloutExperiments(speculative_global_samples=5, speculative_branches=6),
+    "presampled": RolloutExperiments(presample_children=True, speculative_branches=3),
+    "first_tool_step": RolloutExperiments(reuse_probe_as_sample=False, monitor_tool_steps=1),
+}
+
+
+def _counts(stats):
+    """Every statistic but the rounds and the seconds."""
+    return {k: v for k, v in dataclasses.asdict(stats).items() if k != "rounds" and not k.endswith("_s")}
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("max_batch", [None, 3])
+@pytest.mark.parametrize("experiments", list(EXPERIMENTS))
+def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_latencies(order, max_batch, experiments):
+    """Issue 52: without the round barrier each trajectory samples again as soon as its own call is
+    back, in batches of whatever is ready (at most ``max_batch``), so the rounds' batches differ
+    from the round schedule's; the branch decisions wait for their evidence, never for other
+    trajectories, so the trees (kinds, parents, tokens, log-probs, decisions), m and the branch
+    counts are the round schedule's for the same seeds and sampled tokens (and every counter but
+    the rounds: the same tokens sampled and discarded, the same calls run), with each
+    scheduling variant of ``rollout.experimental``."""
+    config = RolloutConfig(**CONFIG, experimental=EXPERIMENTS[experiments])
+    for step in range(3):
+        expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                          config).rollout(PROMPTS, step=step)
+        widths = []
+
+        class Recording(ContinuousRollout):
+            def ready(self):
+                batch = super().ready()
+                widths.append(len(batch))
+                return batch
+
+        with ToolRunner({"search": ScriptedLatency(order)}, max_workers=16) as runner:
+            continuous = Recording(ScriptedBackend(random_tool_agent()), runner, config, max_batch=max_batch)
+            got = continuous.run_step(PROMPTS, step, poll_s=0.01)
+        assert _signature(got.trajectories) == _signature(expected.trajectories)
+        assert got.stats.m == expected.stats.m and got.stats.branches == expected.stats.branches
+        assert got.stats.tool_calls_executed == expected.stats.tool_calls_executed
+        assert _counts(got.stats) == _counts(expected.stats)
+        assert max_batch is None or max(widths) <= max_batch
+        assert got.stats.rounds > expected.stats.rounds  # the calls came back apart: more, narrower rounds
+        assert not continuous.states and continuous.waiting_on_tools == 0
+
+
+def test_a_slow_call_holds_back_no_other_trajectory_only_the_decisions_after_it():
+    """Without the barrier a trajectory its prompt keeps for certain (here every global sample:
+    m is known from the start) samples on while another's call runs; the decisions that come
+    after the slow trajectory's in the round schedule's order wait for it (the budget goes in that
+    order), and once its result is back the tree is the round schedule's."""
+    config = RolloutConfig(**CONFIG, pre_monitoring=False, branch_alpha_mode="constant", branch_alpha=1.0)
+    expected = EntropyBalancedRollout(ScriptedBackend(tool_agent(3)), PureRunner(), config).rollout(PROMPTS[:1], step=0)
+    runner = HeldRunner()
+    rollout = ContinuousRollout(ScriptedBackend(tool_agent(3)), runner, config)
+    rollout.admit(PROMPTS[:1], 0)
+    assert rollout.round()  # round 0: the m = 3 global samples, each ending with a call
+    slow = runner.calls[0][0]  # trajectory 0's
+    while True:
+        runner.answer(keep=slow)
+        if not rollout.round() and not rollout.take_tool_results():
+            break
+    state = rollout.states[(0, 0)]
+    assert [t.done for t in state.members] == [False, True, True]  # 1 and 2 went on to their answers
+    assert not any(t.decisions for t in state.members)  # their decisions wait for 0's first one
+    results = {}
+    while rollout.steps_in_flight:  # 0's result is back: the rest follows
+        runner.answer()
+        if not rollout.round():
+            rollout.take_tool_results()
+        results.update(dict(rollout.finished()))
+    assert _signature(results[0].trajectories) == _signature(expected.trajectories)
+    assert results[0].stats.branches == expected.stats.branches == 3
+
+
+def test_for_schedule_builds_the_round_or_the_continuous_scheduler():
+    class Batched(ScriptedBackend):
+        max_batch_size = 7
+
+    rounds = ContinuousRollout.for_schedule(Batched(random_tool_agent()), PureRunner(),
+                                            RolloutConfig(**CONFIG, schedule="rounds"))
+    continuous = ContinuousRollout.for_schedule(Batched(random_tool_agent()), PureRunner(),
+                                                RolloutConfig(**CONFIG, schedule="continuous"))
+    assert (rounds.tool_barrier, rounds.max_batch) == (True, None)
+    assert (continuous.tool_barrier, continuous.max_batch) == (False, 7)
+    expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                      RolloutConfig(**CONFIG)).rollout(PROMPTS, step=2)
+    got = rounds.run_step(PROMPTS, 2)  # the round schedule through run_step: the same call, round for round
+    assert _signature(got.trajectories) == _signature(expected.trajectories)
+    assert got.stats.rounds == expected.stats.rounds
 
 
 class SlowSearch(Tool):
@@ -241,35 +352,58 @@ class HeldRunner:
                 future.set_result(ToolResult(f"search({call.payload})", ok=True))
 
 
-def test_a_tool_result_for_a_discarded_trajectory_is_dropped():
+def test_no_tool_call_runs_for_a_trajectory_its_prompt_discarded():
     """The bench's seed-2, eta-2 run died with ``KeyError`` in ``take_tool_results``: a
     trajectory's call was still running when its prompt discarded it (a speculative sample beyond
-    m), the step ended and its states were removed, then the result came back. Here that order is
-    forced: the first such call is held while every other call is answered and the step ends; its
-    result then is dropped, counted, and the step kept its k trajectories per prompt."""
-    held_cases = 0
+    m), the step ended and its states were removed, then the result came back. A prompt now
+    discards only at the end of a round of the round schedule, once that round's results are
+    back, and reads a pre-sampled child's call only once a decision has taken it (issue 52).
+    Here each turn holds back the oldest call still running, as long as anything else can go on:
+    every call in flight belongs to a trajectory its prompt still samples, no result is dropped,
+    and the step is the round schedule's."""
     for seed in range(4):
-        runner = HeldRunner()
-        rollout = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, RolloutConfig(**CONFIG, seed=seed),
-                                    max_batch=4)
-        rollout.admit(PROMPTS, 0)
-        held, results = None, {}
-        while rollout.steps_in_flight:
-            for future, pending in rollout._tools.items():
-                state = rollout.states[(pending.traj.step, pending.traj.prompt_index)]
-                if held is None and not any(t is pending.traj for t in state.generating()):
-                    held = future  # discarded while its call runs
-            runner.answer(keep=held)
-            if not rollout.round():
-                rollout.take_tool_results()
-            results.update(dict(rollout.finished()))
-        assert list(results) == [0] and not rollout.states
-        assert len(results[0].trajectories) == CONFIG["k"] * len(PROMPTS)
-        if held is None:
-            continue
-        held_cases += 1
-        before = getattr(rollout, "dropped_tool_results", 0)  # discarded trajectories' results that came back earlier
-        runner.answer()
-        rollout.take_tool_results()  # the old code: KeyError
-        assert rollout.dropped_tool_results == before + 1 and not rollout.waiting_on_tools
-    assert held_cases > 0  # the case happened
+        for experimental in (RolloutExperiments(), RolloutExperiments(presample_children=True, speculative_branches=3)):
+            config = RolloutConfig(**CONFIG, seed=seed, experimental=experimental)
+            expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                              config).rollout(PROMPTS, step=0)
+            runner = HeldRunner()
+            rollout = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, config, max_batch=4)
+            rollout.admit(PROMPTS, 0)
+            results = {}
+            while rollout.steps_in_flight:
+                for pending in rollout._tools.values():
+                    state = rollout.states[state_key(pending.traj)]
+                    assert any(t is pending.traj for t in state.generating())
+                running = [future for future, _ in runner.calls if not future.done()]
+                runner.answer(keep=running[0] if running else None)
+                if not rollout.round() and not rollout.take_tool_results():
+                    runner.answer()  # nothing else can go on: the held call comes back
+                    rollout.take_tool_results()
+                results.update(dict(rollout.finished()))
+            assert list(results) == [0] and not rollout.states and not rollout.waiting_on_tools
+            assert _signature(results[0].trajectories) == _signature(expected.trajectories)
+            assert rollout.dropped_tool_results == 0
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_a_training_run_on_the_continuous_schedule(tmp_path):
+    """The trainer's steps on the continuous schedule (the default; the tiny preset pins rounds):
+    the synchronous step source drives ``ContinuousRollout.run_step`` with tool calls in the
+    background, and the run ends with its evaluation, every step's k trajectories per prompt and
+    where the rollout's seconds went."""
+    import json
+
+    import runs
+    from aepo_engine.metrics import read_metrics
+
+    run_dir = tmp_path / "continuous"
+    proc = runs.train(run_dir, "--rollout.schedule=continuous", "--train.steps=2", "--checkpoint.every_n_steps=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'schedule = "continuous"' in (run_dir / "config.toml").read_text()
+    rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["rollout/rounds"] >= 1 and row["rollout/tool_calls"] >= 0
+        assert row["time/rollout_s"] >= row["time/rollout_generate_s"] > 0
+    assert "accuracy" in json.loads((run_dir / "summary.json").read_text())["eval_after"]

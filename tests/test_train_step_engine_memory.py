@@ -92,7 +92,7 @@ def _stats() -> RolloutStats:
 class FixedRollout:
     """Four trajectories (2 prompts x 2) whatever the prompts."""
 
-    def rollout(self, prompts, step):
+    def run_step(self, prompts, step):
         assert len(prompts) == 2
         trajectories = [make_traj([5, 6, 7], [("model", [8 + i, 9, 10 + k], [-1.0, -2.0, -0.5])], i, k)
                         for i in range(2) for k in range(2)]

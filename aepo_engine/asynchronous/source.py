@@ -16,8 +16,8 @@ so the engine samples up to eta steps ahead of the update and never more. Under 
 every rank has a rollout process of its own that samples the rank's share of each step's prompts
 (``EngineLayout.prompts``, as a synchronous step shares them); the trainer's step gathers the
 scored trajectories in prompt order. eta = 0 orders step s only after the weights of version s are
-pushed, with rounds that wait for their tool calls: the synchronous run, across two processes (the
-same trajectories and updates, bit for bit).
+pushed, on the same scheduler as a synchronous step (``rollout.schedule``): with "rounds" the
+synchronous run, across two processes (the same trajectories and updates, bit for bit).
 
 What a resumed run does with trajectories in flight: they are not checkpointed. A checkpoint after
 step s holds the sampler's state before step s + 1 was drawn (:meth:`AsynchronousSource.resume_point`),
@@ -67,7 +67,7 @@ def cpu_thread_split(cores: int, eta: int, torch_threads: int, cuda: bool) -> tu
 
 
 def worker_spec(backend: BackendConfig, rollout: RolloutConfig, tools: ToolsConfig, model_dir: str, seed: int,
-                world: int, max_staleness: int, threads: int, lora: LoraConfig | None = None) -> WorkerSpec:
+                world: int, threads: int, lora: LoraConfig | None = None) -> WorkerSpec:
     """The rollout process of one trainer rank: its backend, rollout (the rank's own: its seed
     offset, ranks draw independently) and tools sections, model and seeds, its torch ``threads``,
     and with ``backend.placement = "split"`` on CUDA the engine's GPUs (``aepo_engine.placement``;
@@ -81,7 +81,7 @@ def worker_spec(backend: BackendConfig, rollout: RolloutConfig, tools: ToolsConf
                               "rollout_gpus = tensor_parallel_size")
         environment = (("CUDA_VISIBLE_DEVICES", devices[0]),)
     return WorkerSpec(backend=backend, rollout=rollout, tools=tools, model_dir=model_dir, engine_seed=rollout.seed,
-                      seed=seed, threads=threads, tool_barrier=max_staleness == 0, environment=environment, lora=lora)
+                      seed=seed, threads=threads, environment=environment, lora=lora)
 
 
 class AsynchronousSource:
@@ -126,7 +126,7 @@ class AsynchronousSource:
         mine, theirs = cpu_thread_split(cores, eta, torch_threads, torch.cuda.is_available())
         process = RolloutProcess(WorkerSpec(**{**spec.__dict__, "threads": theirs}))
         print(f"[async] rollout process {process.pid}: max staleness {eta}, "
-              f"{'rounds wait for their tool calls' if eta == 0 else 'tool calls in the background'}; "
+              f"{'rounds wait for their tool calls' if spec.rollout.schedule == 'rounds' else 'tool calls in the background'}; "
               f"torch threads: trainer {mine}, rollout process {theirs} (its evaluations {cores}); "
               "the run's only engine", flush=True)
         return cls(process, threads=(mine, cores), **parts)

@@ -62,8 +62,6 @@ class WorkerSpec:
         engine_seed: the engine's own seed (vLLM); per-request seeds come from the rollout.
         seed: python/numpy/torch seed of the process.
         threads: torch intra-op threads.
-        tool_barrier: rounds wait for their tool calls and take every ready trajectory (the
-            synchronous scheduler's rounds: with one step admitted at a time, its trajectories).
         environment: variables set before anything is built (e.g. ``CUDA_VISIBLE_DEVICES`` of the
             engine's GPUs).
         lora: the policy's adapters (``policy.lora``): with them enabled the engine takes adapter pushes.
@@ -76,7 +74,6 @@ class WorkerSpec:
     engine_seed: int
     seed: int
     threads: int
-    tool_barrier: bool
     environment: tuple[tuple[str, str], ...] = ()
     lora: LoraConfig | None = None
 
@@ -116,9 +113,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         backend = build_backend(spec.backend, spec.model_dir, tokenizer, seed=spec.engine_seed, lora=spec.lora)
         tools = ToolRunner(build_tools(spec.tools), max_workers=spec.tools.max_workers)
         tool_format = build_tool_format(spec.tools.format, tokenizer, spec.tools.enabled)  # as the trainer's
-        rollout = ContinuousRollout(backend, tools, spec.rollout, tokenizer=tokenizer, tool_format=tool_format,
-                                    tool_barrier=spec.tool_barrier,
-                                    max_batch=None if spec.tool_barrier else getattr(backend, "max_batch_size", None))
+        rollout = ContinuousRollout.for_schedule(backend, tools, spec.rollout, tokenizer=tokenizer,
+                                                 tool_format=tool_format)
         outbox.put(Ready(os.getpid(), backend.weight_dtype, capabilities=backend.capabilities,
                          eos_token_ids=tuple(backend.eos_token_ids)))
         _EngineLoop(rollout, backend, inbox, outbox).run()

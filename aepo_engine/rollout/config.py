@@ -135,6 +135,17 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         top_p: Nucleus sampling top-p passed to the backend.
         seed: Every sampling seed and branch draw derives from (seed, step, prompt index,
             trajectory id, ...), so the same seed reproduces the same rollouts; none = derived from the run's root seed (``aepo_engine.seeding``).
+        schedule: How a training step's trajectories take turns (``rollout.continuous``):
+            "continuous" moves each trajectory on as soon as its own tool call returns (tool calls
+            run beside generation; each backend call takes whatever is ready, up to the backend's
+            batch), the default; "rounds" samples every ready trajectory, then waits for all their
+            tool calls (each round waits for its slowest call). Both grow the same trees, m,
+            branches and counts for the same sampled tokens (the continuous schedule takes each
+            prompt's branch decisions, budget slots, ids and refills in the round schedule's
+            order, whatever the tool latencies; only ``rounds`` and the seconds differ). Only
+            "rounds" makes two runs bit-identical: continuous batches depend on when results
+            arrive, and a backend whose numbers depend on its batch (HF on CPU: log-probs within
+            ~1e-5) may then sample another token, rarely.
         experimental: Scheduling ablations and variants, for experiments; a run leaves them at
             their defaults (``RolloutExperiments``).
     """
@@ -157,6 +168,7 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    schedule: Literal["continuous", "rounds"] = "continuous"
     experimental: RolloutExperiments = msgspec.field(default_factory=RolloutExperiments)
 
     # Keys that moved into ``experimental`` (the config loader names the new place).

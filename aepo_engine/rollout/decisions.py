@@ -21,11 +21,12 @@ from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
 __all__ = ["Branching", "branch_alpha", "decision_due", "free_slots", "slot_left"]
 
 
-def decision_due(traj: Trajectory) -> bool:
-    """The last segment reacts to a tool result this trajectory received itself."""
+def decision_due(traj: Trajectory, seg_index: int | None = None) -> bool:
+    """The model segment ``seg_index`` (None: the last segment) reacts to a tool result this
+    trajectory received itself."""
     segs = traj.segments
-    return (len(segs) >= 2 and segs[-2].kind == "tool"
-            and segs[-1].start != traj.branch_position)
+    j = len(segs) - 1 if seg_index is None else seg_index
+    return j >= 1 and segs[j - 1].kind == "tool" and segs[j].start != traj.branch_position
 
 
 def branch_alpha(config: RolloutConfig, seed: int, traj: Trajectory, tool_step: int) -> float:
@@ -71,10 +72,13 @@ class Branching:
             return False
         return traj is not state.probe or self.config.experimental.reuse_probe_as_sample
 
-    def after_segment(self, state: PromptState, traj: Trajectory) -> None:
-        """Take the decision due after ``traj``'s latest segment, if it has one of its own."""
-        if decision_due(traj) and self.decides(state, traj):
-            self.take(state, traj, len(traj.segments) - 1, traj.segment_entropies[-1])
+    def after_segment(self, state: PromptState, traj: Trajectory, seg_index: int | None = None) -> None:
+        """Take the decision due after ``traj``'s model segment ``seg_index`` (None: its latest
+        segment), if it has one of its own."""
+        j = len(traj.segments) - 1 if seg_index is None else seg_index
+        if decision_due(traj, j) and self.decides(state, traj):
+            n_model = sum(s.kind == "model" for s in traj.segments[:j])
+            self.take(state, traj, j, traj.segment_entropies[n_model])
 
     def take(self, state: PromptState, traj: Trajectory, seg_index: int, h_now: float) -> None:
         """Decide now, or leave the decision waiting for m (with the trajectory's later ones:
@@ -125,7 +129,7 @@ class Branching:
         for traj in sorted(state.running(), key=lambda t: t.traj_id):
             if free <= 0:
                 return
-            segs = traj.segments
+            segs = state.seen_segments(traj)  # those of the round schedule's round
             if (traj.traj_id in state.waiting or not segs or segs[-1].kind != "tool"
                     or segs[-1].end == traj.branch_position or not self.decides(state, traj)):
                 continue  # no decision of its own follows this round, or it waits for m

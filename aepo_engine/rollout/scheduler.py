@@ -27,7 +27,7 @@ from aepo_engine.rollout.calls import PendingCall, ToolCalls
 from aepo_engine.rollout.config import RolloutConfig
 from aepo_engine.rollout.decisions import Branching
 from aepo_engine.rollout.monitoring import PreMonitoring
-from aepo_engine.rollout.protocol import GenerationBackend
+from aepo_engine.rollout.protocol import GenerationBackend, GenOutput
 from aepo_engine.rollout.segments import SegmentRequests
 from aepo_engine.rollout.state import PromptState, state_key
 from aepo_engine.rollout.stats import RolloutCounters, RolloutStats, rollout_stats
@@ -169,6 +169,29 @@ class EntropyBalancedRollout:
         is kept and continued next round), take the branch decisions due and read the segments'
         tool calls; returns the calls to run, with their callers."""
         cfg = self.config
+        finished = self._sample(states, batch, abort)
+        if cfg.branching:  # decisions first: a child copies the prefix before this segment's call
+            for traj, _ in finished:
+                self.branching.after_segment(states[state_key(traj)], traj)
+        dropped: set[int] = set()  # pre-sampled children no decision took: their calls never run
+        for state in {id(states[state_key(t)]): states[state_key(t)] for t in batch}.values():
+            for child in state.drop_presampled():
+                dropped.add(id(child))
+                self.segments.drop(child)
+        calls = []
+        for traj, output in finished:
+            if id(traj) in dropped:
+                continue
+            call = self.calls.read(traj, output, states[state_key(traj)].stats)
+            if call is not None:
+                calls.append(call)
+        return calls
+
+    def _sample(self, states: dict[tuple[int, int], PromptState], batch: list[Trajectory],
+                abort: Any = None) -> list[tuple[Trajectory, GenOutput]]:
+        """Sample a segment for every trajectory of ``batch`` (``abort``: see :meth:`_generate`)
+        and append it; returns the trajectories whose segment ended, each with its segment."""
+        cfg = self.config
         requests = [self.segments.request(t) for t in batch]
         outputs = (self.backend.generate(requests, abort=abort) if abort is not None
                    else self.backend.generate(requests))
@@ -186,22 +209,7 @@ class EntropyBalancedRollout:
             traj.append_model_segment(output.token_ids, output.logprobs, output.entropies,
                                       cfg.n_entropy_tokens, versions)
             finished.append((traj, output))
-        if cfg.branching:  # decisions first: a child copies the prefix before this segment's call
-            for traj, _ in finished:
-                self.branching.after_segment(states[state_key(traj)], traj)
-        dropped: set[int] = set()  # pre-sampled children no decision took: their calls never run
-        for state in {id(states[state_key(t)]): states[state_key(t)] for t in batch}.values():
-            for child in state.drop_presampled():
-                dropped.add(id(child))
-                self.segments.drop(child)
-        calls = []
-        for traj, output in finished:
-            if id(traj) in dropped:
-                continue
-            call = self.calls.read(traj, output, states[state_key(traj)].stats)
-            if call is not None:
-                calls.append(call)
-        return calls
+        return finished
 
     def _run_tools(self, states: dict[tuple[int, int], PromptState], calls: list[PendingCall]) -> None:
         """Run a round's tool calls together and append each result to its trajectory."""

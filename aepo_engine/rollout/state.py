@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aepo_engine.rollout.stats import RolloutCounters
-from aepo_engine.rollout.trajectory import Trajectory, TrajectoryKind
+from aepo_engine.rollout.trajectory import Segment, Trajectory, TrajectoryKind
 
 __all__ = ["PromptState", "state_key"]
 
@@ -48,6 +48,12 @@ class PromptState:
     tentative: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
     # would-be children sampling beside their parent's reaction this round (same key)
     presampled: dict[tuple[int, int], Trajectory] = field(default_factory=dict)
+    # The continuous schedule (rollout.continuous): the round of the round schedule that each
+    # trajectory starts in, with the model segments it inherited (traj id -> (round, segments)),
+    # and the round whose end the rules read (None: now). Its trajectories kept for certain run
+    # ahead of the prompt's rounds; as of a round they have sampled only that round's segments.
+    births: dict[int, tuple[int, int]] = field(default_factory=dict)
+    as_of: int | None = None
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -70,14 +76,45 @@ class PromptState:
         pool = list(self.members) + self.speculative
         if self.probe is not None and self.probe not in pool:
             pool.append(self.probe)
-        return [t for t in pool if not t.done]
+        return [t for t in pool if not self.ended(t)]
 
     def generating(self) -> list[Trajectory]:
         """What the next round samples: ``running`` and the unfinished reserve, in id order
         (creation order): within a round, decisions claim the budget in this order."""
-        pool = self.running() + [t for t in self.reserve if not t.done] + \
-            [t for t in self.tentative.values() if not t.done] + list(self.presampled.values())
+        pool = self.running() + [t for t in self.reserve if not self.ended(t)] + \
+            [t for t in self.tentative.values() if not self.ended(t)] + list(self.presampled.values())
         return sorted(pool, key=lambda t: t.traj_id)
+
+    def note_births(self, round_: int) -> None:
+        """Record ``round_`` as the first round of the trajectories created since the last call."""
+        pool = self.members + self.speculative + self.reserve + list(self.tentative.values()) + \
+            list(self.presampled.values()) + ([self.probe] if self.probe is not None else [])
+        for traj in pool:
+            self.births.setdefault(traj.traj_id, (round_, len(traj.segment_entropies)))
+
+    def rounds_sampled(self, traj: Trajectory) -> int:
+        """The round after the last one whose segment ``traj`` has sampled (``note_births``)."""
+        birth, inherited = self.births[traj.traj_id]
+        return birth + len(traj.segment_entropies) - inherited
+
+    def ended(self, traj: Trajectory) -> bool:
+        """``traj`` has ended (by the end of round ``as_of``, when set)."""
+        return traj.done and (self.as_of is None or self.rounds_sampled(traj) <= self.as_of + 1)
+
+    def seen_segments(self, traj: Trajectory) -> list[Segment]:
+        """``traj``'s segments (by the end of round ``as_of``, when set: its model segments up to
+        that round's, and the tool result that followed it)."""
+        if self.as_of is None:
+            return traj.segments
+        birth, inherited = self.births[traj.traj_id]
+        models, seen = inherited + self.as_of + 1 - birth, []
+        for segment in traj.segments:
+            if segment.kind == "model":
+                if models <= 0:
+                    break
+                models -= 1
+            seen.append(segment)
+        return seen
 
     def count_discarded_child(self, child: Trajectory) -> None:
         """Count a child thrown away: one discarded speculative trajectory, and the tokens it
