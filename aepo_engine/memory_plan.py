@@ -24,8 +24,8 @@ from the run's config. Per GPU (one FSDP2 rank), bytes:
   unset: 192 MiB on CPU, at most 2 GiB on CUDA, ``aepo_kernels.fused_linear.chunk_bytes_for``), the
   fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient;
   vocab_outer (:func:`vocab_outer_head_bytes`), d_W in the weight dtype, the fp32 ``[T, D]``
-  hidden-state accumulator and its copy in the compute dtype, one vocabulary block's logits,
-  dlogits and fp32 d_W block.
+  hidden-state accumulator and its copy in the compute dtype, one ``[rows, vocab_chunk]`` logits
+  block (dlogits written over it) and one fp32 ``[vocab_chunk, D]`` d_W block.
 - **vLLM**: awake, ``backend.gpu_memory_utilization`` of the GPU (weights, KV cache, its
   activations; with ``backend.kv_cache_gib`` the weights/T + that cache); asleep (sleep mode), a
   residual the plan takes as :data:`VLLM_ASLEEP_RESIDUAL` (an assumption: not measured here);
@@ -363,23 +363,26 @@ def logprob_block_bytes(vocab: int, tokens: int, budget: int, c: int) -> int:
     return 2 * min(rows, tokens) * vocab_chunk * c
 
 
-def vocab_outer_head_bytes(vocab: int, dim: int, tokens: int, c: int, budget: int | None = None) -> int:
+def vocab_outer_head_bytes(vocab: int, dim: int, tokens: int, c: int, budget: int | None = None,
+                           cuda: bool = True) -> int:
     """What the vocabulary-outer head (``head_backward = "vocab_outer"``, docs/head.md) holds at its
-    peak, the end of its gradient pass: d_W in the weight dtype (``c`` bytes; the compute dtype's,
-    as FSDP gathers it), the fp32 ``[T, D]`` d_hidden accumulator and its copy in the compute
-    dtype (none when that is fp32), and one block: the ``[rows, vocab_chunk]`` logits (``c``),
-    their fp32 dlogits and its copy in the compute dtype, the fp32 ``[vocab_chunk, D]`` d_W block
-    and its copy in the weight dtype (``fused_linear.vocab_outer_chunks`` of ``budget``, unset:
-    ``VOCAB_OUTER_BLOCK_BYTES``)."""
+    peak, in its gradient pass: d_W in the weight dtype (``c`` bytes; the compute dtype's, as FSDP
+    gathers it), the fp32 ``[T, D]`` d_hidden accumulator and its copy in the compute dtype (none
+    when that is fp32), the one reused ``[rows, vocab_chunk]`` logits block in the compute dtype
+    (its dlogits are written over it; ``fused_linear.vocab_outer_chunks`` of ``budget``, unset:
+    ``VOCAB_OUTER_BLOCK_BYTES``), the fp32 ``[vocab_chunk, D]`` d_W block and, off CUDA in a
+    low-precision run, the product added into it (``fused_linear.addmm_accumulate`` rounds it to the
+    compute dtype) and its fp32 conversion for the addition (CUDA's fp32-output GEMM makes neither). Measured on CPU within 1% (fp32, bf16: tests/test_kernels_vocab_outer.py)."""
     rows, vocab_chunk = vocab_outer_chunks(tokens, vocab, budget or VOCAB_OUTER_BLOCK_BYTES)
     low = c if c != 4 else 0  # copies in the compute dtype: none when it is fp32
-    block = rows * vocab_chunk * (c + 4 + low) + vocab_chunk * dim * (4 + low)
+    product = 0 if cuda or not low else low + 4
+    block = rows * vocab_chunk * c + vocab_chunk * dim * (4 + product)
     return vocab * dim * c + tokens * dim * (4 + low) + block
 
 
 def micro_batch_tokens(cfg: Any) -> int:
     """Positions of the largest micro-batch, as the batch layout counts them
-    (:meth:`aepo_engine.layout_plan.RowsPlan.planned_positions`: rows' tokens or tree nodes)."""
+    (:meth:`aepo_engine.layout_plan.RowLayoutPlan.planned_positions`: rows' tokens or tree nodes)."""
     return layout_plan(cfg.policy).planned_positions(cfg.policy, cfg.data.max_prompt_tokens,
                                                      cfg.rollout.max_response_tokens, cfg.rollout.k)
 
@@ -463,7 +466,7 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         add("head_saved", "the head's gradient kept for backward (d_hidden)", tokens * d * c)
     elif policy.use_fused_linear and head_order == "vocab_outer":
         add("head", "fused-linear head, vocabulary-outer (d_W in the weight dtype, fp32 d_hidden accumulator + "
-            "d_hidden, one vocabulary block)", vocab_outer_head_bytes(v, d, tokens, c, policy.fused_chunk_bytes))
+            "d_hidden, one vocabulary block)", vocab_outer_head_bytes(v, d, tokens, c, policy.fused_chunk_bytes, cuda))
         add("head_saved", "the head's gradients kept for backward (d_W, d_hidden)", (final_grad or 4 * v * d)
             + tokens * d * c)
     elif policy.use_fused_linear:

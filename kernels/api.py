@@ -42,10 +42,14 @@ from torch import nn
 
 from . import contract
 from .config import LossConfig
-from .fused_linear import FusedLinearAEPOLossFunction, chunk_bytes_for, fused_linear_logprob_entropy, token_chunk_for_budget
+from .fused_linear import (
+    VOCAB_OUTER_BLOCK_BYTES, VOCAB_OUTER_CHUNK, chunk_bytes_for, fused_linear_aepo_loss, fused_linear_logprob_entropy,
+    resolve_head_backward, stats_pass, token_chunk_for_budget, vocab_outer_chunks,
+)
 from .logits_ops import as_3d, logprob_entropy
 from .loss_call import (
-    DEFAULTS, LossOptions, as_3d_inputs, finish_stats, loss_options, prologue, takes_loss_options, traceable_entropy_pass,
+    DEFAULTS, LossOptions, as_3d_inputs, caller_aligned_stats, loss_options, prologue, takes_loss_options,
+    traceable_entropy_pass,
 )
 from .one_pass import OnePassLossFunction, one_pass_loss_traceable
 from .policy_loss import policy_loss_from_logprobs
@@ -108,7 +112,7 @@ def aepo_policy_loss(
             return_token_loss=o.return_token_loss, stats_masks=call.stats_masks)
         if o.return_token_loss:
             stats["token_logprobs"], stats["token_entropy"] = logprobs.detach(), entropy.detach()
-        return loss, finish_stats(stats, o.shift_labels)
+        return loss, caller_aligned_stats(stats, o.shift_labels)
     if torch.compiler.is_compiling():
         # Under a caller's torch.compile: the custom op (opaque to the compiler, never in place).
         entropy_pass = lambda: traceable_entropy_pass(logits.detach(), call)  # noqa: E731
@@ -142,6 +146,8 @@ def fused_linear_aepo_policy_loss(
     chunk_bytes: int | None = None,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    head_backward: str | None = None,
+    filter_eps: float | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AEPO policy loss from hidden states ``[N, D]``/``[B, T, D]`` and lm_head ``weight [V, D]``
@@ -149,22 +155,41 @@ def fused_linear_aepo_policy_loss(
     The argument order is (hidden, weight, ...): Liger's fused-linear losses take (weight, hidden).
 
     Args (others as :func:`aepo_policy_loss`):
-        chunk_bytes: memory budget of the one ``[token_chunk, V]`` logits block in ``hidden``'s
-            dtype (``token_chunk = chunk_bytes // (V * element size)``), unless ``token_chunk`` is given;
-            None: 192 MiB off CUDA, from free memory on CUDA (``fused_linear.chunk_bytes_for``).
-        vocab_chunk: vocab block of the no-grad entropy pass of the two-phase path only.
+        head_backward: the loop order of the head (docs/head.md), None: the device's default
+            (``fused_linear.default_head_backward``). ``"token_outer"``: token chunks of
+            ``[token_chunk, V]`` logits, the gradient formed in the same pass, 3 matmuls, an fp32
+            ``[V, D]`` weight-gradient accumulator. ``"vocab_outer"``: a statistics pass (1
+            matmul), then vocabulary blocks outer with the logits recomputed (3 matmuls), each
+            fp32 ``d_W`` block finished over all tokens and written once in the weight's dtype:
+            no ``[V, D]`` fp32 accumulator and no ``[rows, V]`` block, 4 matmuls (with the
+            entropy statistics not supplied, its statistics pass is also the entropy pass: 4
+            matmuls for both orders).
+        chunk_bytes: the logits block's memory budget: token_outer, one ``[token_chunk, V]`` block in
+            ``hidden``'s dtype (``token_chunk = chunk_bytes // (V * element size)``), unless
+            ``token_chunk`` is given, None: 192 MiB off CUDA, from free memory on CUDA
+            (``fused_linear.chunk_bytes_for``); vocab_outer, one fp32 ``[token_chunk, vocab_chunk]``
+            block (None: ``fused_linear.VOCAB_OUTER_BLOCK_BYTES``).
+        vocab_chunk: token_outer: the vocab block of the no-grad entropy pass of the two-phase path
+            only; vocab_outer: the vocabulary block of both passes (None: ``VOCAB_OUTER_CHUNK``, 4096).
+        filter_eps: vocab_outer only, None (default): exact. Gradient filtering: a
+            ``[token_chunk, vocab_chunk]`` tile whose probability mass is below ``filter_eps`` for
+            every token skips its dlogits and gradient matmuls (its target entries are still added
+            exactly); measured error and time in docs/head.md.
         **options: the keywords of :class:`LossOptions`. ``backend``: the row op on each logits
-            block, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``. ``shift_labels``
-            (required): True when hidden row t predicts ``labels[t+1]`` (hidden states are not
-            copied). ``logit_scale``, ``softcap``: the model's logits are ``softcap * tanh(logit_scale
-            * z / softcap)`` of ``z = hidden @ weight.T + bias`` (pass the model config's values).
+            block of token_outer, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``
+            (vocab_outer runs the compiled torch block ops). ``shift_labels`` (required): True when
+            hidden row t predicts ``labels[t+1]`` (hidden states are not copied). ``logit_scale``,
+            ``softcap``: the model's logits are ``softcap * tanh(logit_scale * z / softcap)`` of
+            ``z = hidden @ weight.T + bias`` (pass the model config's values).
     Returns:
         ``(loss, stats)`` as :func:`aepo_policy_loss`; gradients flow to hidden, weight and bias.
-    Cost: 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight) in ``hidden``'s dtype (a weight
-    stored wider, e.g. fp32 master weights with bf16 hidden states, is cast to it once per call),
-    an fp32 ``[V, D]`` weight-gradient accumulator (the gradient itself for fp32 weights), one
-    ``[token_chunk, V]`` block in ``hidden``'s dtype. It pays off against materialised logits
-    when the rows exceed one block (docs/library.md).
+    Cost (token_outer): 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight) in ``hidden``'s
+    dtype (a weight stored wider, e.g. fp32 master weights with bf16 hidden states, is cast to it
+    once per call), an fp32 ``[V, D]`` weight-gradient accumulator (the gradient itself for fp32
+    weights), one ``[token_chunk, V]`` block in ``hidden``'s dtype. It pays off against
+    materialised logits when the rows exceed one block (docs/library.md). vocab_outer: 4 matmuls,
+    an fp32 ``[N, D]`` d_hidden accumulator, one fp32 ``[vocab_chunk, D]`` d_W block and the
+    logits/dlogits blocks (docs/head.md).
     """
     o = loss_options("fused_linear_aepo_policy_loss", options)
     contract.check_hidden("fused_linear_aepo_policy_loss", hidden, weight, labels, bias)
@@ -174,17 +199,35 @@ def fused_linear_aepo_policy_loss(
         raise ValueError("fused_linear_aepo_policy_loss(): backend='reference' is not offered from hidden states; "
                          "use aepo_policy_loss on materialised logits")
     labels = call.labels
-    inputs = call.row_inputs(lambda: fused_linear_logprob_entropy(
-        hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
-        shift_labels=False, ignore_index=o.ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes,
-        logit_scale=o.logit_scale, softcap=o.softcap)[1])
+    order = resolve_head_backward(head_backward, hidden.device)
     n_tokens = labels.numel()
-    inputs = as_3d_inputs(inputs, (1, n_tokens))
-    chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
-    token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
-    loss, rows = FusedLinearAEPOLossFunction.apply(
-        hidden.reshape(n_tokens, hidden.shape[-1]), weight, bias, labels.reshape(1, n_tokens).long(), inputs,
-        call.config, call.inv_t, o.ignore_index, call.backend, token_chunk, call.tanh_scale)
+    flat_hidden = hidden.reshape(n_tokens, hidden.shape[-1])
+    made = {}
+    if order == "vocab_outer":
+        token_rows, vocab_chunk = vocab_outer_chunks(n_tokens, weight.shape[0], chunk_bytes or VOCAB_OUTER_BLOCK_BYTES,
+                                                     vocab_chunk or VOCAB_OUTER_CHUNK)
+        token_chunk = token_chunk or token_rows
+
+        def entropy_pass():  # the statistics pass, kept for the loss: 4 matmuls in all
+            flat = labels.reshape(-1).long()
+            valid = contract.target_mask(flat, weight.shape[0], o.ignore_index)
+            with torch.autocast(hidden.device.type, enabled=False):
+                made["stats"] = stats_pass(flat_hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                           flat, valid, call.inv_t, call.tanh_scale, token_chunk, vocab_chunk)
+            lse, eu, _ = made["stats"]
+            return (lse - eu).reshape(labels.shape)
+    else:
+        entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
+            hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
+            shift_labels=False, ignore_index=o.ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes,
+            logit_scale=o.logit_scale, softcap=o.softcap)[1]
+        chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
+        token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
+    inputs = as_3d_inputs(call.row_inputs(entropy_pass), (1, n_tokens))
+    loss, rows = fused_linear_aepo_loss(
+        flat_hidden, weight, bias, labels.reshape(1, n_tokens).long(), inputs, call.config, call.inv_t,
+        o.ignore_index, call.backend, call.tanh_scale, head_backward=order, chunk_bytes=chunk_bytes,
+        token_chunk=token_chunk, vocab_chunk=vocab_chunk, filter_eps=filter_eps, stats=made.get("stats"))
     return loss, call.stats(rows)
 
 

@@ -17,6 +17,10 @@ that problem once the entropy statistics and normalisers are supplied:
 :class:`FusedLinearAEPOLossFunction` (below; public as
 :func:`aepo_kernels.fused_linear_aepo_policy_loss`) knows every per-token gradient inside the
 forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
+Its fp32 ``[V, D]`` accumulator is what :class:`FusedLinearAEPOVocabOuterFunction` avoids (issue 54,
+docs/head.md): a statistics pass, the per-token head, then this module's vocabulary-outer
+gradient pass (:func:`gradient_pass`) with the AEPO loss's ``g_lp``/``g_H`` -- 4 matmuls, one
+logits recomputation; :func:`fused_linear_aepo_loss` picks the order (``head_backward``).
 
 Matmul dtype: every matmul takes its operands in ``hidden``'s dtype (the compute dtype: bf16 in a
 bf16 run), the weight cast to it block by block where it is stored wider (fp32 master weights under
@@ -37,9 +41,10 @@ import functools
 import torch
 
 from . import contract
+from .compile import compiled
 from .logits_ops import (
-    accumulate_dtype, fast_chunk_grad, fast_chunk_stats, finish_stats, logit_map, map_logits, merge_stats, shift_labels_left,
-    shift_to_labels,
+    accumulate_dtype, fast_chunk_grad, fast_chunk_grad_inplace, fast_chunk_stats, finish_stats, logit_map, map_logits,
+    merge_stats, shift_labels_left, shift_to_labels,
 )
 
 # The one memory budget of the fused-linear paths: bytes of the logits block(s) one step may hold.
@@ -117,12 +122,12 @@ def addmm_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
             acc[r0 : r0 + ACCUMULATE_SLICE_ROWS].add_(a[r0 : r0 + ACCUMULATE_SLICE_ROWS] @ b)
 
 
-def _logits_block(hidden_chunk, weight_block, bias_block):
+def _logits_block(hidden_chunk, weight_block, bias_block, out=None):
     """``[tc, D] x [vc, D] -> [tc, vc]`` in the operands' (compute) dtype, the bias added inside
-    the GEMM (one rounding, as ``nn.Linear`` computes it)."""
+    the GEMM (one rounding, as ``nn.Linear`` computes it); into ``out`` when given."""
     if bias_block is None:
-        return hidden_chunk @ weight_block.T
-    return torch.addmm(bias_block, hidden_chunk, weight_block.T)
+        return torch.mm(hidden_chunk, weight_block.T, out=out)
+    return torch.addmm(bias_block, hidden_chunk, weight_block.T, out=out)
 
 
 class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
@@ -130,26 +135,8 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_t, tanh_scale, ignore_index, token_chunk, vocab_chunk):
-        n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        dtype = hidden.dtype  # the compute dtype of every matmul
-        f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
-        stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
-        target = torch.zeros(n_tokens, **f32)
-        valid = contract.target_mask(labels, vocab, ignore_index)
-        for v0 in range(0, vocab, vocab_chunk):
-            w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)  # [vc, D], [vc] in the compute dtype
-            in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
-            for i0 in range(0, n_tokens, token_chunk):
-                rows = slice(i0, i0 + token_chunk)
-                z = _logits_block(hidden[rows], w, b)  # [tc, vc]
-                hit = in_block[rows]
-                local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
-                z_target = map_logits(z.gather(-1, local.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(target.dtype)
-                target[rows] += torch.where(hit, z_target, 0.0)
-                merged = merge_stats(tuple(x[rows] for x in stats), fast_chunk_stats(z, inv_t, tanh_scale))
-                for acc, value in zip(stats, merged):
-                    acc[rows] = value
-        lse, eu = finish_stats(*stats)
+        valid = contract.target_mask(labels, weight.shape[0], ignore_index)
+        lse, eu, target = stats_pass(hidden, weight, bias, labels, valid, inv_t, tanh_scale, token_chunk, vocab_chunk)
         logp = torch.where(valid, target - lse, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, eu, valid)
         ctx.config = (inv_t, tanh_scale, token_chunk, vocab_chunk)
@@ -161,31 +148,153 @@ class FusedLinearLogprobEntropyFunction(torch.autograd.Function):
         inv_t, tanh_scale, token_chunk, vocab_chunk = ctx.config
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype).masked_fill(~valid, 0.0)
         g_h = torch.zeros_like(lse) if g_h is None else g_h.to(lse.dtype)
-        acc = dict(dtype=lse.dtype, device=hidden.device)
-        dtype, vocab = hidden.dtype, weight.shape[0]
-        d_hidden = torch.zeros(hidden.shape, **acc)
-        d_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        d_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        for v0 in range(0, vocab, vocab_chunk):
-            w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)
-            in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
-            d_w = torch.zeros(w.shape, **acc)
-            d_b = torch.zeros(w.shape[0], **acc)
-            for i0 in range(0, hidden.shape[0], token_chunk):
-                rows = slice(i0, i0 + token_chunk)
-                h = hidden[rows]
-                z = _logits_block(h, w, b)
-                local = torch.where(in_block[rows], labels[rows] - v0, torch.full_like(labels[rows], -1))
-                dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale)  # [tc, vc] fp32
+        d_hidden, d_weight, d_bias = gradient_pass(
+            hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale, token_chunk, vocab_chunk,
+            need=ctx.needs_input_grad[:3])
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+
+
+def stats_pass(hidden, weight, bias, labels, valid, inv_t, tanh_scale, token_chunk, vocab_chunk, block=None):
+    """Per-token ``(lse, Eu, u_target)`` of the logits ``hidden @ weight.T + bias`` (fp32; fp64 for
+    fp64 hidden states), vocabulary blocks outer and token chunks inner, one ``[token_chunk,
+    vocab_chunk]`` block at a time: one logits matmul, no gradient. ``u_target`` is 0 where
+    ``valid`` is False (no target). ``block``: a flat buffer of at least ``token_chunk x
+    vocab_chunk`` elements in the compute dtype the blocks are written into (else each is new)."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    dtype = hidden.dtype  # the compute dtype of every matmul
+    f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
+    stats = (torch.full((n_tokens,), float("-inf"), **f32), torch.zeros(n_tokens, **f32), torch.zeros(n_tokens, **f32))
+    target = torch.zeros(n_tokens, **f32)
+    for v0 in range(0, vocab, vocab_chunk):
+        w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)  # [vc, D], [vc] in the compute dtype
+        in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
+        for i0 in range(0, n_tokens, token_chunk):
+            rows = slice(i0, i0 + token_chunk)
+            z = _logits_block(hidden[rows], w, b, _block_view(block, hidden[rows].shape[0], w.shape[0]))  # [tc, vc]
+            hit = in_block[rows]
+            local = torch.where(hit, labels[rows] - v0, torch.zeros_like(labels[rows]))
+            z_target = map_logits(z.gather(-1, local.unsqueeze(-1)).squeeze(-1), inv_t, tanh_scale).to(target.dtype)
+            target[rows] += torch.where(hit, z_target, 0.0)
+            merged = merge_stats(tuple(x[rows] for x in stats), fast_chunk_stats(z, inv_t, tanh_scale))
+            for acc, value in zip(stats, merged):
+                acc[rows] = value
+    lse, eu = finish_stats(*stats)
+    return lse, eu, target
+
+
+def gradient_pass(hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale, token_chunk, vocab_chunk,
+                  need=(True, True, True), filter_eps: float | None = None, counts: dict | None = None,
+                  in_place: bool = False, block=None):
+    """``(d_hidden, d_weight, d_bias)`` of ``sum_t g_lp[t] logp_t + g_h[t] H_t`` from the per-token
+    statistics ``lse``, ``Eu``: vocabulary blocks outer, token chunks inner. Each logits block is
+    recomputed (matmul 1) and turned into its dlogits block (:func:`fast_chunk_grad`); then
+        d_hidden[rows] += dz @ W_block            (matmul 2, fp32 ``[N, D]`` accumulator)
+        d_W_block      += dz.T @ h[rows]          (matmul 3, fp32 ``[vocab_chunk, D]`` accumulator)
+    and each finished ``d_W`` block is written once in the weight's dtype: the full-size fp32
+    ``[V, D]`` accumulator never exists. ``need``: which of the three to compute (autograd's
+    ``needs_input_grad``); None where not needed.
+
+    ``filter_eps`` (gradient filtering, Cut Cross-Entropy's sparsity; None: off, exact): a
+    ``[token_chunk, vocab_chunk]`` tile whose probability mass ``sum_j p_tj`` is below
+    ``filter_eps`` for every row ``t`` skips its dlogits and both gradient matmuls; only its
+    target entries (a row whose label lies in the block) are added, exactly, as a sparse update.
+    The error is what the skipped ``p`` terms would have added (at most ``filter_eps`` times
+    ``|g_lp| + |g_h| max|Eu - u|`` per row and block, times the operand norms). ``counts`` (a dict)
+    receives ``tiles`` and ``skipped``.
+
+    ``in_place``: one ``[token_chunk, vocab_chunk]`` buffer in the compute dtype is reused for every
+    block and the dlogits are written over the logits in it (as the token-outer loss does; its
+    bias gradient sums the dlogits in that dtype): no fp32 dlogits block, no per-block allocation.
+    Else each block is new and its dlogits fp32, rounded to the compute dtype for the matmuls.
+    """
+    need_h, need_w, need_b = need
+    acc = dict(dtype=lse.dtype, device=hidden.device)
+    dtype, vocab = hidden.dtype, weight.shape[0]
+    d_hidden = torch.zeros(hidden.shape, **acc) if need_h else None
+    d_weight = torch.empty_like(weight) if need_w else None
+    d_bias = torch.empty_like(bias) if bias is not None and need_b else None
+    tiles = skipped = 0
+    if in_place and block is None:
+        block = new_block(hidden, vocab, token_chunk, vocab_chunk)
+    for v0 in range(0, vocab, vocab_chunk):
+        w, b = _weight_block(weight, bias, v0, vocab_chunk, dtype)
+        in_block = valid & (labels >= v0) & (labels < v0 + w.shape[0])
+        d_w = torch.zeros(w.shape, **acc) if need_w else None
+        d_b = torch.zeros(w.shape[0], **acc) if d_bias is not None else None
+        for i0 in range(0, hidden.shape[0], token_chunk):
+            rows = slice(i0, i0 + token_chunk)
+            h = hidden[rows]
+            z = _logits_block(h, w, b, _block_view(block, h.shape[0], w.shape[0]))
+            local = torch.where(in_block[rows], labels[rows] - v0, torch.full_like(labels[rows], -1))
+            tiles += 1
+            if filter_eps is not None and bool(fast_block_mass(z, lse[rows], inv_t, tanh_scale).amax() < filter_eps):
+                skipped += 1
+                _add_target_entries(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale, h, w,
+                                    None if d_hidden is None else d_hidden[rows], d_w, d_b)
+                continue
+            if in_place:  # dlogits over the logits block, in the compute dtype (maths in fp32)
+                fast_chunk_grad_inplace(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale)
+                dz = dz_mm = z
+            else:
+                dz = fast_chunk_grad(z, local, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t, tanh_scale)  # fp32
                 dz_mm = dz.to(dtype)
+            if d_hidden is not None:
                 addmm_accumulate(d_hidden[rows], dz_mm, w)  # [tc, D]
+            if d_w is not None:
                 addmm_accumulate(d_w, dz_mm.T, h)  # [vc, D]
-                d_b += dz.sum(0)
-            if d_weight is not None:
-                d_weight[v0 : v0 + vocab_chunk] = d_w.to(weight.dtype)
-            if d_bias is not None:
-                d_bias[v0 : v0 + vocab_chunk] = d_b.to(bias.dtype)
-        return d_hidden.to(hidden.dtype), d_weight, d_bias, None, None, None, None, None, None
+            if d_b is not None:
+                d_b += dz.sum(0, dtype=acc["dtype"])
+            del z, dz, dz_mm  # freed before the next block is made, not after: one block alive at a time
+        if d_weight is not None:
+            d_weight[v0 : v0 + vocab_chunk].copy_(d_w)  # rounded once, into place: no block-sized copy
+        if d_bias is not None:
+            d_bias[v0 : v0 + vocab_chunk].copy_(d_b)
+        del d_w, d_b
+    if counts is not None:
+        counts.update(tiles=tiles, skipped=skipped)
+    return None if d_hidden is None else d_hidden.to(hidden.dtype), d_weight, d_bias
+
+
+def new_block(hidden, vocab: int, token_chunk: int, vocab_chunk: int) -> torch.Tensor:
+    """The flat buffer one ``[token_chunk, vocab_chunk]`` logits block of ``hidden``'s dtype lives in."""
+    return torch.empty(min(token_chunk, hidden.shape[0]) * min(vocab_chunk, vocab), dtype=hidden.dtype,
+                       device=hidden.device)
+
+
+def _block_view(block, rows: int, cols: int):
+    """``[rows, cols]`` contiguous in the flat ``block`` (None: None)."""
+    return None if block is None else block[: rows * cols].view(rows, cols)
+
+
+def block_mass(z, lse, inv_t: float, tanh_scale: float | None = None) -> torch.Tensor:
+    """``[R]``: the probability mass ``sum_j exp(u_j - lse)`` of each row of the block ``z [R, C]``."""
+    return (map_logits(z, inv_t, tanh_scale) - lse.unsqueeze(-1)).exp().sum(-1)
+
+
+fast_block_mass = compiled(block_mass)
+
+
+def _add_target_entries(z, local, lse, eu, g_lp, g_h, inv_t, tanh_scale, h, w, d_hidden_rows, d_w, d_b):
+    """The exact dlogits of the target entries of a filtered tile (rows whose label is in the block),
+    added as sparse updates to ``d_hidden``, the ``d_W`` block and ``d_b``."""
+    rows = (local >= 0).nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return
+    cols = local[rows]
+    x = z[rows, cols].to(lse.dtype)
+    if tanh_scale is None:
+        u, du_dz = x * inv_t, inv_t
+    else:
+        th = torch.tanh(x * tanh_scale)
+        u, du_dz = th * inv_t, (1 - th * th) * (tanh_scale * inv_t)
+    p = (u - lse[rows]).exp()
+    dz = (g_lp[rows] * (1 - p) + g_h[rows] * p * (eu[rows] - u)) * du_dz  # [k]
+    if d_hidden_rows is not None:
+        d_hidden_rows.index_add_(0, rows, (dz.unsqueeze(-1) * w[cols].to(dz.dtype)).to(d_hidden_rows.dtype))
+    if d_w is not None:
+        d_w.index_add_(0, cols, (dz.unsqueeze(-1) * h[rows].to(dz.dtype)).to(d_w.dtype))
+    if d_b is not None:
+        d_b.index_add_(0, cols, dz.to(d_b.dtype))
 
 
 def _weight_block(weight, bias, v0, vocab_chunk, dtype):
@@ -320,3 +429,142 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
 
         d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary-outer head: no fp32 [V, D] weight-gradient accumulator (docs/head.md).
+
+# The two orders of the AEPO loss's head (:func:`fused_linear_aepo_loss`); which one a call takes
+# when it names none is :func:`default_head_backward`'s, the one place the default lives.
+HEAD_BACKWARDS = ("vocab_outer", "token_outer")
+# The CPU default, by measurement at V = 151,936, D = 1,024, N = 2,048 (docs/head.md,
+# bench/bench_head_backward.py). CUDA: by the memory plan until a GPU measures it.
+CPU_HEAD_BACKWARD = "token_outer"
+CUDA_HEAD_BACKWARD = "vocab_outer"
+# Blocks of the vocabulary-outer passes: ``VOCAB_OUTER_CHUNK`` vocabulary columns by as many token
+# rows as keep one fp32 ``[rows, VOCAB_OUTER_CHUNK]`` block within ``VOCAB_OUTER_BLOCK_BYTES``
+# (the logits block in the compute dtype and the bf16 copy of dlogits come beside it). Measured
+# on CPU: docs/head.md.
+VOCAB_OUTER_CHUNK = 4096
+VOCAB_OUTER_BLOCK_BYTES = 32 << 20
+
+
+def default_head_backward(device: torch.device | str) -> str:
+    """The head order a call on ``device`` takes when it names none (:data:`HEAD_BACKWARDS`); the
+    memory plan asks it with ``"cuda"`` / ``"cpu"``."""
+    return CUDA_HEAD_BACKWARD if torch.device(device).type == "cuda" else CPU_HEAD_BACKWARD
+
+
+def resolve_head_backward(head_backward: str | None, device: torch.device) -> str:
+    """``head_backward`` checked, or the device's default when None (or ``"auto"``)."""
+    if head_backward in (None, "auto"):
+        return default_head_backward(device)
+    if head_backward not in HEAD_BACKWARDS:
+        raise ValueError(f"head_backward={head_backward!r}: choose one of {HEAD_BACKWARDS} (or None / 'auto')")
+    return head_backward
+
+
+def vocab_outer_chunks(n_tokens: int, vocab: int, block_bytes: int = VOCAB_OUTER_BLOCK_BYTES,
+                       vocab_chunk: int = VOCAB_OUTER_CHUNK) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` of the vocabulary-outer passes: ``vocab_chunk`` columns (at
+    most V) and as many rows (at most ``n_tokens``) as keep an fp32 block within ``block_bytes``."""
+    vocab_chunk = min(vocab, vocab_chunk)
+    return max(1, min(n_tokens, block_bytes // (4 * vocab_chunk))), vocab_chunk
+
+
+def head_rows(logp, entropy, valid, inputs, hp):
+    """The per-token head of the one-pass loss from finished ``logp``/``entropy`` (``[N]``, the
+    math dtype): ``(g_lp, g_h, rows [6, N])`` exactly as :func:`aepo_kernels.one_pass.row_head`
+    (``inputs``: :class:`RowInputs` with ``[N]`` fields)."""
+    from .one_pass import token_head
+
+    acc = logp.dtype
+    adv_neg = None if inputs.advantages_neg is None else inputs.advantages_neg.to(acc)
+    loss, d_logp, d_h, ratio, shaped, kl = token_head(
+        logp, entropy, inputs.old_logprobs.to(acc), inputs.advantages.to(acc), inputs.ref_or_old.to(acc),
+        inputs.entropy_mean.to(acc), inputs.entropy_std.to(acc), hp, adv_neg)
+    weight = torch.where(valid, inputs.weight.to(acc), torch.zeros_like(logp))
+    g_lp = torch.where(valid, d_logp * weight, torch.zeros_like(d_logp))
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return g_lp, d_h * weight, torch.stack([logp, entropy, loss, ratio, shaped, kl])
+
+
+class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
+    """``(hidden [N, D], weight [V, D], bias [V] | None) -> (loss, rows [6, N])``, the weight
+    gradient accumulated one vocabulary block at a time (docs/head.md).
+
+    1. :func:`stats_pass`: ``lse``, ``Eu`` and the target's logit per token (logits matmul 1);
+    2. :func:`head_rows`: log-prob, entropy, the AEPO head (shaped advantage, ratio, clip rule, KL,
+       entropy bonus), ``g_lp``, ``g_H`` per token;
+    3. :func:`gradient_pass`: vocabulary blocks outer, token chunks inner: the logits block again
+       (matmul 2), its dlogits written over it, ``d_hidden += dz @ W_block`` (matmul 3, fp32
+       ``[N, D]``), ``d_W_block += dz.T @ h`` (matmul 4, fp32 ``[vocab_chunk, D]``), each ``d_W``
+       block written once in the weight's dtype.
+    Both passes reuse one ``[token_chunk, vocab_chunk]`` buffer in the compute dtype.
+    4 matmuls of 2 N D V flops (8 N D V; the token-outer :class:`FusedLinearAEPOLossFunction`:
+    3, 6 N D V), no ``[V, D]`` fp32 accumulator and no ``[token_chunk, V]`` block. Same autograd
+    contract as :class:`FusedLinearAEPOLossFunction` (gradients computed in forward, backward
+    scales them); ``filter_eps``: :func:`gradient_pass`'s filtering (None: exact).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, token_chunk, vocab_chunk,
+                tanh_scale=None, filter_eps=None, counts=None, stats=None):
+        from .config import hyper_params
+
+        with torch.autocast(hidden.device.type, enabled=False):
+            flat = labels.reshape(-1)
+            valid = contract.target_mask(flat, weight.shape[0], ignore_index)
+            block = new_block(hidden, weight.shape[0], token_chunk, vocab_chunk)  # both passes' one logits block
+            if stats is None:  # else the two-phase path's entropy pass made them (the same stats_pass)
+                stats = stats_pass(hidden, weight, bias, flat, valid, inv_t, tanh_scale, token_chunk, vocab_chunk,
+                                   block)
+            lse, eu, target = stats
+            logp = torch.where(valid, target - lse, torch.zeros_like(lse))
+            hp = hyper_params(config, inputs.ref_logprobs is not None, lse.dtype, hidden.device)
+            g_lp, g_h, rows_out = head_rows(logp, lse - eu, valid, inputs.rows(0, slice(None)), hp)
+            grads = gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
+                                  token_chunk, vocab_chunk, need=ctx.needs_input_grad[:3], filter_eps=filter_eps,
+                                  counts=counts, in_place=True, block=block)
+        ctx.mark_non_differentiable(rows_out)
+        ctx.save_for_backward(*grads)
+        loss = (rows_out[2] * inputs.weight[0].to(rows_out.dtype)).sum()
+        return loss, rows_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_rows):
+        from .one_pass import scale_gradient
+
+        d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
+        return (d_hidden, d_weight, d_bias) + (None,) * 11
+
+
+def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, tanh_scale, *,
+                           head_backward: str | None = None, chunk_bytes: int | None = None,
+                           token_chunk: int | None = None, vocab_chunk: int | None = None,
+                           filter_eps: float | None = None, counts: dict | None = None, stats=None):
+    """``(loss, rows [6, N])`` of the one-pass AEPO loss from ``hidden [N, D]`` and ``weight
+    [V, D]`` in the order ``head_backward`` names (None: :func:`default_head_backward`):
+    ``"token_outer"``: :class:`FusedLinearAEPOLossFunction` (``[token_chunk, V]`` blocks from
+    ``chunk_bytes``; ``backend`` picks the row op); ``"vocab_outer"``:
+    :class:`FusedLinearAEPOVocabOuterFunction` (``[token_chunk, vocab_chunk]`` blocks,
+    :func:`vocab_outer_chunks` with ``chunk_bytes`` as the fp32 block's budget, else
+    :data:`VOCAB_OUTER_BLOCK_BYTES`; ``filter_eps`` and ``stats`` -- a :func:`stats_pass` result
+    already made by the caller's entropy pass -- only here). ``labels``: ``[1, N]`` long,
+    ``inputs``: :class:`RowInputs` with ``[1, N]`` fields."""
+    order = resolve_head_backward(head_backward, hidden.device)
+    if order == "token_outer":
+        if filter_eps is not None:
+            raise ValueError("filter_eps (gradient filtering) needs head_backward='vocab_outer'")
+        budget = chunk_bytes_for(hidden.device, chunk_bytes)
+        rows = token_chunk or token_chunk_for_budget(weight.shape[0], budget, hidden.element_size())
+        return FusedLinearAEPOLossFunction.apply(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index,
+                                                 backend, rows, tanh_scale)
+    if filter_eps is not None and not filter_eps > 0:
+        raise ValueError(f"filter_eps={filter_eps}: must be > 0 (or None: no filtering)")
+    auto_tokens, auto_vocab = vocab_outer_chunks(hidden.shape[0], weight.shape[0],
+                                                 chunk_bytes or VOCAB_OUTER_BLOCK_BYTES,
+                                                 vocab_chunk or VOCAB_OUTER_CHUNK)
+    return FusedLinearAEPOVocabOuterFunction.apply(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index,
+                                                   token_chunk or auto_tokens, auto_vocab, tanh_scale, filter_eps,
+                                                   counts, stats)

@@ -196,7 +196,7 @@ def _stats(rows, loss_mask, config, has_ref, return_token_loss=False, stats_mask
     return stats
 
 
-def finish_stats(stats: dict, shift_labels: bool) -> dict:
+def caller_aligned_stats(stats: dict, shift_labels: bool) -> dict:
     """Per-token outputs back in the caller's (input_ids) alignment."""
     if shift_labels:
         for name in ("token_loss", "token_logprobs", "token_entropy"):
@@ -234,7 +234,7 @@ class Call(NamedTuple):
         """The statistics of the pass's rows, per-token outputs aligned with the caller's labels."""
         stats = _stats(rows, self.tokens["loss_mask"], self.config, self.tokens["ref_logprobs"] is not None,
                        self.options.return_token_loss, self.stats_masks)
-        return finish_stats(stats, self.options.shift_labels)
+        return caller_aligned_stats(stats, self.options.shift_labels)
 
 
 def prologue(function: str, x: torch.Tensor, vocab: int, labels, old_logprobs, advantages, loss_mask,

@@ -275,11 +275,14 @@ def test_a_kv_budget_in_gib_starts_vllm_with_the_plans_share(tmp_path, monkeypat
     from aepo_engine.config import load_train_config
     from aepo_engine.memory_plan import kv_budget_utilization
     from aepo_engine.rollout.backends import build_backend
+    from aepo_engine.rollout.protocol import Capabilities
 
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_14B, "torch_dtype": "bfloat16"}))
     got = {}
 
     class Recorder:
+        capabilities = Capabilities(sleep=True)  # what build_backend checks of a sleeping engine
+
         def __init__(self, model_dir, **kwargs):
             got.update(kwargs)
 
@@ -302,3 +305,33 @@ def test_a_kv_budget_in_gib_starts_vllm_with_the_plans_share(tmp_path, monkeypat
     got.clear()
     build_backend(load_train_config(["--preset", "qwen3_14b_deep_research"]).backend, str(tmp_path), None, 0)
     assert got["gpu_memory_utilization"] == load_train_config(["--preset", "qwen3_14b_deep_research"]).backend.gpu_memory_utilization
+
+
+def test_the_head_term_follows_the_head_order():
+    """Issue 54: the paper preset's head (Qwen3-14B, V = 151,936, D = 5,120, 16,384 micro-batch
+    tokens, bf16) is 6.50 GiB token-outer (its fp32 d_W accumulator alone 2.90 GiB) and, vocabulary-
+    outer (the CUDA default of ``head_backward = "auto"``), d_W in bf16, the fp32 d_hidden
+    accumulator and its bf16 copy and one block: 2.01 GiB; the update's end-of-forward phase drops
+    by the difference and the run fits an H100 either way. A CPU plan (cuda=False) keeps the CPU
+    default, token-outer; tree batches always plan token-outer (the tree loss's head)."""
+    from aepo_engine.config import load_train_config
+    from aepo_engine.memory_plan import vocab_outer_head_bytes
+
+    auto, token = _paper_plan(), _paper_plan("h100-80gb", 8, "--policy.head_backward=token_outer")
+    v, d, tokens = 151936, 5120, 16384
+    rows = (2 << 30) // (v * 2)  # the [rows, V] bf16 block of CUDA's 2 GiB budget: 7,067 rows
+    assert token.terms["head"].bytes == rows * v * 2 + 4 * v * d + v * d * 2 + tokens * d * 2
+    assert abs(token.terms["head"].bytes / GIB - 6.50) < 0.005
+    assert auto.terms["head"].bytes == vocab_outer_head_bytes(v, d, tokens, 2) and "vocabulary-outer" in \
+        auto.terms["head"].name
+    assert abs(auto.terms["head"].bytes / GIB - 2.01) < 0.005
+    # above d_W and d_hidden: the fp32 d_hidden accumulator (320 MiB) and one block (96 MiB)
+    assert auto.terms["head"].bytes - (v * d * 2 + tokens * d * 2) == tokens * d * 4 + 2048 * 4096 * 2 + 4096 * d * 4
+    phase = "update: end of forward (the head)"
+    assert token.phase_bytes(phase) - auto.phase_bytes(phase) == token.terms["head"].bytes - auto.terms["head"].bytes
+    assert auto.fits and token.fits
+    cfg = load_train_config(["--preset", "qwen3_14b_deep_research"])
+    cpu = plan_memory(cfg, ModelShape.from_config(QWEN3_14B), 8, cuda=False)
+    assert "token-outer" in cpu.terms["head"].name
+    trees = _paper_plan("h100-80gb", 8, "--policy.tree_batches=on")
+    assert "token-outer" in trees.terms["head"].name

@@ -340,16 +340,18 @@ def test_kl_to_reference_is_reported_and_zero_at_the_reference(tiny_model):
         worker.update(with_old_policy(worker, batch))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, fused, monkeypatch):
+@pytest.mark.parametrize("fused, head", [(True, "token_outer"), (True, "vocab_outer"), (False, "auto")])
+def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, fused, head, monkeypatch):
     """The worker's in-forward one-pass loss and gradient == policy_loss_from_logprobs on the
-    model's log-probs/entropies (the former two-stage path), with the global statistics; and no
-    extra no-grad pass runs inside the loss (the statistics are supplied)."""
+    model's log-probs/entropies (the former two-stage path), with the global statistics, in both
+    loop orders of the fused head (``policy.head_backward``, docs/head.md); and no extra no-grad
+    pass runs inside the loss (the statistics are supplied)."""
     from aepo_engine.training.layout import LossInputs, RowModelInputs
     from aepo_kernels import entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
     import aepo_kernels.loss_call as loss_call
 
-    worker = make_worker(tiny_model, use_fused_linear=fused, temperature=0.8)
+    worker = make_worker(tiny_model, use_fused_linear=fused, temperature=0.8, head_backward=head)
+    assert worker.policy.head_backward == head
     batch = with_old_policy(worker, random_batch(vocab_of(tiny_model)))
     batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs + 0.3 * torch.randn(batch.old_logprobs.shape))
     mean, std = entropy_stats_from_moments(entropy_moments(batch.entropy, batch.loss_mask))
@@ -368,9 +370,18 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
                                                      config=cfg, entropy_mean=mean, entropy_std=std, global_token_count=count)
     expected = grads(two_stage)
     monkeypatch.setattr(loss_call, "_entropy_stats", lambda config, mask, m, s, entropy_pass: (m, s))  # no second pass
+    import aepo_kernels.fused_linear as fused_linear
+
+    orders = []
+    for name in ("FusedLinearAEPOLossFunction", "FusedLinearAEPOVocabOuterFunction"):
+        function = getattr(fused_linear, name)
+        monkeypatch.setattr(function, "apply", lambda *a, _f=function.apply, _n=name: orders.append(_n) or _f(*a))
     inputs = LossInputs(batch.old_logprobs, adv, batch.loss_mask, None, count, mean, std)
     one_pass, stats_one = worker.policy(RowModelInputs(batch.input_ids, batch.attention_mask, batch.labels), inputs)
     got = grads(one_pass)
+    if fused:  # the order asked for is the one that ran
+        assert orders == [{"token_outer": "FusedLinearAEPOLossFunction",
+                           "vocab_outer": "FusedLinearAEPOVocabOuterFunction"}[head]]
     assert stats_one["clipfrac_high"] + stats_one["clipfrac_low"] > 0
     torch.testing.assert_close(one_pass, two_stage, rtol=1e-5, atol=1e-7)
     for key in ("entropy", "ratio", "clipfrac_high", "clipfrac_low"):

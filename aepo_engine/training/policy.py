@@ -111,12 +111,14 @@ class PolicyModel(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, temperature: float, fused: bool, chunk_bytes: int | None,
-                 loss_config: LossConfig | None = None, pack: bool = False, row_bounds: bool = False):
+                 loss_config: LossConfig | None = None, pack: bool = False, row_bounds: bool = False,
+                 head_backward: str = "auto"):
         super().__init__()
         self.hf = hf_model
         self.temperature, self.fused, self.pack = temperature, fused, pack
         self.row_bounds = pack and row_bounds  # hand the attention the packed rows' bounds
         self.chunk_bytes, self.loss_config = chunk_bytes, loss_config or LossConfig()
+        self.head_backward = head_backward  # the fused head's loop order (policy.head_backward; docs/head.md)
 
     @property
     def decoder(self) -> nn.Module:
@@ -198,7 +200,8 @@ class PolicyModel(nn.Module):
         args = (labels, inputs.old_logprobs, inputs.advantages, inputs.loss_mask)
         if self.fused:
             return fused_linear_aepo_policy_loss(hidden, head.weight, *args, bias=head.bias,
-                                                 chunk_bytes=self.chunk_bytes, shift_labels=False, **kwargs)
+                                                 chunk_bytes=self.chunk_bytes, shift_labels=False,
+                                                 head_backward=self.head_backward, **kwargs)
         # The head's output is used by nothing else: its buffer can take the gradient.
         logits = head(hidden)  # [B, L, V]
         return aepo_policy_loss(logits, *args, inplace_backward=True, shift_labels=False, **kwargs)
@@ -259,7 +262,8 @@ class PolicyWorker:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = PolicyModel(self.model, temperature, config.use_fused_linear, config.fused_chunk_bytes,
                                   loss_config=config.loss, pack=config.packs,
-                                  row_bounds=config.attn_implementation in ("varlen", "flash_attention_2"))
+                                  row_bounds=config.attn_implementation in ("varlen", "flash_attention_2"),
+                                  head_backward=config.head_backward)
         self._shard_or_place()
         if on_meta:  # the shards exist now: allocate them and read this rank's rows
             load_sharded_weights(self.model, model_path, self.device,
