@@ -65,7 +65,8 @@ class PolicyWeights(Protocol):
 
     pushed_bytes: int  # bytes of the last push (the adapters' only under LoRA)
 
-    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_weight_buckets(self, bucket_bytes: int,
+                            dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The weights to push, a bucket of about ``bucket_bytes`` at a time, in ``dtype`` (None: as
         stored); collective under torchrun (every rank iterates every bucket)."""
         ...
@@ -122,9 +123,9 @@ def free_cached_memory() -> None:
 
 def in_phase(engine: Any, fn: Callable[[], T]) -> T:
     """``fn()``: sampling with this rank's engine, on this rank's share of the prompts. A follower
-    of an in-process tensor-parallel group (``Capabilities.group``) first replays the host's engine calls (until the host
-    has returned), then runs ``fn`` on its own share, which is empty; the host releases the
-    followers afterwards. Keep collectives out of ``fn``."""
+    of an in-process tensor-parallel group (``Capabilities.group``) first replays the host's engine
+    calls (until the host has returned), then runs ``fn`` on its own share, which is empty; the
+    host releases the followers afterwards. Keep collectives out of ``fn``."""
     grouped = engine is not None and engine.capabilities.group
     if grouped and not engine.leads:
         engine.follow()

@@ -125,8 +125,9 @@ class AsynchronousSource:
         eta = parts["max_staleness"]
         mine, theirs = cpu_thread_split(cores, eta, torch_threads, torch.cuda.is_available())
         process = RolloutProcess(WorkerSpec(**{**spec.__dict__, "threads": theirs}))
-        print(f"[async] rollout process {process.pid}: max staleness {eta}, "
-              f"{'rounds wait for their tool calls' if spec.rollout.schedule == 'rounds' else 'tool calls in the background'}; "
+        rounds = spec.rollout.schedule == "rounds"
+        tools = "rounds wait for their tool calls" if rounds else "tool calls in the background"
+        print(f"[async] rollout process {process.pid}: max staleness {eta}, {tools}; "
               f"torch threads: trainer {mine}, rollout process {theirs} (its evaluations {cores}); "
               "the run's only engine", flush=True)
         return cls(process, threads=(mine, cores), **parts)
