@@ -403,8 +403,8 @@ def test_no_tool_call_runs_for_a_trajectory_its_prompt_discarded():
 @pytest.mark.sandbox
 @pytest.mark.slow
 def test_a_training_run_on_the_continuous_schedule(tmp_path):
-    """The trainer's steps on the continuous schedule (the default; the tiny preset pins rounds):
-    the synchronous step source drives ``ContinuousRollout.run_step`` with tool calls in the
+    """The trainer's steps on the continuous schedule (``rollout.schedule = "continuous"``; the
+    default is rounds): the synchronous step source drives ``ContinuousRollout.run_step`` with tool calls in the
     background, and the run ends with its evaluation, every step's k trajectories per prompt and
     where the rollout's seconds went."""
     import json
