@@ -140,8 +140,8 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             run beside generation; each backend call takes whatever is ready, up to the backend's
             batch); "rounds" samples every ready trajectory, then waits for all their tool calls
             (each round waits for its slowest call), the default until the continuous schedule is
-            never slower (measured, docs/async.md: 1.4-1.6x the steps/h at 0.3-1 s search
-            latency, 0.86-0.96x at none). Both grow the same trees, m, branches and counts for
+            never slower (measured, docs/async.md: 1.37-1.42x the steps/h at 0.3 s search
+            latency, 1.56-1.63x at 1 s, 0.86-0.96x at none). Both grow the same trees, m, branches and counts for
             the same sampled tokens (the continuous schedule takes each prompt's branch
             decisions, budget slots, ids and refills in the round schedule's order, whatever the
             tool latencies; only ``rounds`` and the seconds differ). Only
