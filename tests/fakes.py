@@ -70,6 +70,17 @@ class ScriptedBackend:
         pass
 
 
+class CutAfter:
+    """An abort event that reports set from its ``n``-th check on (a weight update mid-segment)."""
+
+    def __init__(self, n: int):
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
 class ScriptedRunner:
     """Tool runner stand-in: result text names the tool, payload and call number."""
 

@@ -12,7 +12,7 @@ tests/test_rollout_scheduler.py's ``tiny_hf`` (trained to call ``<search>``) and
   the call returns every request empty; a real ``threading.Event`` set from another thread cuts
   the call too (20 ms after its requests reach the engine), every output either finished as
   uncut or a cut prefix;
-- ``ContinuousRollout`` cuts a round (``tests/test_continuous_rollout.py``'s ``CutAfter``), the
+- ``ContinuousRollout`` cuts a round (``tests/fakes.py``'s ``CutAfter``), the
   engine takes new weights, the cut segments go on under them; the parent then teacher-forces
   every trajectory under each version's weights with Hugging Face: each token's log-prob is that
   of the version it records.
@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import vllm_missing
+from fakes import CutAfter
 
 CHILD_TIMEOUT_S = 300  # the parent kills the child's whole process group after this
 CHILD_WATCHDOG_S = 240  # the child dumps its stacks and exits after this
@@ -65,17 +66,6 @@ def _new_weights(model_dir: str) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # The child side (``python tests/test_backends_vllm_abort.py MODEL_DIR in|out REPORT.json``).
-
-
-class CutAfter:
-    """An abort event that reports set from its ``n``-th check on (as in test_continuous_rollout.py)."""
-
-    def __init__(self, n: int):
-        self.n, self.checks = n, 0
-
-    def is_set(self) -> bool:
-        self.checks += 1
-        return self.checks >= self.n
 
 
 def _dump(outputs) -> list[dict]:

@@ -31,7 +31,7 @@ from aepo_engine.rollout.state import state_key
 from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
 from aepo_engine.tools import Tool, ToolResult, ToolRunner
 from aepo_engine.training.batch import TokenBatch
-from fakes import CharTokenizer, ScriptedBackend, tool_agent
+from fakes import CharTokenizer, CutAfter, ScriptedBackend, tool_agent
 from test_rollout_scheduler import E2E_TEXTS, PROMPTS, FoundTool, PureRunner, random_tool_agent, tiny_hf  # noqa: F401
 
 CONFIG = dict(k=6, n_entropy_tokens=4, max_response_tokens=400, max_tokens_per_segment=100)
@@ -231,17 +231,6 @@ def test_many_steps_in_flight_each_get_k_per_prompt_oldest_first():
 
 # ---------------------------------------------------------------------------------------------
 # Partial rollouts: a cut segment goes on under new weights
-
-
-class CutAfter:
-    """An abort event that reports set from its ``n``-th check on (a weight update mid-segment)."""
-
-    def __init__(self, n: int):
-        self.n, self.checks = n, 0
-
-    def is_set(self) -> bool:
-        self.checks += 1
-        return self.checks >= self.n
 
 
 def test_cut_segments_continue_under_the_new_weights(tiny_hf):
