@@ -1018,10 +1018,11 @@ def _record_loss_inputs(policy_module) -> tuple[list, list]:
     call, loss = policy_module.PolicyModel.__call__, policy_module.PolicyModel._loss
 
     def recorded_call(self, *args, **kwargs):
-        if len(args) == 4:  # (input_ids, attention_mask, labels, loss inputs); packed rows: the real tokens
-            real = args[1].bool() if self.pack else torch.ones_like(args[1], dtype=torch.bool)
+        if len(args) == 2:  # (the layout's inputs, the loss inputs); packed rows: the real tokens
+            mask = args[0].attention_mask
+            real = mask.bool() if self.pack else torch.ones_like(mask, dtype=torch.bool)
             handed.append([t[real][None] if t.dim() == 2 else t
-                           for t in (getattr(args[3], f).detach().clone() for f in fields)])
+                           for t in (getattr(args[1], f).detach().clone() for f in fields)])
         return call(self, *args, **kwargs)
 
     def recorded_loss(self, hidden, labels, inputs):
