@@ -8,17 +8,17 @@ from __future__ import annotations
 import os
 import time
 
-from aepo_engine import train
+from aepo_engine import step_source, train
 
 if int(os.environ.get("RANK", "0")) == 1:
     delay = float(os.environ["AEPO_TEST_ROLLOUT_DELAY_S"])
-    rollout_and_score = train.Trainer._rollout_and_score
+    collect = step_source.SynchronousSource.collect
 
-    def slow_rollout_and_score(self, examples, step):
+    def slow_collect(self, step):
         time.sleep(delay)
-        return rollout_and_score(self, examples, step)
+        return collect(self, step)
 
-    train.Trainer._rollout_and_score = slow_rollout_and_score
+    step_source.SynchronousSource.collect = slow_collect
 
 if __name__ == "__main__":
     train.main()
