@@ -64,7 +64,7 @@ class Parts:
 
 def _reward_args(trajectory, tool_format, chosen) -> tuple:
     """What the trainer hands its reward: the response in tags, the reference answers, and the
-    character spans of the engine's tool results (``Trainer._rollout_and_score``)."""
+    character spans of the engine's tool results (``Trainer.score``)."""
     from aepo_engine.rollout.trajectory import reward_view
 
     text, tool_spans = reward_view(trajectory, tool_format)
