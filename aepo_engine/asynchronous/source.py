@@ -27,6 +27,7 @@ trajectories are dropped).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -124,7 +125,7 @@ class AsynchronousSource:
         cores = torch.get_num_threads()
         eta = parts["max_staleness"]
         mine, theirs = cpu_thread_split(cores, eta, torch_threads, torch.cuda.is_available())
-        process = RolloutProcess(WorkerSpec(**{**spec.__dict__, "threads": theirs}))
+        process = RolloutProcess(dataclasses.replace(spec, threads=theirs))
         rounds = spec.rollout.schedule == "rounds"
         tools = "rounds wait for their tool calls" if rounds else "tool calls in the background"
         print(f"[async] rollout process {process.pid}: max staleness {eta}, {tools}; "

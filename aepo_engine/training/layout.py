@@ -110,6 +110,8 @@ class RowLayout(RowLayoutPlan):
     def __init__(self, micro_batch_size: int, max_tokens: int | None, pack: bool, rank: int, world_size: int):
         self.micro_batch_size, self.max_tokens, self.pack = micro_batch_size, max_tokens, pack
         self.rank, self.world_size = rank, world_size
+        # strided shards cut by rows give every rank as many micro-batches; a token budget may not
+        self.uneven = max_tokens is not None
 
     def prepare(self, model: nn.Module) -> None:
         """Nothing: the model's own attention reads rows."""
@@ -172,6 +174,7 @@ class TreeLayout(TreeLayoutPlan):
     def __init__(self, micro_batch_size: int, max_nodes: int | None, rank: int, world_size: int):
         self.micro_batch_size, self.max_nodes = micro_batch_size, max_nodes
         self.rank, self.world_size = rank, world_size
+        self.uneven = True  # whole groups per rank: their forests differ in size
 
     @staticmethod
     def _keys(purpose: Purpose):

@@ -320,7 +320,7 @@ class PolicyWorker:
         ``(micro_batches, real_count)``."""
         parts = self.layout.micro_batches(local, purpose)
         real = len(parts)
-        if self.world_size > 1:
+        if self.world_size > 1 and self.layout.uneven:  # one host sync, only where counts can differ
             count = torch.tensor([real], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             parts += [self.layout.filler(local, purpose)] * (int(count) - real)
