@@ -498,4 +498,4 @@ def _take_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 
 if __name__ == "__main__":
-    main()
+    distributed.run_and_exit(main)

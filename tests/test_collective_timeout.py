@@ -99,3 +99,40 @@ def test_a_rank_delayed_past_the_timeout_stops_the_run_naming_the_setting(tiny_r
     assert long.returncode == 0, (long.stdout + long.stderr)[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "long" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert 15 < row["time/wait_for_ranks"] < 300
+
+
+_ENDING = """
+import atexit, sys
+import torch.distributed as dist
+from aepo_engine.distributed import run_and_exit
+atexit.register(lambda: print("atexit ran", flush=True))
+def main():
+    if sys.argv[1] == "group":
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    print("worked", end="")  # unflushed: run_and_exit flushes it
+    raise SystemExit(int(sys.argv[3]) if sys.argv[3].isdigit() else sys.argv[3])
+run_and_exit(main)
+print("after run_and_exit")  # never: it ends the process
+"""
+
+
+@pytest.mark.parametrize("case", ["group", "torchrun_env", "single"])
+@pytest.mark.parametrize("status", ["0", "3", "a message"])
+def test_run_and_exit_ends_a_rank_with_its_status_after_the_atexit_handlers(case, status, tmp_path):
+    """distributed.run_and_exit (the end of `python -m aepo_engine.train` and of the torchrun test
+    scripts): a process in a group, or one of several torchrun ranks, ends by os._exit after
+    destroying the group, running the atexit handlers and flushing its output, with main's exit
+    status (a message: printed, status 1); a lone process exits as usual."""
+    script = tmp_path / "ending.py"
+    script.write_text(_ENDING)
+    env = {**child_env(False), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if case == "torchrun_env":
+        env["WORLD_SIZE"] = "2"
+    else:
+        env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, str(script), case, str(free_port()), status], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == (int(status) if status.isdigit() else 1), proc.stderr[-2000:]
+    assert proc.stdout.startswith("worked") and "atexit ran" in proc.stdout, proc.stdout
+    assert "after run_and_exit" not in proc.stdout
+    assert ("a message" in proc.stderr) == (status == "a message")

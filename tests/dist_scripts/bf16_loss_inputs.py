@@ -66,8 +66,9 @@ def run(model_dir: str, out: str, layout: str = "rows") -> None:
     metrics = worker.update(on_policy)
     torch.save({"built": built, "received": received, "metrics": metrics, "counts": counts}, f"{out}.rank{worker.rank}")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:4])
+    from aepo_engine.distributed import run_and_exit
+
+    run_and_exit(lambda: run(*sys.argv[1:4]))  # destroys the group and exits without finalization

@@ -155,7 +155,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from aepo_engine.distributed import run_and_exit
+
+    run_and_exit(lambda: sys.exit(main()))
 
 
 # --- the plan's terms against a measured row ---------------------------------------------------------

@@ -112,8 +112,7 @@ def run(model_dir: str, out: str, max_tokens: int | None = None, fsdp: str = "au
                     "fsdp": worker.use_fsdp, "world_size": worker.world_size,
                     "tree_masks": counts["masks"], "mask_plans": counts["plans"]}, out)
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # run_and_exit destroys the group
 
 
 if __name__ == "__main__":
@@ -126,5 +125,7 @@ if __name__ == "__main__":
     parser.add_argument("--tree-batches", default="off", choices=["on", "off"])
     parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
-    run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing, args.tree_batches,
-        lora=args.lora)
+    from aepo_engine.distributed import run_and_exit
+
+    run_and_exit(lambda: run(args.model_dir, args.out, args.max_tokens, args.fsdp, args.activation_checkpointing, args.tree_batches,
+        lora=args.lora))

@@ -48,7 +48,13 @@ def check(model_dir: str) -> dict:
             "head_matmuls": len(recorder.with_dim(vocab)), "world_size": bf16.world_size, "rank": bf16.rank}
 
 
-if __name__ == "__main__":
+def main() -> None:
     results = {model_dir: check(model_dir) for model_dir in sys.argv[2:]}
     if next(iter(results.values()))["rank"] == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    from aepo_engine.distributed import run_and_exit
+
+    run_and_exit(main)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from aepo_engine import step_source, train
+from aepo_engine import distributed, step_source, train
 
 if int(os.environ.get("RANK", "0")) == 1:
     delay = float(os.environ["AEPO_TEST_ROLLOUT_DELAY_S"])
@@ -21,4 +21,4 @@ if int(os.environ.get("RANK", "0")) == 1:
     step_source.SynchronousSource.collect = slow_collect
 
 if __name__ == "__main__":
-    train.main()
+    distributed.run_and_exit(train.main)

@@ -56,4 +56,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    distributed.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))
