@@ -39,6 +39,7 @@ from aepo_engine.config_loader import ConfigError, load_config, pop_option
 from aepo_engine.data import data_problems
 from aepo_engine.data.config import DataConfig
 from aepo_engine.evaluation.config import EvalConfig
+from aepo_engine.gateway.config import AgentConfig
 from aepo_engine.models.config import ModelConfig
 from aepo_engine.rewards.config import RewardConfig
 from aepo_engine.rollout.backends.config import BackendConfig
@@ -187,6 +188,8 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         eval: held-out evaluation.
         checkpoint: checkpoints and resume.
         logging: metrics, TensorBoard, plots, samples.
+        agent: an agent program trained through the OpenAI-compatible gateway (none by default:
+            the engine's own tool loop; docs/agents.md).
     """
 
     seed: int = 0
@@ -205,6 +208,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -255,6 +259,12 @@ def config_problems(cfg: TrainConfig) -> list[str]:
             and cfg.task.source != "synthetic":
         problems.append("tools.search.corpus_path is required with tools.search.backend='served' because the "
                         "server indexes that file (only the synthetic task brings a corpus of its own)")
+    if cfg.agent.enabled and cfg.train.asynchronous:
+        problems.append("agent.function runs in synchronous training (train.mode = 'sync'): the gateway serves "
+                        "the trainer's own engine, which an asynchronous run does not have")
+    if cfg.agent.enabled and cfg.eval.files:
+        problems.append("eval.files are asked by the engine's own tool loop; with agent.function the held-out "
+                        "questions are asked by the agent: leave eval.files empty")
     context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.backend.kind == "vllm" and cfg.backend.max_model_len < context:
         problems.append(f"backend.max_model_len={cfg.backend.max_model_len} is shorter than "

@@ -154,9 +154,17 @@ class Trainer:
         if "python" in self.tools_config.enabled:
             _log(f"[tools] python: {describe_limits(self.tools_config.python)}")
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
-        # the step's scheduler (rollout.schedule); an asynchronous run's process builds its own
-        self.rollout = ContinuousRollout.for_schedule(self.backend, self.tools, rollout_cfg, tokenizer=self.tokenizer,
-                                                      tool_format=self.tool_format)
+        # the step's scheduler (rollout.schedule); an asynchronous run's process builds its own.
+        # With agent.function, an agent program's episodes through the gateway instead.
+        if cfg.agent.enabled:
+            from aepo_engine.gateway.rollout import build_agent_rollout
+
+            self.rollout = build_agent_rollout(cfg.agent, rollout_cfg, self.backend, self.tokenizer,
+                                               corpus_path=self.tools_config.search.corpus_path,
+                                               max_prompt_tokens=cfg.data.max_prompt_tokens)
+        else:
+            self.rollout = ContinuousRollout.for_schedule(self.backend, self.tools, rollout_cfg,
+                                                          tokenizer=self.tokenizer, tool_format=self.tool_format)
         self.sampler = PromptSampler(self.train_examples, cfg.train.prompts_per_step, cfg.data.shuffle_seed,
                                      shuffle=cfg.data.shuffle)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last)
@@ -169,9 +177,16 @@ class Trainer:
             self.judge, _ = start_judge(cfg.eval.judge, self.run_dir / cfg.logging.dir / "judge_cache.jsonl",
                                         warn=lambda line: _log(f"[eval] {line}"))
         self.correction = cfg.rollout_correction.resolved(stale_tokens=cfg.train.stale_tokens)
-        self.evaluation = RunEvaluation(cfg.eval, cfg.rollout, self.eval_examples, self.eval_sets, self.tools,
-                                        self.tokenizer, self.tool_format, self.reward_fn, self.prompt_ids, self.layout,
-                                        self.judge, self.run_dir / cfg.logging.dir / "eval_samples", log=_log)
+        if cfg.agent.enabled:  # the held-out questions asked by the agent, through the gateway
+            from aepo_engine.gateway.rollout import AgentEvaluation
+
+            self.evaluation = AgentEvaluation(self.rollout, self.eval_examples, cfg.eval.num_questions,
+                                              cfg.eval.n_samples, log=_log)
+        else:
+            self.evaluation = RunEvaluation(cfg.eval, cfg.rollout, self.eval_examples, self.eval_sets, self.tools,
+                                            self.tokenizer, self.tool_format, self.reward_fn, self.prompt_ids,
+                                            self.layout, self.judge, self.run_dir / cfg.logging.dir / "eval_samples",
+                                            log=_log)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -199,7 +214,11 @@ class Trainer:
                 if self.source is not None:
                     self.source.close()
             finally:
-                self.tools.close()
+                try:
+                    self.tools.close()
+                finally:
+                    if self.cfg.agent.enabled:
+                        self.rollout.close()  # the gateway
 
     def _run(self) -> dict[str, Any]:
         _log(f"[config]\n{self.config_text}")
@@ -240,7 +259,8 @@ class Trainer:
         """The run's step source (:mod:`aepo_engine.step_source`): this rank's engine, or in an
         asynchronous run a rollout process started now (its engine is the run's only one)."""
         cfg = self.cfg
-        parts = dict(sampler=self.sampler, layout=self.layout, encode=self.prompt_ids, weights=self.policy,
+        encode = (lambda example: example) if cfg.agent.enabled else self.prompt_ids  # an agent reads the example
+        parts = dict(sampler=self.sampler, layout=self.layout, encode=encode, weights=self.policy,
                      bucket_bytes=int(cfg.backend.weight_sync_bucket_mb * 2**20))
         if not cfg.train.asynchronous:
             return SynchronousSource(self.backend, self.rollout, sleeps=cfg.backend.sleeps(torch.cuda.is_available()),
@@ -269,6 +289,8 @@ class Trainer:
         metrics.update(self.source.publish(step + 1))
         elapsed = time.perf_counter() - t0
         tokens = float(sum(len(s[0].response_ids) for s in everything))
+        if self.cfg.agent.enabled:
+            metrics.update(self.rollout.last_counts)
         metrics.update({"time/rollout_s": rollouts.rollout_s, "time/wait_for_rollouts_s": rollouts.waited_s,
                         "time/wait_for_ranks": waited_ranks, "time/step_s": elapsed,
                         "throughput/tokens_per_s": tokens / elapsed})
@@ -320,6 +342,10 @@ class Trainer:
         """``(trajectory, reward, correct, answer)`` of each trajectory; ``prompt_index`` indexes ``examples``."""
         scored = []
         for traj in trajectories:
+            if traj.agent_reward is not None:  # an agent's episode: its agent's reward
+                correct = traj.agent_correct if traj.agent_correct is not None else traj.agent_reward > 0
+                scored.append((traj, traj.agent_reward, bool(correct), None))
+                continue
             text, tool_spans = reward_view(traj, self.tool_format)
             result = self.reward_fn(text, examples[traj.prompt_index].ground_truth, tool_spans)
             scored.append((traj, float(result.score), bool(result.correct), result.details.get("answer")))

@@ -97,6 +97,8 @@ class Trajectory:
     ``tool_calls`` counts executed calls (= tool-result segments, inherited prefix included);
     ``tool_log`` records each executed call (tool, payload, result, latency), inherited prefix included;
     ``decisions`` lists the branch decisions this trajectory took itself.
+    ``agent_reward`` / ``agent_correct``: an agent program's episode (``aepo_engine.gateway``):
+    the reward and correctness its agent reported, which score it instead of the run's reward rules.
     """
 
     prompt_ids: list[int]
@@ -121,6 +123,8 @@ class Trajectory:
     malformed_calls: int = 0
     finish_reason: TrajectoryFinish | None = None
     decisions: list[BranchDecision] = field(default_factory=list)
+    agent_reward: float | None = None
+    agent_correct: bool | None = None
 
     @property
     def uid(self) -> str:

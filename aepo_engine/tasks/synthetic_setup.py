@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -219,8 +220,7 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
     if not setup.model_path:
         # The tokenizer learns the prompts as the model reads them (system prompt, role lines):
         # without them a prompt was ~96 tokens, mostly single letters, of a ~133-token example.
-        texts = ([row["contents"] for row in task.corpus] + demos
-                 + [render_chat(q.messages(tools_config.format)) for q in task.train])
+        texts = tokenizer_texts(task, demos, tools_config)
         tiny = setup.tiny
         build_tiny_qwen3(random_dir, texts=texts, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                          num_layers=tiny.num_layers, num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
@@ -233,6 +233,27 @@ def prepare_synthetic_run(setup: SyntheticSetupConfig, run_dir: Path, log: Calla
                    val_demos=val_demos)
         (warm_dir / "DONE").write_text("ok")
     return SyntheticRun(task, corpus_path, model_dir, tools_config)
+
+
+def tokenizer_texts(task: SyntheticTask, demos: list[str], tools: ToolsConfig) -> list[str]:
+    """What the task's tokenizer is trained on: the corpus, the demonstrations and the prompts, all
+    as the model will read them. In ``tools.format = "chat_template"`` the prompts carry the tool
+    list in the system message (the tiny template renders none: ``ChatTemplateFormat``'s Hermes
+    block) and the demonstrations' calls are the template's ``<tool_call>`` JSON, so that both are
+    a few tokens each rather than one per letter (the block alone was ~600 tokens of a 884-token
+    example before)."""
+    from aepo_engine.tools.formats import with_tools_in_system, hermes_call_text, tool_schemas
+
+    texts = [row["contents"] for row in task.corpus] + list(demos)
+    texts += [render_chat(q.messages(tools.format)) for q in task.train]
+    if tools.format == "chat_template":
+        schemas = tool_schemas(tools.enabled)
+        texts += [render_chat(with_tools_in_system(q.messages(tools.format), schemas)) for q in task.train]
+        texts += [_TAG_CALL.sub(lambda m: hermes_call_text(m.group(1), m.group(2).strip()), demo) for demo in demos]
+    return texts
+
+
+_TAG_CALL = re.compile(r"<(search|python)>(.*?)</\1>", flags=re.DOTALL)
 
 
 def warm_start(src: Path | str, dst: Path | str, task: SyntheticTask, demos: list[str], sft_cfg: SFTConfig,

@@ -34,7 +34,6 @@ and call syntaxes other than the two above (an unsupported template is refused w
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, Protocol, Sequence
 
 from aepo_engine.chat_text import chat_text, require_chat_template
@@ -43,6 +42,7 @@ from aepo_engine.tools.framing import encode_plain_text, encode_tool_result
 from aepo_engine.tools.parsing import find_tool_call
 
 __all__ = ["ChatTemplateFormat", "TOOL_ARGUMENTS", "TagFormat", "ToolFormat", "build_tool_format", "encode_in_context",
+           "hermes_call_text", "with_tools_in_system",
            "drift_metrics", "retokenization_drift", "tool_schemas", "trajectory_turns"]
 
 ToolFormatName = Literal["tags", "chat_template"]
@@ -83,6 +83,13 @@ def tool_schemas(tool_names: Sequence[str]) -> list[dict[str, Any]]:
             "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": description}},
                            "required": [arg]}}})
     return schemas
+
+
+def hermes_call_text(tool: str, payload: str) -> str:
+    """A call of ``tool`` with its one argument ``payload`` as a Hermes template writes it."""
+    arg = TOOL_ARGUMENTS.get(tool, _DEFAULT_ARGUMENT)[0]
+    body = json.dumps({"name": tool, "arguments": {arg: payload}}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 class ToolFormat(Protocol):
@@ -229,17 +236,16 @@ class ChatTemplateFormat:
         """The prompt with the tools offered: in the template's tool list, or (a template that
         renders none) in the system message."""
         if not self.renders_tools:
-            messages = _with_tools_in_system(messages, self.schemas)
+            messages = with_tools_in_system(messages, self.schemas)
         text = self._render(messages, tools=self.renders_tools, generation_prompt=True)
         return encode_in_context(self.tokenizer, text)
 
     def render_call(self, call: ToolCall) -> str:
         """The text of a call as the model writes it (demonstrations)."""
-        arg = TOOL_ARGUMENTS.get(call.tool, _DEFAULT_ARGUMENT)[0]
         if self.syntax == "llama_json":
+            arg = TOOL_ARGUMENTS.get(call.tool, _DEFAULT_ARGUMENT)[0]
             return json.dumps({"name": call.tool, "parameters": {arg: call.payload}}, ensure_ascii=False)
-        body = json.dumps({"name": call.tool, "arguments": {arg: call.payload}}, ensure_ascii=False)
-        return f"<tool_call>\n{body}\n</tool_call>"
+        return hermes_call_text(call.tool, call.payload)
 
     # -- parsing ------------------------------------------------------------------------------
 
@@ -317,7 +323,7 @@ class ChatTemplateFormat:
         """The chat a trajectory is, with calls as the template's tool calls and results as tool
         messages (``turns``: ``{"text", "call", "result"}`` per model segment)."""
         if not self.renders_tools:
-            messages = _with_tools_in_system(messages, self.schemas)
+            messages = with_tools_in_system(messages, self.schemas)
         chat = list(messages)
         for turn in turns:
             text, call = turn["text"], turn.get("call")
@@ -360,7 +366,7 @@ def _tool_message(tool: str, content: str) -> dict[str, Any]:
     return {"role": "tool", "name": tool, "tool_call_id": "call0", "content": content}
 
 
-def _with_tools_in_system(messages: list[dict[str, str]], schemas: list[dict[str, Any]]) -> list[dict[str, str]]:
+def with_tools_in_system(messages: list[dict[str, str]], schemas: list[dict[str, Any]]) -> list[dict[str, str]]:
     """The tools as a Hermes-style block in the system message (SmolLM2's training format)."""
     block = ("You can call tools. Their signatures, in <tools></tools> tags:\n<tools>\n"
              + "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)

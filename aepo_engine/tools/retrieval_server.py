@@ -101,7 +101,7 @@ class RetrievalApp:
     async def _retrieve(self, scope: dict, receive: Receive) -> tuple[int, Any]:
         start = time.perf_counter()
         wait = self.latency.draw()  # drawn on arrival: the stream does not depend on scoring times
-        body = await _read_body(scope, receive)
+        body = await read_body(scope, receive)
         if body is None:
             return 400, {"error": f"body must be 1..{MAX_BODY_BYTES} bytes"}
         try:
@@ -128,10 +128,10 @@ class RetrievalApp:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def _read_body(scope: dict, receive: Receive) -> bytes | None:
-    """The request body, or None when it is empty or larger than ``MAX_BODY_BYTES``."""
+async def read_body(scope: dict, receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The request body, or None when it is empty or larger than ``limit`` bytes."""
     declared = dict(scope.get("headers") or ()).get(b"content-length")
-    if declared is not None and not (declared.isdigit() and 0 < int(declared) <= MAX_BODY_BYTES):
+    if declared is not None and not (declared.isdigit() and 0 < int(declared) <= limit):
         return None
     chunks, size = [], 0
     while True:
@@ -140,7 +140,7 @@ async def _read_body(scope: dict, receive: Receive) -> bytes | None:
             return None
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             return None
         chunks.append(chunk)
         if not message.get("more_body", False):

@@ -1,0 +1,141 @@
+"""Agent functions: load one, and run episodes of it against the gateway.
+
+An agent is ``async def run(task, client) -> reward``: ``task`` is what the engine hands it (a
+dict: the question, the prompt's messages, the ground truth and the example's metadata), and
+``client`` an ``openai.AsyncOpenAI`` whose base URL is the episode's own session of the gateway.
+It returns the episode's reward: a number, or ``{"reward": number, "correct": bool}``; it may
+instead post the reward to the session (``POST {base_url without /v1}/reward``) and return None.
+
+An agent that raises, returns something else or runs past ``timeout_s`` ends its episode as a
+failure (:attr:`Episode.error`, counted as ``agent/failed_episodes``): never the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+from aepo_engine.gateway.conversation import Session
+
+__all__ = ["AgentFunction", "Episode", "load_agent", "run_episodes"]
+
+AgentFunction = Callable[[Any, Any], Awaitable[Any]]
+
+
+def load_agent(spec: str) -> AgentFunction:
+    """The agent function ``spec`` names: ``"package.module:function"`` or
+    ``"path/to/file.py:function"``.
+
+    Raises:
+        ValueError: a spec without ``:``, a module or file that cannot be imported, no such
+            attribute, or one that is not an ``async def`` function.
+    """
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"agent.function must be 'module:function' or 'file.py:function', got {spec!r}")
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ValueError(f"agent.function: no file {str(path)!r}")
+        module_spec = importlib.util.spec_from_file_location(f"aepo_agent_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the agent's own import error, said in one line
+            raise ValueError(f"agent.function: importing {str(path)!r} failed ({type(exc).__name__}: {exc})") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ValueError(f"agent.function: cannot import {where!r} ({exc})") from None
+    function = getattr(module, name, None)
+    if function is None:
+        raise ValueError(f"agent.function: {where!r} has no {name!r}")
+    if not inspect.iscoroutinefunction(function):
+        raise ValueError(f"agent.function: {spec!r} must be an `async def run(task, client)` function")
+    return function
+
+
+@dataclass
+class Episode:
+    """One agent episode.
+
+    Attributes:
+        session: its gateway session (the recording).
+        reward: the reward returned or posted (None: a failure, or none given).
+        correct: whether the agent said the answer was correct (None: it did not say).
+        error: why it failed (None: it did not).
+        seconds: wall-clock time of the episode.
+    """
+
+    session: Session
+    reward: float | None = None
+    correct: bool | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _reward_of(value: Any, session: Session) -> tuple[float | None, bool | None, str | None]:
+    """``(reward, correct, error)`` from what the agent returned (or posted)."""
+    correct = None
+    if isinstance(value, dict):
+        correct = value.get("correct")
+        value = value.get("reward")
+        if correct is not None and not isinstance(correct, bool):
+            return None, None, f"'correct' must be a bool, got {type(correct).__name__}"
+    if value is None:
+        value = session.reward
+    if value is None:
+        return None, None, "the agent returned no reward and posted none"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, None, f"the reward must be a finite number, got {value!r}"
+    return float(value), correct, None
+
+
+async def _episode(agent: AgentFunction, task: Any, session: Session, base_url: str, token: str,
+                   timeout_s: float, gate: asyncio.Semaphore) -> Episode:
+    import openai
+
+    async with gate:
+        t0 = time.perf_counter()
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=timeout_s)
+        episode = Episode(session)
+        try:
+            value = await asyncio.wait_for(agent(task, client), timeout_s)
+            episode.reward, episode.correct, episode.error = _reward_of(value, session)
+        except asyncio.TimeoutError:
+            episode.error = f"the agent ran past agent.timeout_s ({timeout_s:g} s)"
+        except Exception as exc:  # noqa: BLE001 - an agent's failure ends its episode, never the run
+            episode.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - closing a client cannot fail the episode
+                pass
+        episode.seconds = time.perf_counter() - t0
+        return episode
+
+
+def run_episodes(gateway: Any, agent: AgentFunction, episodes: Sequence[tuple[Any, dict[str, Any]]],
+                 timeout_s: float, concurrency: int = 0) -> list[Episode]:
+    """Run ``agent`` once per ``(task, session_fields)`` of ``episodes``, at most ``concurrency``
+    at a time (0: all at once), each against a session of its own (``gateway.open_session(**
+    session_fields)``, closed after); the episodes in the order given."""
+    async def main() -> list[Episode]:
+        gate = asyncio.Semaphore(concurrency if concurrency > 0 else max(len(episodes), 1))
+        runs = []
+        for task, fields in episodes:
+            session = gateway.open_session(task=task, **fields)
+            runs.append(_episode(agent, task, session, gateway.base_url(session), gateway.token, timeout_s, gate))
+        done = await asyncio.gather(*runs)
+        for episode in done:
+            gateway.close_session(episode.session)
+        return list(done)
+
+    return asyncio.run(main())
