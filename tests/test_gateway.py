@@ -290,19 +290,22 @@ def test_a_second_request_while_the_first_runs_is_refused(model_dir):
 
 @pytest.mark.slow
 def test_a_training_run_through_the_gateway_with_the_example_agent(tmp_path):
-    """The tiny preset in the chat template's format with examples/search_agent.py as the agent:
-    the run ends, its steps count the agent's episodes and its evaluations are the agent's."""
+    """The tiny preset in the chat template's format with examples/search_agent.py as the agent,
+    one global episode per prompt and one slot for a branch: the run ends, its steps count the
+    agent's episodes (k = 2 per prompt, global or branched or fresh) and its evaluations are the
+    agent's."""
     from runs import train
 
     run_dir = tmp_path / "run"
     proc = train(run_dir, "--tools.format=chat_template", f"--agent.function={REPO}/examples/search_agent.py:run",
-                 "--checkpoint.every_n_steps=0")
+                 "--agent.global_samples=1", "--checkpoint.every_n_steps=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["eval_after"]["questions"] == 2
     assert "failed_share" in summary["eval_before"]
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["agent/episodes"] == 4 and row["agent/failed_episodes"] == 0 for row in rows)
+    assert all(row["agent/branches"] + row["agent/fresh_global_samples"] == 2 for row in rows)
     assert "[eval before RL] agent:" in proc.stdout
 
 
@@ -317,3 +320,102 @@ def test_the_agent_config_refuses_what_it_cannot_run():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+class ContextModel(ScriptedModel):
+    """Writes a search call to a prompt without a tool turn yet, an answer after one."""
+
+    def __init__(self, tokenizer, call, answer, tool_marker):
+        super().__init__(tokenizer, [])
+        self.call, self.answer, self.tool_marker = call, answer, tool_marker
+
+    def generate(self, requests):
+        self.texts = [self.answer if self.tool_marker in self.tokenizer.decode(list(r.prompt_ids)) else self.call
+                      for r in requests]
+        return super().generate(requests)
+
+
+def _branching_rollout(model_dir, tmp_path, agent_name, alpha, k=4, m=2):
+    from transformers import AutoTokenizer
+
+    from aepo_engine.gateway.config import AgentConfig
+    from aepo_engine.gateway.rollout import AgentRollout
+    from aepo_engine.rollout.config import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "Zovo age"}}\n</tool_call>'
+    model = ContextModel(tokenizer, call, "<answer> \\boxed{53} </answer>", "TOOLRESULT")
+    gateway = Gateway(model, tokenizer, max_tokens=64)
+    path = tmp_path / "branch_agents.py"
+    path.write_text('''
+import itertools, json
+counter = itertools.count()
+
+async def _episode(task, client, result):
+    messages = list(task["messages"])
+    for _ in range(4):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=task["tools"])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return {"reward": 1.0, "correct": True}
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result()})
+    return 0.0
+
+async def deterministic(task, client):
+    return await _episode(task, client, lambda: "TOOLRESULT Page 1: Zovo age 53.")
+
+async def flaky(task, client):  # a tool whose answer changes from call to call
+    return await _episode(task, client, lambda: f"TOOLRESULT Page 1: Zovo age {next(counter)}.")
+''')
+    rollout_cfg = RolloutConfig(k=k, branch_alpha_mode="constant", branch_alpha=alpha, seed=3)
+    config = AgentConfig(function=f"{path}:{agent_name}", global_samples=m)
+    rollout = AgentRollout(gateway, load_agent(config.function), config, rollout_cfg,
+                           lambda example: {"messages": MESSAGES, "tools": TOOLS})
+    return rollout, gateway
+
+
+def test_branching_forks_an_agent_after_a_tool_result_and_replays_its_prefix(model_dir, tmp_path):
+    """alpha 0.6 > tau 0.5 (equal entropies): both global episodes branch after their tool
+    result; each branch's restarted agent gets the recorded call back without sampling, then
+    samples its own reaction on a copy of its parent's trajectory up to the tool result."""
+    rollout, gateway = _branching_rollout(model_dir, tmp_path, "deterministic", alpha=0.6)
+    try:
+        result = rollout.run_step([object()], step=0)
+    finally:
+        gateway.close()
+    trajs = result.trajectories
+    assert [t.traj_id for t in trajs] == [0, 1, 2, 3]
+    assert [t.kind for t in trajs] == ["global", "global", "branch", "branch"]
+    assert sorted(t.parent_id for t in trajs[2:]) == [0, 1]
+    for child in trajs[2:]:
+        parent = trajs[child.parent_id]
+        cut = child.branch_position
+        assert child.response_ids[:cut] == parent.response_ids[:cut] and child.segments[1].kind == "tool"
+        assert child.prompt_ids == parent.prompt_ids and child.consecutive_branches == 1
+        assert child.decisions == []  # the decision at the fork is its parent's
+    assert all(t.decisions[0].branched and t.decisions[0].probability == pytest.approx(0.6) for t in trajs[:2])
+    assert gateway.stats.replayed == 2 and rollout.last_counts["rollout/replay_divergence"] == 0
+    assert rollout.last_counts["agent/branches"] == 2 and result.stats.m == [2]
+
+
+def test_a_branch_whose_agent_diverges_from_the_recording_is_dropped_and_counted(model_dir, tmp_path):
+    rollout, gateway = _branching_rollout(model_dir, tmp_path, "flaky", alpha=0.6)
+    try:
+        result = rollout.run_step([object()], step=0)
+    finally:
+        gateway.close()
+    assert [t.kind for t in result.trajectories] == ["global", "global"]
+    assert rollout.last_counts["rollout/replay_divergence"] == 2
+
+
+def test_without_a_branch_fresh_global_episodes_fill_the_budget(model_dir, tmp_path):
+    rollout, gateway = _branching_rollout(model_dir, tmp_path, "deterministic", alpha=0.1)
+    try:
+        result = rollout.run_step([object(), object()], step=0)
+    finally:
+        gateway.close()
+    assert [(t.prompt_index, t.traj_id, t.kind) for t in result.trajectories] == \
+        [(p, j, "global") for p in (0, 1) for j in range(4)]
+    assert all(not d.branched for t in result.trajectories for d in t.decisions)
+    assert rollout.last_counts["agent/fresh_global_samples"] == 4

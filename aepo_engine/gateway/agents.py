@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from aepo_engine.gateway.conversation import Session
 
-__all__ = ["AgentFunction", "Episode", "load_agent", "run_episodes"]
+__all__ = ["AgentFunction", "Episode", "EpisodeRunner", "load_agent", "run_episodes"]
 
 AgentFunction = Callable[[Any, Any], Awaitable[Any]]
 
@@ -122,20 +122,69 @@ async def _episode(agent: AgentFunction, task: Any, session: Session, base_url: 
         return episode
 
 
+class EpisodeRunner:
+    """Runs agent episodes against a gateway, at most ``concurrency`` at a time (0: no limit),
+    each against a session of its own; more can be started while they run (:meth:`spawn`: a
+    branch, from the gateway's thread; ``on_end``: a fresh episode when one ends).
+
+    Args:
+        gateway: the :class:`~aepo_engine.gateway.server.Gateway`.
+        agent: the agent function.
+        timeout_s: an episode's time limit.
+        concurrency: episodes at once (0: all).
+    """
+
+    def __init__(self, gateway: Any, agent: AgentFunction, timeout_s: float, concurrency: int = 0):
+        self.gateway, self.agent, self.timeout_s, self.concurrency = gateway, agent, timeout_s, concurrency
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, episodes: Sequence[tuple[Any, dict[str, Any]]],
+            on_end: Callable[[Episode], None] | None = None) -> list[Episode]:
+        """Run one episode per ``(task, session_fields)`` (``gateway.open_session(**fields)``) and
+        every one started meanwhile; all of them, in the order they ended."""
+        self._on_end, self._done, self._tasks = on_end, [], set()
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._gate = asyncio.Semaphore(self.concurrency if self.concurrency > 0 else 1 << 30)
+            for task, fields in episodes:
+                self.start(self.gateway.open_session(task=task, **fields))
+            while self._tasks:  # episodes started while others run join the wait
+                await asyncio.wait(list(self._tasks))
+
+        try:
+            asyncio.run(main())
+        finally:
+            self._loop = None
+        return self._done
+
+    def start(self, session: Session) -> None:
+        """Start an episode on ``session`` (in the runner's loop)."""
+        gateway = self.gateway
+        task = self._loop.create_task(_episode(self.agent, session.task, session, gateway.base_url(session),
+                                               gateway.token, self.timeout_s, self._gate))
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def spawn(self, session: Session) -> None:
+        """Serve ``session`` and start an episode on it; from any thread while :meth:`run` runs."""
+        self.gateway.add_session(session)
+        self._loop.call_soon_threadsafe(self.start, session)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        episode = task.result()
+        self.gateway.close_session(episode.session)
+        self._done.append(episode)
+        if self._on_end is not None:
+            self._on_end(episode)
+
+
 def run_episodes(gateway: Any, agent: AgentFunction, episodes: Sequence[tuple[Any, dict[str, Any]]],
                  timeout_s: float, concurrency: int = 0) -> list[Episode]:
     """Run ``agent`` once per ``(task, session_fields)`` of ``episodes``, at most ``concurrency``
     at a time (0: all at once), each against a session of its own (``gateway.open_session(**
     session_fields)``, closed after); the episodes in the order given."""
-    async def main() -> list[Episode]:
-        gate = asyncio.Semaphore(concurrency if concurrency > 0 else max(len(episodes), 1))
-        runs = []
-        for task, fields in episodes:
-            session = gateway.open_session(task=task, **fields)
-            runs.append(_episode(agent, task, session, gateway.base_url(session), gateway.token, timeout_s, gate))
-        done = await asyncio.gather(*runs)
-        for episode in done:
-            gateway.close_session(episode.session)
-        return list(done)
-
-    return asyncio.run(main())
+    done = EpisodeRunner(gateway, agent, timeout_s, concurrency).run(episodes)
+    order = {id(task): i for i, (task, _) in enumerate(episodes)}
+    return sorted(done, key=lambda e: (order.get(id(e.session.task), len(order)), e.session.traj_id))

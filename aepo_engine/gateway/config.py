@@ -22,6 +22,9 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         batch_window_ms: how long the gateway's generation thread waits after a request for
             others to batch with it (0: none; requests arriving while a call runs go in the next).
         port: the gateway's port on 127.0.0.1 (0: a free one).
+        global_samples: m, the episodes each prompt starts from its question; the other
+            rollout.k - m are AEPO's branches, forked where the branch rule says after a tool
+            result (``aepo_engine.gateway.branching``). 0: rollout.k (no branching).
     """
 
     function: str = ""
@@ -31,6 +34,7 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_context_tokens: int = 0
     batch_window_ms: float = 0.0
     port: int = 0
+    global_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -43,6 +47,8 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"agent.max_context_tokens must be >= 0, got {self.max_context_tokens}")
         if self.batch_window_ms < 0:
             raise ValueError(f"agent.batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.global_samples < 0:
+            raise ValueError(f"agent.global_samples must be >= 0 (0: rollout.k), got {self.global_samples}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"agent.port must be a TCP port (0: a free one), got {self.port}")
 

@@ -287,7 +287,41 @@ class Session:
     drift_tokens: int = 0
     requests: int = 0
     reward: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    replay: list[dict[str, Any]] | None = None
+    fork_messages: list[dict[str, Any]] | None = None
+    forked: Trajectory | None = None
+    diverged: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def branch_of(cls, parent: "Session", seg_index: int, session_id: str, traj_id: int) -> "Session":
+        """A branch of ``parent`` at its model segment ``seg_index`` (the reaction to a tool
+        result): the restarted agent's requests before that reaction are answered from the
+        parent's recording (replayed, no sampling) if they repeat the parent's requests; the
+        request of the reaction itself must repeat the parent's too, and is sampled anew on a
+        copy of the parent's trajectory up to the tool result (``Trajectory.fork``)."""
+        n_completion = sum(s.kind == "model" for s in parent.trajectory.segments[:seg_index])
+        return cls(session_id, prompt_index=parent.prompt_index, traj_id=traj_id, step=parent.step, task=parent.task,
+                   tools=parent.tools, replay=[dict(h) for h in parent.history[:n_completion]],
+                   fork_messages=parent.history[n_completion]["messages"],
+                   forked=parent.trajectory.fork(seg_index, traj_id))
+
+    def replayed(self, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | None:
+        """The recorded answer to a branch's replayed request (None: not replaying, or the
+        request diverged from the recording: the session is then served as drifted)."""
+        if self.replay is None or self.diverged:
+            return None
+        if self.replay and messages == self.replay[0]["messages"]:
+            item = self.replay.pop(0)
+            self.requests += 1
+            self.history.append(item)  # a branch of this branch replays it too
+            self.covered = [*messages, item["covered"]]
+            return item["message"], item["finish"]
+        if not self.replay and messages == self.fork_messages:
+            return None  # the reaction: sampled on the forked trajectory (prepare)
+        self.diverged = True
+        return None
 
     @property
     def context(self) -> list[int]:
@@ -300,6 +334,11 @@ class Session:
         """The context ids for a request's (normalised) ``messages``: the recorded ids extended
         by the new messages, or a fresh rendering for a drifted session. Raises :class:`GatewayError`."""
         self.requests += 1
+        if self.diverged:
+            return self._drift(messages, tools)
+        if self.trajectory is None and self.forked is not None:  # a branch's reaction (replayed)
+            self.trajectory, self.covered, self.replay = self.forked, list(messages), None
+            return self.context
         if self.trajectory is None:
             self.tools = tools
             self.trajectory = Trajectory(prompt_ids=tools.encode(messages), prompt_index=self.prompt_index,
@@ -341,7 +380,6 @@ class Session:
             self.drift_tokens = sum(a != b for a, b in zip(recorded, span)) + abs(len(recorded) - len(span))
             self.drifted = True
         self.covered = list(messages)
-        self._fresh_context = fresh
         return fresh
 
     def record(self, output: GenOutput, version: int, n_entropy_tokens: int,
@@ -353,7 +391,7 @@ class Session:
         content, call, problem = self.tools.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if call is not None:
-            call_id = f"call_{self.trajectory.tool_calls if self.trajectory else 0}_{self.session_id[:8]}"
+            call_id = f"call_{len(self.history)}_{self.session_id[:8]}"
             message["tool_calls"] = [{"id": call_id, "type": "function",
                                       "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
             finish = "tool_calls"
@@ -372,6 +410,8 @@ class Session:
         if call is not None:
             normalised["tool_calls"] = [{"id": message["tool_calls"][0]["id"], "name": call["name"],
                                          "arguments": call["arguments"]}]
+        self.history.append({"messages": list(self.covered), "message": message, "finish": finish,
+                             "covered": normalised})
         self.covered.append(normalised)
         self.replied_at = time.monotonic()
         return message, finish

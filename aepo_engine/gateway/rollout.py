@@ -7,15 +7,17 @@ statistics. An episode that failed (an exception, a timeout, no reward), drifted
 rewrote the conversation: the ids sampled are not the ones it continued) or produced no
 completion is left out and counted in :attr:`AgentRollout.last_counts`.
 
-Branching (AEPO's entropy-guided forks for agents the engine does not own) is not built yet: every
-episode is a global sample (docs/agents.md says what is and is not there).
+With ``agent.global_samples`` = m < rollout.k, each prompt starts m episodes and AEPO's branch rule
+forks the others from them after tool results (:mod:`aepo_engine.gateway.branching`); otherwise
+every episode is a global sample.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Callable, Sequence
 
-from aepo_engine.gateway.agents import AgentFunction, run_episodes
+from aepo_engine.gateway.agents import AgentFunction, EpisodeRunner, run_episodes
+from aepo_engine.gateway.branching import AgentBranching
 from aepo_engine.gateway.config import AgentConfig
 from aepo_engine.rollout.scheduler import RolloutResult
 from aepo_engine.rollout.stats import RolloutCounters, rollout_stats
@@ -38,13 +40,15 @@ class AgentRollout:
         gateway: the run's :class:`~aepo_engine.gateway.server.Gateway`.
         agent: the agent function.
         config: the ``agent`` section.
-        k: episodes per prompt (``rollout.k``).
+        rollout: the (rank's) ``rollout`` section: k episodes per prompt, the branch rule, the seed.
         task_of: an example's task for the agent (:func:`agent_task`).
     """
 
-    def __init__(self, gateway: Any, agent: AgentFunction, config: AgentConfig, k: int,
+    def __init__(self, gateway: Any, agent: AgentFunction, config: AgentConfig, rollout: Any,
                  task_of: Callable[[Any], Any]):
-        self.gateway, self.agent, self.config, self.k, self.task_of = gateway, agent, config, k, task_of
+        self.gateway, self.agent, self.config, self.rollout, self.task_of = gateway, agent, config, rollout, task_of
+        self.k = rollout.k
+        self.m = config.global_samples if 0 < config.global_samples < rollout.k else rollout.k
         self.last_counts: dict[str, float] = {}
 
     def episodes(self, examples: Sequence[Any], step: int, version: int, samples: int) -> list[Any]:
@@ -54,11 +58,39 @@ class AgentRollout:
                 for i, example in enumerate(examples) for j in range(samples)]
         return run_episodes(self.gateway, self.agent, plan, self.config.timeout_s, self.config.concurrency)
 
+    def branched_episodes(self, examples: Sequence[Any], step: int, version: int) -> list[Any]:
+        """``k`` episodes of each example: ``m`` global ones, the rest AEPO's branches (or fresh
+        global episodes where no decision took a slot): :mod:`aepo_engine.gateway.branching`."""
+        self.gateway.version = version
+        runner = EpisodeRunner(self.gateway, self.agent, self.config.timeout_s, self.config.concurrency)
+        tasks = [self.task_of(example) for example in examples]
+
+        def fresh(prompt: int, traj_id: int) -> None:
+            runner.start(self.gateway.open_session(task=tasks[prompt], prompt_index=prompt, traj_id=traj_id,
+                                                   step=step))
+
+        branching = AgentBranching(self.rollout, self.rollout.seed, runner.spawn, fresh)
+        for i in range(len(examples)):
+            branching.start_prompt(i, self.m)
+        self.gateway.on_record = branching
+        try:
+            done = runner.run([(tasks[i], {"prompt_index": i, "traj_id": j, "step": step})
+                               for i in range(len(examples)) for j in range(self.m)],
+                              on_end=lambda episode: branching.ended(episode.session))
+        finally:
+            self.gateway.on_record = None
+        self.last_branching = {"agent/branches": float(branching.branches),
+                               "agent/fresh_global_samples": float(branching.fresh_samples)}
+        return done
+
     def run_step(self, examples: Sequence[Any], step: int, version: int | None = None) -> RolloutResult:
         """Step ``step``'s trajectories, grouped by prompt and sorted by ``traj_id``."""
         t0 = time.perf_counter()
-        done = self.episodes(examples, step, step if version is None else version, self.k)
-        kept, failed, drifted, empty = [], 0, 0, 0
+        version = step if version is None else version
+        self.last_branching = {}
+        done = (self.branched_episodes(examples, step, version) if self.m < self.k
+                else self.episodes(examples, step, version, self.k))
+        kept, failed, drifted, diverged, empty = [], 0, 0, 0, 0
         counters = RolloutCounters()
         for episode in done:
             session, traj = episode.session, episode.session.trajectory
@@ -69,6 +101,8 @@ class AgentRollout:
                 counters.malformed_calls += traj.malformed_calls
             if episode.error is not None or episode.reward is None:
                 failed += 1
+            elif session.diverged:
+                diverged += 1
             elif session.drifted:
                 drifted += 1
             elif traj is None or not traj.segments:
@@ -82,8 +116,9 @@ class AgentRollout:
         self.last_counts = {"agent/episodes": float(len(done)), "agent/failed_episodes": float(failed),
                             "agent/drifted_episodes": float(drifted), "agent/empty_episodes": float(empty),
                             "agent/drift_tokens": float(sum(e.session.drift_tokens for e in done)),
-                            "agent/episode_s": sum(e.seconds for e in done) / max(len(done), 1)}
-        m = [self.k] * len(examples)
+                            "agent/episode_s": sum(e.seconds for e in done) / max(len(done), 1),
+                            "rollout/replay_divergence": float(diverged), **self.last_branching}
+        m = [self.m] * len(examples)
         stats = rollout_stats(m, [None] * len(examples), [None] * len(examples), kept, counters)
         return RolloutResult(kept, stats)
 
@@ -106,7 +141,7 @@ def build_agent_rollout(agent_cfg: AgentConfig, rollout_cfg: Any, backend: Any, 
                       temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                       n_entropy_tokens=rollout_cfg.n_entropy_tokens, seed=rollout_cfg.seed,
                       batch_window_s=agent_cfg.batch_window_ms / 1000, port=agent_cfg.port)
-    return AgentRollout(gateway, agent, agent_cfg, rollout_cfg.k, lambda example: agent_task(example, corpus_path))
+    return AgentRollout(gateway, agent, agent_cfg, rollout_cfg, lambda example: agent_task(example, corpus_path))
 
 
 class AgentEvaluation:
@@ -115,7 +150,7 @@ class AgentEvaluation:
     a reward > 0 where it gave none), failures counting as wrong.
 
     Args:
-        rollout: the run's :class:`AgentRollout`.
+        rollout: the run's :class:`AgentRollout` (the held-out questions are asked without branching).
         questions: the held-out examples (the first ``num_questions``; 0: all).
         samples: episodes per question.
         log: where the one-line summary goes.

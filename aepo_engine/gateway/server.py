@@ -64,6 +64,7 @@ class GatewayStats:
     batches: int = 0
     batched_requests: int = 0
     overhead_s: float = 0.0  # time in the gateway outside backend.generate, summed over completions
+    replayed: int = 0  # requests of branches answered from their parent's recording
 
 
 class _Batcher:
@@ -138,6 +139,9 @@ class Gateway:
         self.temperature, self.top_p, self.n_entropy_tokens, self.seed = temperature, top_p, n_entropy_tokens, seed
         self.token = secrets.token_urlsafe(24)
         self.version = 0  # the policy version the backend's weights are at (set by the trainer)
+        # called with each session after a completion is recorded (in the server's thread, the
+        # session locked): the branch decisions of aepo_engine.gateway.branching
+        self.on_record: Any = None
         self.stats = GatewayStats()
         self._sessions: dict[str, Session] = {}
         self._toolsets: dict[str, ToolSet] = {}
@@ -169,6 +173,12 @@ class Gateway:
     def base_url(self, session: Session) -> str:
         """The OpenAI base URL of ``session`` (the client's ``base_url``; its API key is :attr:`token`)."""
         return f"http://127.0.0.1:{self.port}/s/{session.session_id}/v1"
+
+    def add_session(self, session: Session) -> Session:
+        """Serve a session made elsewhere (a branch: ``Session.branch_of``)."""
+        with self._lock:
+            self._sessions[session.session_id] = session
+        return session
 
     def close_session(self, session: Session) -> Session:
         """Forget ``session`` (later requests to it get 404); returns it with its recording."""
@@ -288,6 +298,11 @@ class Gateway:
             raise GatewayError(409, "this session's previous request is still running: an episode's requests "
                                     "come one at a time", code="session_busy")
         try:
+            replayed = session.replayed(messages)
+            if replayed is not None:  # a branch's restarted agent, before its fork: the recording's answer
+                self.stats.replayed += 1
+                return self._response(request, *replayed, {"prompt_tokens": 0, "completion_tokens": 0,
+                                                           "total_tokens": 0})
             context = session.prepare(messages, tools)
             budget = min(max_tokens, self.max_tokens, self.max_context_tokens - len(context))
             if budget < 1:
@@ -304,13 +319,19 @@ class Gateway:
             output: GenOutput = await asyncio.wrap_future(self._batcher.submit(gen))
             generated = time.perf_counter()
             message, finish = session.record(output, version, self.n_entropy_tokens, tuple(self.backend.eos_token_ids))
+            if self.on_record is not None and not session.drifted:
+                self.on_record(session)  # AEPO's branch decision after a reaction to a tool result
         finally:
             session.lock.release()
         self.stats.completions += 1
         self.stats.overhead_s += (waited - t0) + (time.perf_counter() - generated)
+        return self._response(request, message, finish, {"prompt_tokens": len(context),
+                                                         "completion_tokens": len(output.token_ids),
+                                                         "total_tokens": len(context) + len(output.token_ids)})
+
+    def _response(self, request: dict[str, Any], message: dict[str, Any], finish: str,
+                  usage: dict[str, int]) -> tuple[int, Any, list | None]:
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        usage = {"prompt_tokens": len(context), "completion_tokens": len(output.token_ids),
-                 "total_tokens": len(context) + len(output.token_ids)}
         if request.get("stream"):
             return 200, None, _chunks(cid, created, self.model_name, message, finish, usage,
                                       bool((request.get("stream_options") or {}).get("include_usage")))
