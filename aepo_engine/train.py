@@ -161,7 +161,7 @@ class Trainer:
 
             self.rollout = build_agent_rollout(cfg.agent, rollout_cfg, self.backend, self.tokenizer,
                                                corpus_path=self.tools_config.search.corpus_path,
-                                               max_prompt_tokens=cfg.data.max_prompt_tokens)
+                                               max_prompt_tokens=cfg.data.max_prompt_tokens, tool_format=cfg.tools.format)
         else:
             self.rollout = ContinuousRollout.for_schedule(self.backend, self.tools, rollout_cfg,
                                                           tokenizer=self.tokenizer, tool_format=self.tool_format)

@@ -1,6 +1,6 @@
 """An agent written only against the OpenAI API, trained by aepo_engine through its gateway.
 
-    python -m aepo_engine.train --preset agent_example     # the engine runs `run` below
+    python -m aepo_engine.train --agent.function=examples/search_agent.py:run   # from the repository root
 
 It answers the synthetic task's questions with two tools it implements itself: ``search`` (a
 keyword search over the task's corpus, a JSONL of ``{"id", "contents"}`` pages) and ``python``
@@ -8,8 +8,10 @@ keyword search over the task's corpus, a JSONL of ``{"id", "contents"}`` pages) 
 engine calls ``run(task, client)`` with a client whose base URL is the episode's gateway session,
 and the episode's reward is what ``run`` returns.
 
-The tool schemas are the ones the engine's own chat-template tool loop offers, so the prompt the
-policy reads (and was warm-started on) is the same.
+The tool schemas are the ones the engine's own tool loop offers: in the chat template's format
+(``--tools.format=chat_template``) the prompt the policy reads, and was warm-started on, is then the
+same; in the paper's tag format (the default) the gateway writes the calls and results as tags and
+the schemas give the tools' names and their one argument.
 """
 from __future__ import annotations
 

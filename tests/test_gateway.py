@@ -419,3 +419,38 @@ def test_without_a_branch_fresh_global_episodes_fill_the_budget(model_dir, tmp_p
         [(p, j, "global") for p in (0, 1) for j in range(4)]
     assert all(not d.branched for t in result.trajectories for d in t.decisions)
     assert rollout.last_counts["agent/fresh_global_samples"] == 4
+
+
+def test_in_the_tag_format_a_call_is_recorded_as_the_engines_own_tag_loop_records_it(model_dir):
+    """tools.format = "tags": the prompt is TagFormat's, the model's ``<search> q</search>`` comes
+    back as a tool call with the tool's one argument, and the result is TagFormat's ``<result>``
+    ids inside the same assistant turn."""
+    from transformers import AutoTokenizer
+
+    from aepo_engine.tools.formats import TagFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = ScriptedModel(tokenizer, ["<think>look it up</think><search> Zovo age</search>",
+                                      "<answer> \\boxed{53} </answer>"])
+    gateway = Gateway(model, tokenizer, max_tokens=64, tool_format="tags")
+    try:
+        session = gateway.open_session()
+        client = _client(gateway, session)
+        first = client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.content == "<think>look it up</think>"
+        assert json.loads(message.tool_calls[0].function.arguments) == {"query": "Zovo age"}
+        history = [*MESSAGES, message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Page 1: Zovo age 53."}]
+        client.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+        assert model.calls[0].stop_strings == ("</search>", "</python>")
+        gateway.close_session(session)
+    finally:
+        gateway.close()
+    fmt = TagFormat(tokenizer, ["search", "python"])
+    traj = session.trajectory
+    call_ids = tokenizer.encode("<think>look it up</think><search> Zovo age</search>", add_special_tokens=False)
+    tool_ids = fmt.result_ids("Page 1: Zovo age 53.")
+    assert traj.prompt_ids == fmt.encode_prompt(MESSAGES)
+    assert traj.response_ids[:len(call_ids) + len(tool_ids)] == call_ids + tool_ids
+    assert traj.tool_log[0].payload == "Zovo age" and traj.finish_reason == "eos"

@@ -35,11 +35,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aepo_engine.chat_text import chat_text
 from aepo_engine.rollout.protocol import GenOutput
 from aepo_engine.rollout.trajectory import ToolCallRecord, Trajectory
-from aepo_engine.tools.formats import ChatTemplateFormat, with_tools_in_system, encode_in_context
+from aepo_engine.tools.base import MalformedToolCall
+from aepo_engine.tools.formats import ChatTemplateFormat, TagFormat, encode_in_context, with_tools_in_system
 
-__all__ = ["GatewayError", "Session", "ToolSet", "normalise_messages", "parse_tools"]
+__all__ = ["GatewayError", "Session", "TagToolSet", "ToolSet", "normalise_messages", "parse_tools", "tool_set"]
 
 _PROBE = "CPROBE7C"
 
@@ -256,10 +258,60 @@ class ToolSet:
             raise GatewayError(400, "this model's chat template renders a conversation differently once more "
                                     "messages follow (not prefix-stable): the conversation cannot be extended")
         text = base[base.rindex(_PROBE) + len(_PROBE):] + full[len(base):]
-        eos = self.format._eos_text
+        eos = self.tokenizer.decode([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else ""
         if ended_turn and eos and text.startswith(eos):
             text = text[len(eos):]
         return encode_in_context(self.tokenizer, text)
+
+
+class TagToolSet(ToolSet):
+    """The paper's tag format (``tools.format = "tags"``) for one list of tools: the prompt as the
+    engine's own tag loop renders it (the tools named by the task's system prompt, not by the
+    request's list), calls written ``<name> payload</name>`` and returned to the agent as
+    ``tool_calls`` with the tool's one argument (its first required parameter) set to the payload,
+    results inserted as `` <result>...</result>`` in the same assistant turn (``TagFormat``).
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        tools: the request's ``tools``: each takes one string argument here.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]):
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.names = tuple(t["function"]["name"] for t in tools)
+        self.arguments = {}
+        for tool in tools:
+            parameters = tool["function"].get("parameters") or {}
+            names = list(parameters.get("required") or ()) or list((parameters.get("properties") or {}))
+            self.arguments[tool["function"]["name"]] = names[0] if names else "input"
+        self.format = TagFormat(tokenizer, self.names)
+        self.stop_strings = self.format.stop_strings
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return chat_text(self.tokenizer, [_template_message(m) for m in messages],
+                         add_generation_prompt=generation_prompt)
+
+    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.format.encode_prompt([_template_message(m) for m in messages])
+
+    def parse(self, text: str) -> tuple[str, dict[str, Any] | None, str | None]:
+        call = self.format.parse_call(text) if self.tools else None
+        if call is None:
+            return text, None, None
+        if isinstance(call, MalformedToolCall):
+            return text, None, call.reason
+        start = text.rfind(f"<{call.tool}>")
+        return text[:start].strip(), {"name": call.tool, "arguments": {self.arguments[call.tool]: call.payload}}, None
+
+
+def tool_set(format_name: str, tokenizer: Any, tools: list[dict[str, Any]]) -> ToolSet:
+    """The request's tools in the run's tool format (``tools.format``: the syntax the policy writes)."""
+    if format_name == "tags":
+        return TagToolSet(tokenizer, tools)
+    if format_name == "chat_template":
+        return ToolSet(tokenizer, tools)
+    raise ValueError(f"the gateway serves tools.format 'tags' or 'chat_template', got {format_name!r}")
 
 
 @dataclass

@@ -128,7 +128,7 @@ class AgentRollout:
 
 
 def build_agent_rollout(agent_cfg: AgentConfig, rollout_cfg: Any, backend: Any, tokenizer: Any, *,
-                        corpus_path: str | None, max_prompt_tokens: int) -> AgentRollout:
+                        corpus_path: str | None, max_prompt_tokens: int, tool_format: str) -> AgentRollout:
     """The run's gateway on ``backend`` (sampling as ``rollout_cfg`` says) and the agent rollout
     through it (``agent_cfg.function`` loaded now: a bad one fails before any step)."""
     from aepo_engine.gateway.agents import load_agent
@@ -140,7 +140,7 @@ def build_agent_rollout(agent_cfg: AgentConfig, rollout_cfg: Any, backend: Any, 
                       max_context_tokens=agent_cfg.max_context_tokens or max_prompt_tokens + rollout_cfg.max_response_tokens,
                       temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                       n_entropy_tokens=rollout_cfg.n_entropy_tokens, seed=rollout_cfg.seed,
-                      batch_window_s=agent_cfg.batch_window_ms / 1000, port=agent_cfg.port)
+                      batch_window_s=agent_cfg.batch_window_ms / 1000, port=agent_cfg.port, tool_format=tool_format)
     return AgentRollout(gateway, agent, agent_cfg, rollout_cfg, lambda example: agent_task(example, corpus_path))
 
 

@@ -44,7 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from aepo_engine.gateway.conversation import GatewayError, Session, ToolSet, normalise_messages, parse_tools
+from aepo_engine.gateway.conversation import GatewayError, Session, ToolSet, normalise_messages, parse_tools, tool_set
 from aepo_engine.rollout.protocol import GenOutput, GenRequest
 from aepo_engine.tools.retrieval_server import listen, read_body
 
@@ -128,13 +128,16 @@ class Gateway:
         max_batch: at most this many requests share a ``generate`` call.
         batch_window_s: how long the generation thread waits for more requests before a call.
         port: 0 picks a free port.
+        tool_format: the syntax of the policy's tool calls (``tools.format``): "chat_template" (the
+            template's own calls; the request's tools offered as the template offers them) or
+            "tags" (the paper's ``<search> ...</search>``, the prompt as the engine's tag loop renders it).
     """
 
     def __init__(self, backend: Any, tokenizer: Any, *, model_name: str = "policy", max_tokens: int = 256,
                  max_context_tokens: int = 4096, temperature: float = 1.0, top_p: float = 1.0,
                  n_entropy_tokens: int = 20, seed: int = 0, max_batch: int = 64, batch_window_s: float = 0.0,
-                 port: int = 0):
-        self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+                 port: int = 0, tool_format: str = "chat_template"):
+        self.backend, self.tokenizer, self.model_name, self.tool_format = backend, tokenizer, model_name, tool_format
         self.max_tokens, self.max_context_tokens = max_tokens, max_context_tokens
         self.temperature, self.top_p, self.n_entropy_tokens, self.seed = temperature, top_p, n_entropy_tokens, seed
         self.token = secrets.token_urlsafe(24)
@@ -343,7 +346,7 @@ class Gateway:
         key = json.dumps(tools, sort_keys=True)
         found = self._toolsets.get(key)
         if found is None:
-            found = self._toolsets[key] = ToolSet(self.tokenizer, tools)
+            found = self._toolsets[key] = tool_set(self.tool_format, self.tokenizer, tools)
         return found
 
 
