@@ -543,11 +543,12 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
         torch.mm(hidden, weight.T, out=z)
         return torch.mm(z, weight), torch.mm(z.T, hidden)
 
-    def fused(order: str):
+    def fused(order: str, backend: str = "auto"):
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         loss, _ = fused_linear_aepo_policy_loss(h, w, labels, **per_token, shift_labels=False, head_backward=order,
-                                                **stats)
+                                                backend=backend, **stats)
         loss.backward()
+        return loss.detach(), h.grad, w.grad
 
     gemm = timed(gemms, repeats)
     del z
@@ -558,6 +559,12 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
     result = timed(lambda: fused("token_outer"), repeats)
     _free()
     vocab_outer = timed(lambda: fused("vocab_outer"), repeats)  # issue 54: both orders, same inputs, same run
+    _free()
+    # the Triton gradient pass (aepo_kernels.triton_head, asked for explicitly: never run on a GPU
+    # before, so "auto" keeps the torch pass): the same loss and gradients first, then its time
+    agree = head_kernels_agree(lambda: fused("vocab_outer", "torch"), lambda: fused("vocab_outer", "triton"))
+    _free()
+    vocab_outer_triton = timed(lambda: fused("vocab_outer", "triton"), repeats) if agree["status"] == "PASS" else None
     shape = f"N={n} D={dim} V={vocab} bf16"
     ratio = result["seconds"] / gemm["seconds"]
     floor = fused_memory_floor(n, dim, vocab, hidden.element_size(), token_chunk)
@@ -578,8 +585,29 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
                         "+ d_W in the weight dtype + d_hidden + the logits block + per-token rows",
                         value=over, target=TARGETS["fused_over_floor"]))
     rows.extend(vocab_outer_rows(vocab_outer, result, gemm, n, dim, vocab, hidden.element_size(), shape))
+    rows.append(row("fused_linear", f"vocab_outer Triton gradient pass = torch pass {shape}", agree["status"],
+                    agree["detail"], value=agree["error"]))
+    if vocab_outer_triton is not None:
+        rows.extend(vocab_outer_rows(vocab_outer_triton, result, gemm, n, dim, vocab, hidden.element_size(),
+                                     shape + " triton"))
     rows.append(liger_flce(hidden, weight, labels, repeats, shape))
     return rows
+
+
+def head_kernels_agree(torch_pass, triton_pass, tolerance: float = 2e-2) -> dict:
+    """The vocabulary-outer head's Triton gradient pass against its torch pass on the same inputs:
+    the largest difference of the loss, d_hidden and d_W, each relative to the torch pass's largest
+    entry (bf16 operands both ways; FAIL above ``tolerance``)."""
+    try:
+        reference, got = torch_pass(), triton_pass()
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not run on this GPU is a FAIL row
+        return {"status": "FAIL", "error": None, "detail": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    errors = [float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+              for a, b in zip(got, reference)]
+    worst = max(errors)
+    return {"status": "PASS" if worst <= tolerance else "FAIL", "error": worst,
+            "detail": f"relative max differences loss/d_hidden/d_W {errors[0]:.2e}/{errors[1]:.2e}/{errors[2]:.2e} "
+                      f"(tolerance {tolerance:g})"}
 
 
 def vocab_outer_floor(n: int, dim: int, vocab: int, element_size: int) -> int:

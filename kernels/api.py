@@ -176,8 +176,12 @@ def fused_linear_aepo_policy_loss(
             every token skips its dlogits and gradient matmuls (its target entries are still added
             exactly); measured error and time in docs/head.md.
         **options: the keywords of :class:`LossOptions`. ``backend``: the row op on each logits
-            block of token_outer, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``
-            (vocab_outer runs the compiled torch block ops). ``shift_labels`` (required): True when
+            block of token_outer, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``;
+            vocab_outer: ``"triton"`` (asked for explicitly) runs its gradient pass as the Triton
+            kernels of ``aepo_kernels.triton_head`` (fp32/bf16/fp16, no ``filter_eps``; compiled for
+            sm_80/90/100 and checked in the interpreter, not yet run on a GPU, so ``"auto"`` keeps
+            the torch pass on CUDA too), ``"torch"``/``"auto"`` the compiled torch block ops (its
+            statistics pass is torch's either way). ``shift_labels`` (required): True when
             hidden row t predicts ``labels[t+1]`` (hidden states are not copied). ``logit_scale``,
             ``softcap``: the model's logits are ``softcap * tanh(logit_scale * z / softcap)`` of
             ``z = hidden @ weight.T + bias`` (pass the model config's values).
@@ -227,7 +231,8 @@ def fused_linear_aepo_policy_loss(
     loss, rows = fused_linear_aepo_loss(
         flat_hidden, weight, bias, labels.reshape(1, n_tokens).long(), inputs, call.config, call.inv_t,
         o.ignore_index, call.backend, call.tanh_scale, head_backward=order, chunk_bytes=chunk_bytes,
-        token_chunk=token_chunk, vocab_chunk=vocab_chunk, filter_eps=filter_eps, stats=made.get("stats"))
+        token_chunk=token_chunk, vocab_chunk=vocab_chunk, filter_eps=filter_eps, stats=made.get("stats"),
+        head_kernel="triton" if o.backend == "triton" else "torch")  # "auto": torch until a GPU has run them
     return loss, call.stats(rows)
 
 

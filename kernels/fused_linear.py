@@ -19,8 +19,9 @@ that problem once the entropy statistics and normalisers are supplied:
 forward loop and computes d_hidden and d_weight there -- 3 matmuls, nothing recomputed.
 Its fp32 ``[V, D]`` accumulator is what :class:`FusedLinearAEPOVocabOuterFunction` avoids (issue 54,
 docs/head.md): a statistics pass, the per-token head, then this module's vocabulary-outer
-gradient pass (:func:`gradient_pass`) with the AEPO loss's ``g_lp``/``g_H`` -- 4 matmuls, one
-logits recomputation; :func:`fused_linear_aepo_loss` picks the order (``head_backward``).
+gradient pass (:func:`gradient_pass`, or with ``backend="triton"`` asked for explicitly, the
+Triton kernels of :mod:`aepo_kernels.triton_head`: not the default before a GPU has run them) with the AEPO loss's ``g_lp``/``g_H`` -- 4
+matmuls, one logits recomputation; :func:`fused_linear_aepo_loss` picks the order (``head_backward``).
 
 Matmul dtype: every matmul takes its operands in ``hidden``'s dtype (the compute dtype: bf16 in a
 bf16 run), the weight cast to it block by block where it is stored wider (fp32 master weights under
@@ -505,11 +506,17 @@ class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
     3, 6 N D V), no ``[V, D]`` fp32 accumulator and no ``[token_chunk, V]`` block. Same autograd
     contract as :class:`FusedLinearAEPOLossFunction` (gradients computed in forward, backward
     scales them); ``filter_eps``: :func:`gradient_pass`'s filtering (None: exact).
+
+    ``backend``: ``"triton"`` runs step 3 as the Triton kernels of :mod:`aepo_kernels.triton_head`
+    (same maths, same 4 matmuls; its ``[N, C]`` dlogits buffer in place of the block) where
+    :func:`aepo_kernels.triton_head.supports` the call (fp32/bf16/fp16, no ``filter_eps``); any
+    other value, or a call it does not support, runs :func:`gradient_pass`. The statistics pass
+    is the torch one either way.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, token_chunk, vocab_chunk,
-                tanh_scale=None, filter_eps=None, counts=None, stats=None):
+                tanh_scale=None, filter_eps=None, counts=None, stats=None, backend="torch"):
         from .config import hyper_params
 
         with torch.autocast(hidden.device.type, enabled=False):
@@ -523,9 +530,17 @@ class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
             logp = torch.where(valid, target - lse, torch.zeros_like(lse))
             hp = hyper_params(config, inputs.ref_logprobs is not None, lse.dtype, hidden.device)
             g_lp, g_h, rows_out = head_rows(logp, lse - eu, valid, inputs.rows(0, slice(None)), hp)
-            grads = gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
-                                  token_chunk, vocab_chunk, need=ctx.needs_input_grad[:3], filter_eps=filter_eps,
-                                  counts=counts, in_place=True, block=block)
+            if backend == "triton" and _triton_head().supports(hidden, weight, filter_eps):
+                del block  # the kernels' dlogits buffer takes its place
+                head = _triton_head()
+                columns = head.head_vocab_columns(hidden.shape[0], weight.shape[0], hidden.shape[1],
+                                                  hidden.element_size(), token_chunk, vocab_chunk)
+                grads = head.triton_gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t,
+                                                  tanh_scale, columns, need=ctx.needs_input_grad[:3])
+            else:
+                grads = gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
+                                      token_chunk, vocab_chunk, need=ctx.needs_input_grad[:3], filter_eps=filter_eps,
+                                      counts=counts, in_place=True, block=block)
         ctx.mark_non_differentiable(rows_out)
         ctx.save_for_backward(*grads)
         loss = (rows_out[2] * inputs.weight[0].to(rows_out.dtype)).sum()
@@ -536,13 +551,21 @@ class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
         from .one_pass import scale_gradient
 
         d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
-        return (d_hidden, d_weight, d_bias) + (None,) * 11
+        return (d_hidden, d_weight, d_bias) + (None,) * 12
+
+
+def _triton_head():
+    """:mod:`aepo_kernels.triton_head`, imported when first used (triton is optional on CPU)."""
+    from . import triton_head
+
+    return triton_head
 
 
 def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, tanh_scale, *,
                            head_backward: str | None = None, chunk_bytes: int | None = None,
                            token_chunk: int | None = None, vocab_chunk: int | None = None,
-                           filter_eps: float | None = None, counts: dict | None = None, stats=None):
+                           filter_eps: float | None = None, counts: dict | None = None, stats=None,
+                           head_kernel: str = "torch"):
     """``(loss, rows [6, N])`` of the one-pass AEPO loss from ``hidden [N, D]`` and ``weight
     [V, D]`` in the order ``head_backward`` names (None: :func:`default_head_backward`):
     ``"token_outer"``: :class:`FusedLinearAEPOLossFunction` (``[token_chunk, V]`` blocks from
@@ -550,8 +573,9 @@ def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, 
     :class:`FusedLinearAEPOVocabOuterFunction` (``[token_chunk, vocab_chunk]`` blocks,
     :func:`vocab_outer_chunks` with ``chunk_bytes`` as the fp32 block's budget, else
     :data:`VOCAB_OUTER_BLOCK_BYTES`; ``filter_eps`` and ``stats`` -- a :func:`stats_pass` result
-    already made by the caller's entropy pass -- only here). ``labels``: ``[1, N]`` long,
-    ``inputs``: :class:`RowInputs` with ``[1, N]`` fields."""
+    already made by the caller's entropy pass -- only here; ``head_kernel`` ``"triton"`` runs its
+    gradient pass as the Triton kernels of :mod:`aepo_kernels.triton_head`, ``"torch"`` as
+    :func:`gradient_pass`). ``labels``: ``[1, N]`` long, ``inputs``: :class:`RowInputs` with ``[1, N]`` fields."""
     order = resolve_head_backward(head_backward, hidden.device)
     if order == "token_outer":
         if filter_eps is not None:
@@ -567,4 +591,4 @@ def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, 
                                                  vocab_chunk or VOCAB_OUTER_CHUNK)
     return FusedLinearAEPOVocabOuterFunction.apply(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index,
                                                    token_chunk or auto_tokens, auto_vocab, tanh_scale, filter_eps,
-                                                   counts, stats)
+                                                   counts, stats, head_kernel)

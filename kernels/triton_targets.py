@@ -5,8 +5,10 @@ Triton's compiler and the ``ptxas`` shipped in its wheel compile a kernel for a 
 --dump-resource-usage`` reads registers, local memory (spills) and static shared memory from the
 cubin. This module compiles **every specialisation the launchers produce** and reports one row per
 (kernel, target, logits dtype, soft cap, vocabulary, layout):
-- the launches are :func:`aepo_kernels.triton_kernels.example_launches`, built by the launchers'
-  own argument builders on ``meta`` tensors (no memory), so the signature is the launchers';
+- the launches are :func:`aepo_kernels.triton_kernels.example_launches` and, for the
+  vocabulary-outer head's gradient pass, :func:`aepo_kernels.triton_head.example_launches`
+  (:func:`example_launches` here), built by the launchers' own argument builders on ``meta``
+  tensors (no memory), so the signature is the launchers';
 - the signature, constexprs and alignment attributes come from Triton's own binder
   (``create_function_from_signature`` and ``JITFunction._pack_args``: what ``kernel[grid](...)``
   runs before it compiles), with the ``@triton.heuristics`` values applied as at launch. These are
@@ -14,7 +16,9 @@ cubin. This module compiles **every specialisation the launchers produce** and r
 - layouts: ``dense`` ``[1, 2, V]``; ``unaligned``, the view ``[:, 1:, :V]`` of a ``[1, 3, V + 1]``
   buffer (row start and stride not multiples of 16: Triton specialises on that); ``int64``, a
   ``[2, 2^17, V]`` batch whose batch stride is >= 2^31 (an i64 argument). ``BLOCK_V`` and
-  ``num_warps`` are those :func:`aepo_kernels.triton_kernels._launch_config` picks on a GPU.
+  ``num_warps`` are those :func:`aepo_kernels.triton_kernels._launch_config` picks on a GPU. The
+  head's launches take the same layouts for hidden states and weight (D = 5,120; unaligned: views
+  of ``[., D + 1]`` buffers; int64: ``V x D >= 2^31``) and ``aepo_kernels.triton_head.GPU_BLOCKS``.
 
 A row fails (:func:`problems`) on a compile error, any local-memory load or store inside a loop
 of the SASS (a spill in the sweeps), more than :data:`MAX_STACK_BYTES` of local memory, more
@@ -51,6 +55,13 @@ from .triton_kernels import LOGITS_DTYPES
 VOCABS = (32000, 151936, 262144)
 DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in LOGITS_DTYPES)
 LAYOUTS = ("dense", "unaligned", "int64")
+# The head's gradient-pass kernels at one vocabulary and without fp16: V is a runtime argument of
+# theirs (every vocabulary compiles the same specialisations), and fp16 compiles as bf16 does
+# (2-byte operands, fp32 accumulators; the full matrix, fp16 and every vocabulary included, was
+# compiled once on 2026-12-07 with no spill in any: docs/head.md's table). With all of it the
+# matrix took 345 s cold on the 2-core machine, and CI compiles it cold.
+HEAD_VOCABS = (151936,)
+HEAD_DTYPES = ("bfloat16", "float32")
 MAX_REGISTERS = 255  # per thread, every target here
 # Local memory allowed outside the loops: ptxas at times keeps one or two per-row integers (the
 # row index) in the stack frame across the statistics sweep -- one 4-8 byte store and load per
@@ -234,8 +245,21 @@ def _kernel_name(kernel) -> str:
     return kernel.__name__
 
 
+def example_launches(vocab: int, dtype: torch.dtype, layout: str, tanh_scale: float | None) -> dict:
+    """Every launch compiled for one (dtype, soft cap, V, layout): the logits-level kernels'
+    (:func:`aepo_kernels.triton_kernels.example_launches` on :func:`example_logits`) and the
+    vocabulary-outer head's (:func:`aepo_kernels.triton_head.example_launches`: hidden states and
+    a ``[V, D]`` weight of that dtype and layout)."""
+    from . import triton_head, triton_kernels
+
+    logits = example_logits(vocab, dtype, layout)
+    launches = triton_kernels.example_launches(logits, tanh_scale)
+    if vocab in HEAD_VOCABS and str(dtype).removeprefix("torch.") in HEAD_DTYPES:
+        launches.update(triton_head.example_launches(vocab, dtype, layout, tanh_scale))
+    return launches
+
+
 def _rows_here(targets, vocabs, dtypes, layouts) -> list[dict]:
-    from . import triton_kernels
 
     reasons = available_targets()
     rows = []
@@ -244,13 +268,14 @@ def _rows_here(targets, vocabs, dtypes, layouts) -> list[dict]:
             for softcap in (False, True):
                 for vocab in vocabs:
                     for layout in layouts:
-                        logits = example_logits(vocab, getattr(torch, dtype), layout)
-                        launches = triton_kernels.example_launches(logits, 0.5 if softcap else None)
+                        launches = example_launches(vocab, getattr(torch, dtype), layout, 0.5 if softcap else None)
                         for name, launch in launches.items():
                             row = {"kernel": _kernel_name(launch.kernel), "launch": name, "target": target,
                                    "dtype": dtype, "softcap": softcap,
                                    "vocab": vocab, "layout": layout, "block_v": launch.meta["BLOCK_V"],
                                    "num_warps": launch.meta["num_warps"]}
+                            row.update({key.lower(): launch.meta[key] for key in ("BLOCK_T", "BLOCK_D")
+                                        if key in launch.meta})
                             if reasons[target]:
                                 rows.append({**row, "skipped": reasons[target]})
                                 continue

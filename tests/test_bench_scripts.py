@@ -45,6 +45,8 @@ def test_gpu_check_smoke(tmp_path):
     fused = [r for r in rows if r["section"] == "fused_linear"]
     assert any(r["check"].startswith("lm_head GEMMs") and r["fwd_bwd_s"] > 0 for r in fused)
     assert any(r["check"].startswith("fused_linear_aepo_policy_loss") and r["over_gemms"] > 0 for r in fused)
+    # the head's Triton gradient pass (interpreted here) gives the torch pass's loss and gradients
+    assert [r["status"] for r in fused if r["check"].startswith("vocab_outer Triton gradient pass")] == ["PASS"]
     engine = {r["check"]: r for r in rows if r["section"] == "engine"}
     assert engine["packing: varlen_packing"]["status"] == "PASS" and engine["fsdp: fsdp_one_rank"]["status"] == "PASS"
     assert set(engine["packing: varlen_packing"]["kernel_calls"]) == {"sdpa_rows"}  # CPU: row-by-row SDPA ran

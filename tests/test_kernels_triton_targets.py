@@ -1,12 +1,17 @@
 """The Triton kernels compile for real GPUs (sm_80, sm_90, and sm_100 where the wheel ships
 ptxas-blackwell) with no GPU: every specialisation the launchers produce -- each kernel launch,
 logits dtype, soft cap on/off, V in {32000, 151936, 262144} with the GPU's BLOCK_V/num_warps, and
-the dense / unaligned / int64-stride layouts -- compiles without local-memory traffic in its
-loops, within 255 registers and the target's shared memory (aepo_kernels.triton_targets).
+the dense / unaligned / int64-stride layouts, and the vocabulary-outer head's gradient-pass kernels
+(aepo_kernels.triton_head) for the same dtypes, soft cap and layouts -- compiles without
+local-memory traffic in its loops, within 255 registers and the target's shared memory
+(aepo_kernels.triton_targets).
 
 The matrix is compiled once per session in a subprocess without TRITON_INTERPRET (conftest sets
 it, and the interpreter's kernels have no compiler front end); Triton's disk cache makes reruns
-fast. A cold run took ~55 s on the 2-core CI machine."""
+fast. A cold run took ~55 s on the 2-core CI machine before the head's kernels; with their 240
+specialisations (every vocabulary and dtype), 345 s (225 s of CPU) on the 2-core machine under a
+load average of 5-7, and 35 s warm (2026-12-07); so the head's kernels are compiled at one
+vocabulary, in bf16 and fp32 (aepo_kernels.triton_targets.HEAD_VOCABS, HEAD_DTYPES)."""
 import json
 import os
 import subprocess
@@ -19,7 +24,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from aepo_kernels import triton_kernels, triton_targets  # noqa: E402
+from aepo_kernels import triton_head, triton_kernels, triton_targets  # noqa: E402
 from aepo_kernels.triton_targets import (  # noqa: E402
     DTYPES, LAYOUTS, TARGETS, VOCABS, available_targets, occupancy_warps, problems,
 )
@@ -43,20 +48,27 @@ def test_every_specialisation_compiles_within_the_limits(rows):
 
 
 def test_the_matrix_covers_every_launch_and_target(rows):
-    """Each (target, dtype, soft cap, V, layout) has a row for every launch of example_launches;
-    sm_80/sm_90 are always compiled; the launch config is the GPU's (the subprocesses really ran
-    without the interpreter)."""
-    launches = set(triton_kernels.example_launches(torch.empty(1, 2, 8, device="meta"), None))
+    """Each (target, dtype, soft cap, V, layout) has a row for every launch of example_launches (the
+    logits-level kernels' and the vocabulary-outer head's); sm_80/sm_90 are always compiled; the
+    launch config is the GPU's (the subprocesses really ran without the interpreter)."""
     expected = {(t, d, s, v, lay) for t in TARGETS for d in DTYPES for s in (False, True) for v in VOCABS
                 for lay in LAYOUTS}
     for key in expected:
+        launches = set(triton_targets.example_launches(key[3], getattr(torch, key[1]), "dense", None))
+        head = key[3] in triton_targets.HEAD_VOCABS and key[1] in triton_targets.HEAD_DTYPES
+        assert bool({name for name in launches if name.startswith("head_")}) == head, key
         got = {r["launch"] for r in rows if (r["target"], r["dtype"], r["softcap"], r["vocab"], r["layout"]) == key}
         assert got == launches, key
     reasons = available_targets()
     assert reasons["sm_80"] is None and reasons["sm_90"] is None
     assert all(("skipped" in r) == (reasons[r["target"]] is not None) for r in rows)
     # the GPU's launch config, not this process's (the interpreter's) for the same vocabulary
-    assert all((r["block_v"], r["num_warps"]) != triton_kernels._launch_config(r["vocab"]) for r in rows)
+    logits_rows = [r for r in rows if not r["launch"].startswith("head_")]
+    assert all((r["block_v"], r["num_warps"]) != triton_kernels._launch_config(r["vocab"]) for r in logits_rows)
+    head_rows = [r for r in rows if r["launch"].startswith("head_")]
+    gpu_blocks = {tuple(b) for blocks in triton_head.GPU_BLOCKS.values() for b in blocks.values()}
+    assert head_rows and all((r["block_t"], r["block_v"], r["block_d"], r["num_warps"]) in gpu_blocks
+                             for r in head_rows)
 
 
 def test_every_kernel_of_the_module_has_an_example_launch():
@@ -65,6 +77,12 @@ def test_every_kernel_of_the_module_has_an_example_launch():
     launched = {launch.kernel for launch in triton_kernels.example_launches(
         torch.empty(1, 2, 8, device="meta"), None).values()}
     assert kernels and {name for name in kernels if getattr(triton_kernels, name) in launched} == kernels
+    # and the head's (aepo_kernels.triton_head), through aepo_kernels.triton_targets.example_launches
+    head_kernels = {name for name in dir(triton_head) if name.endswith("_kernel")}
+    head_launched = {launch.kernel for launch in triton_targets.example_launches(
+        triton_targets.HEAD_VOCABS[0], torch.bfloat16, "dense", None).values()}
+    assert head_kernels == {"_head_dlogits_kernel", "_head_dweight_kernel", "_head_dhidden_kernel"}
+    assert {name for name in head_kernels if getattr(triton_head, name) in head_launched} == head_kernels
 
 
 def test_occupancy_hand_worked():

@@ -241,3 +241,190 @@ def test_the_order_is_one_option_with_one_default():
     with pytest.raises(ValueError, match="filter_eps"):
         fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, shift_labels=False,
                                       head_backward="token_outer", filter_eps=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton gradient pass (aepo_kernels.triton_head), under TRITON_INTERPRET=1 on CPU tensors here
+# (tests/conftest.py sets it without a GPU). bf16/fp16 operands are converted to fp32 just before
+# each tl.dot under the interpreter (its bf16 dot is wrong); the dlogits are still rounded to the
+# compute dtype before the gradient matmuls, as on the GPU.
+
+def _triton_head():
+    from conftest import triton_available
+
+    if not triton_available():
+        pytest.skip("triton not importable, or no CUDA and TRITON_INTERPRET != 1")
+    from aepo_kernels import triton_head
+
+    return triton_head
+
+
+# (token_chunk, vocab_chunk) of each clip rule's case: the Triton pass takes chunks of
+# head_vocab_columns(N, V, D, c, token_chunk, vocab_chunk) columns: 768 (3 chunks, the last of 517
+# columns), 2,048 (2 chunks, the last of 5), 2,053 (one chunk), 448 (5 chunks, the last of 261)
+TRITON_CHUNKS = {"ppo": (423, 768), "aepo": (400, 2048), "gppo": (423, 4096), "cispo": (423, 448)}
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+def test_triton_every_clip_rule_odd_shapes_matches_the_reference(clip):
+    """The loss through the Triton gradient pass (backend="triton") at V = 2,053, D = 24, N = 423
+    in fp32, bias, KL, entropy bonus, entropy-aware advantage, dual clip, masked rows and rows
+    without a target (label -100), one to 33 vocabulary chunks: loss, gradients and statistics
+    against the float64 reference on the same fp32 values, within the fp32 tolerances of the torch
+    pass's test, and as close to it as the torch vocab-outer pass."""
+    head = _triton_head()
+    hidden, weight, bias, labels, old, adv, mask, ref = _inputs(423, 24, 2053, torch.float32, seed=20 + CLIPS.index(clip))
+    cfg = LossConfig(clip=clip, entropy_adv_alpha=0.3, entropy_coef=0.01, kl_coef=0.05,
+                     dual_clip=3.0 if clip in ("ppo", "aepo") else 0.0)
+    token_chunk, vocab_chunk = TRITON_CHUNKS[clip]
+    columns = head.head_vocab_columns(423, 2053, 24, 4, token_chunk, vocab_chunk)
+    assert columns == {"ppo": 768, "aepo": 2048, "gppo": 2053, "cispo": 448}[clip]
+    chunks = dict(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+    want = _grads(_reference(cfg, labels, old, adv, mask, ref, 0.7), hidden, weight, bias)
+    got = _grads(_fused("vocab_outer", cfg, labels, old, adv, mask, ref, 0.7, backend="triton", **chunks),
+                 hidden, weight, bias)
+    torch_pass = _grads(_fused("vocab_outer", cfg, labels, old, adv, mask, ref, 0.7, backend="torch", **chunks),
+                        hidden, weight, bias)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for g, t, r in zip(got[1], torch_pass[1], want[1]):
+        scale = r.abs().max()
+        torch.testing.assert_close(g, r, atol=1e-4 * scale, rtol=1e-4)
+        assert (g - r).abs().max() <= 2 * (t - r).abs().max() + 1e-5 * scale
+    for key in ("entropy", "ratio", "clipfrac_high", "clipfrac_low", "kl"):
+        torch.testing.assert_close(got[2][key].double(), want[2][key].double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,softcap", [(torch.bfloat16, None), (torch.float16, 20.0)])
+def test_triton_low_precision_is_as_close_to_float64_as_the_torch_pass(dtype, softcap):
+    """bf16 and fp16 (with a soft cap) hidden states and weights, V = 2,053, D = 24, N = 423, bias
+    and KL on, 3 vocabulary chunks of 768 columns: the Triton pass's loss and gradients within the
+    bf16 bounds of the torch pass's test of the float64 maths on the same rounded inputs, and no
+    further from it than twice the torch vocab-outer pass's error (plus a hair of the largest
+    gradient). (bf16 with the soft cap and KL is left out: there the bf16 logits of the statistics
+    pass move ratios across the clip and every order is ~12% off the float64 gradient alike.)"""
+    _triton_head()
+    hidden, weight, bias, labels, old, adv, mask, ref = _inputs(423, 24, 2053, dtype, seed=31)
+    cfg = LossConfig(clip="aepo", entropy_adv_alpha=0.3, entropy_coef=0.01, kl_coef=0.05)
+    chunks = dict(token_chunk=423, vocab_chunk=768)
+    want = _grads(_reference(cfg, labels, old, adv, mask, ref, 0.9, softcap=softcap), hidden, weight, bias)
+    got, torch_pass = (_grads(_fused("vocab_outer", cfg, labels, old, adv, mask, ref, 0.9, softcap=softcap,
+                                     backend=backend, **chunks), hidden, weight, bias)
+                       for backend in ("triton", "torch"))
+    torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=2e-3)
+    for g, t, r in zip(got[1], torch_pass[1], want[1]):
+        scale = r.abs().max()
+        err, err_torch = (g - r).abs().max(), (t - r).abs().max()
+        assert err <= 5e-2 * scale, (float(err), float(scale))
+        assert err <= 2 * err_torch + 1e-3 * scale, (float(err), float(err_torch))
+
+
+def _pass_inputs(n, d, vocab, seed, softcap, bias_on=True):
+    """float64 inputs of a gradient pass with its statistics and upstream coefficients: rows
+    without a target, a -inf bias column (a masked vocabulary entry)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=gen, dtype=torch.float64) * (3 / d**0.5)
+    bias = torch.randn(vocab, generator=gen, dtype=torch.float64) if bias_on else None
+    if bias is not None:
+        bias[5] = float("-inf")
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[labels == 5] = 6
+    labels[::7] = -100
+    valid = labels >= 0
+    inv_t, tanh_scale = (4.0 / 1.3, 0.25) if softcap else (1 / 0.8, None)
+    lse, eu, _ = fused_linear.stats_pass(hidden, weight, bias, labels, valid, inv_t, tanh_scale, 64, 300)
+    g_lp = torch.where(valid, torch.randn(n, generator=gen, dtype=torch.float64), 0.0)
+    g_h = torch.randn(n, generator=gen, dtype=torch.float64)
+    return hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale
+
+
+@pytest.mark.parametrize("softcap", [False, True])
+def test_triton_gradient_pass_is_the_torch_pass_in_fp32(softcap):
+    """triton_gradient_pass against fused_linear.gradient_pass in float64 on the same fp32 values
+    and statistics (V = 2,053, D = 24, N = 423; 3 chunks of 768 columns, the last of 517), a -inf
+    bias entry and rows without a target: within 2e-6 of the largest gradient; deterministic
+    (bitwise the same on a second run); the -inf column gets exactly 0; each subset of ``need``
+    gives the same tensors and None for the others; bias None gives no d_bias."""
+    head = _triton_head()
+    hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale = _pass_inputs(423, 24, 2053, 3, softcap)
+    h32, w32, b32 = hidden.float(), weight.float(), bias.float()
+    want = fused_linear.gradient_pass(h32.double(), w32.double(), b32.double(), labels, valid, lse, eu, g_lp, g_h,
+                                      inv_t, tanh_scale, 64, 300)
+    f32 = [t.float() for t in (lse, eu, g_lp, g_h)]
+
+    def run(need=(True, True, True), b=b32):
+        return head.triton_gradient_pass(h32, w32, b, labels, valid, *f32, inv_t, tanh_scale, 768, need=need)
+
+    got = run()
+    for g, r in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), r, atol=2e-6 * r.abs().max(), rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(run(), got))
+    assert got[1][5].abs().max() == 0 and got[2][5] == 0
+    for need in ((True, False, False), (False, False, True)):  # (False, True, False): as bias None below
+        part = run(need)
+        assert all((p is None) != n for p, n in zip(part, need))
+        assert all(torch.equal(p, g) for p, g in zip(part, got) if p is not None)
+    no_bias = run(b=None)
+    assert no_bias[2] is None and no_bias[0].shape == got[0].shape and no_bias[1].shape == got[1].shape
+
+
+def test_triton_gradient_pass_bf16_with_fp32_master_weights():
+    """bf16 hidden states beside an fp32 weight and bias (fp32 master weights): the kernels cast the
+    weight to bf16 as they load it, as the torch pass casts its blocks; d_W comes back fp32,
+    d_hidden bf16, both as close to the float64 maths of the bf16-cast operands as the torch
+    pass's (within twice its error plus a hair); 3 chunks of 768 columns."""
+    head = _triton_head()
+    hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale = _pass_inputs(423, 24, 2053, 4, False)
+    h16, w32, b32 = hidden.bfloat16(), weight.float(), bias.float()
+    exact = fused_linear.gradient_pass(h16.double(), w32.bfloat16().double(), b32.bfloat16().double(), labels, valid,
+                                       lse, eu, g_lp, g_h, inv_t, tanh_scale, 64, 300)
+    f32 = [t.float() for t in (lse, eu, g_lp, g_h)]
+    torch_pass = fused_linear.gradient_pass(h16, w32, b32, labels, valid, *f32, inv_t, tanh_scale, 423, 768,
+                                            in_place=True)
+    got = head.triton_gradient_pass(h16, w32, b32, labels, valid, *f32, inv_t, tanh_scale, 768)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32]
+    for g, t, r in zip(got, torch_pass, exact):
+        scale = r.abs().max()
+        err, err_torch = (g.double() - r).abs().max(), (t.double() - r).abs().max()
+        assert err <= 2 * err_torch + 1e-3 * scale, (float(err), float(err_torch), float(scale))
+
+
+def test_triton_is_the_gradient_pass_backend_triton_runs_and_torch_stays_selectable(monkeypatch):
+    """backend="triton" runs the Triton gradient pass (once per call, one loss); "torch" and the CPU
+    default ("auto" off CUDA) run fused_linear.gradient_pass; filter_eps and fp64 fall back to it
+    (triton_head.supports); both give the same loss and gradients."""
+    head = _triton_head()
+    calls = []
+    real_triton, real_torch = head.triton_gradient_pass, fused_linear.gradient_pass
+    monkeypatch.setattr(head, "triton_gradient_pass", lambda *a, **k: calls.append("triton") or real_triton(*a, **k))
+    monkeypatch.setattr(fused_linear, "gradient_pass", lambda *a, **k: calls.append("torch") or real_torch(*a, **k))
+    hidden, weight, bias, labels, old, adv, mask, _ = _inputs(40, 16, 203, torch.float32, seed=2)
+    cfg = LossConfig(clip="aepo")
+
+    def run(dtype=torch.float32, **kw):
+        calls.clear()
+        out = _grads(_fused("vocab_outer", cfg, labels, old, adv, mask, None, 1.0, token_chunk=16, vocab_chunk=64,
+                            **kw), hidden.to(dtype), weight.to(dtype), bias.to(dtype))
+        return out, list(calls)
+
+    (tri, which_tri), (tor, which_tor) = run(backend="triton"), run(backend="torch")
+    assert (which_tri, which_tor, run()[1]) == (["triton"], ["torch"], ["torch"])
+    assert run(backend="triton", filter_eps=1e-30)[1] == ["torch"]
+    assert run(torch.float64, backend="triton")[1] == ["torch"]
+    torch.testing.assert_close(tri[0], tor[0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(tri[1], tor[1]):
+        torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max(), rtol=1e-5)
+
+
+def test_triton_head_columns_rule():
+    """The dlogits buffer's columns: within the torch pass's block bytes, capped at vocab_chunk,
+    a multiple of 64 below V, all of V when it fits."""
+    from aepo_kernels.triton_head import head_vocab_columns
+
+    # the paper preset's micro-batch (N = 16,384, D = 5,120, bf16, default blocks 2,048 x 4,096)
+    cols = head_vocab_columns(16384, 151936, 5120, 2, 2048, 4096)
+    assert cols == 3072 and 16384 * cols * 2 <= 2048 * 4096 * 2 + 4096 * 5120 * 4
+    assert head_vocab_columns(100, 2053, 24, 4, 100, 4096) == 2053
+    assert head_vocab_columns(10**6, 151936, 64, 2, 2048, 4096) == 64  # at least one aligned block
+    assert head_vocab_columns(423, 2053, 24, 4, 100, 512) % 64 == 0
