@@ -24,9 +24,10 @@ Batching: completions from all sessions go through one generation thread, which 
 requests are waiting (up to ``max_batch``; after waiting ``batch_window_s`` for more to arrive,
 0 by default: requests that arrive while a call runs wait for it anyway and go in the next one)
 and samples them in one ``backend.generate`` call: continuous batching at the granularity of a
-call. Each request's seed is derived from the gateway's seed, its session and its turn, so a
-session's completions do not depend on which others share its batch (up to the backend's
-batch-dependent rounding).
+call. Each request's seed is derived from the gateway's seed, its session's step, prompt and
+trajectory numbers and its turn, so a run's samples are the same from run to run and a session's
+completions do not depend on which others share its batch (up to the backend's batch-dependent
+rounding).
 """
 from __future__ import annotations
 
@@ -313,8 +314,9 @@ class Gateway:
                                         f"{self.max_context_tokens} (prompt and completion)",
                                    code="context_length_exceeded", param="messages")
             turn = session.requests
-            seed = int.from_bytes(hashlib.blake2b(f"{self.seed}/{session.session_id}/{turn}".encode(),
-                                                  digest_size=4).digest(), "little")
+            seed = int.from_bytes(hashlib.blake2b(
+                f"{self.seed}/{session.step}/{session.prompt_index}/{session.traj_id}/{turn}".encode(),
+                digest_size=4).digest(), "little")
             gen = GenRequest(tuple(context), budget, stop_strings=tools.stop_strings, seed=seed,
                              temperature=self.temperature, top_p=self.top_p, entropy_tokens=self.n_entropy_tokens)
             version = self.version
