@@ -161,7 +161,10 @@ def run_and_exit(main: Callable[[], Any]) -> NoReturn:
     would destroy the groups from an atexit handler, was abandoned). Here the group is destroyed, the
     ``atexit`` handlers run while the interpreter is whole, the standard streams are flushed, and
     ``os._exit`` ends the process. A single process (no group, not one of several torchrun ranks)
-    exits as usual. An exception other
+    exits as usual, and so does a process that loaded vLLM: its CPU engines' shared-memory
+    segments (``/dev/shm/*-cpushm_<rank>``, named the same in every run) are removed by C++
+    destructors at a normal exit only, and ``os._exit`` left them behind, so the next run's engine
+    group failed to start (``create shm in SHMManager failed. errno: 17``). An exception other
     than ``SystemExit`` (``--debug`` lets them through) propagates as usual.
     """
     status: Any = 0
@@ -169,7 +172,7 @@ def run_and_exit(main: Callable[[], Any]) -> NoReturn:
         main()
     except SystemExit as exc:
         status = exc.code
-    if not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if "vllm" in sys.modules or (not is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1):
         raise SystemExit(status)
     if status is not None and not isinstance(status, int):  # SystemExit("message"): printed, status 1
         print(status, file=sys.stderr)

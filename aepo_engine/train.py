@@ -156,10 +156,11 @@ class Trainer:
         rollout_cfg = _rank_rollout_config(cfg.rollout, self.rank)
         # the step's scheduler (rollout.schedule); an asynchronous run's process builds its own.
         # With agent.function, an agent program's episodes through the gateway instead.
+        self.agent_rollout = None  # with agent.function: the agent's rollouts and the gateway they go through
         if cfg.agent.enabled:
             from aepo_engine.gateway.rollout import build_agent_rollout
 
-            self.rollout = build_agent_rollout(cfg.agent, rollout_cfg, self.backend, self.tokenizer,
+            self.rollout = self.agent_rollout = build_agent_rollout(cfg.agent, rollout_cfg, self.backend, self.tokenizer,
                                                corpus_path=self.tools_config.search.corpus_path,
                                                max_prompt_tokens=cfg.data.max_prompt_tokens, tool_format=cfg.tools.format)
         else:
@@ -217,8 +218,8 @@ class Trainer:
                 try:
                     self.tools.close()
                 finally:
-                    if self.cfg.agent.enabled:
-                        self.rollout.close()  # the gateway
+                    if self.agent_rollout is not None:
+                        self.agent_rollout.close()  # the gateway
 
     def _run(self) -> dict[str, Any]:
         _log(f"[config]\n{self.config_text}")

@@ -102,12 +102,18 @@ def test_a_rank_delayed_past_the_timeout_stops_the_run_naming_the_setting(tiny_r
 
 
 _ENDING = """
-import atexit, sys
+import atexit, sys, types
 import torch.distributed as dist
 from aepo_engine.distributed import run_and_exit
 atexit.register(lambda: print("atexit ran", flush=True))
+class Finalized:  # prints when the interpreter finalizes (a normal exit), not under os._exit
+    def __del__(self):
+        print("finalized", flush=True)
+kept = Finalized()
+if sys.argv[1] == "group_vllm":
+    sys.modules["vllm"] = types.ModuleType("vllm")  # as if an engine was loaded
 def main():
-    if sys.argv[1] == "group":
+    if sys.argv[1].startswith("group"):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
     print("worked", end="")  # unflushed: run_and_exit flushes it
     raise SystemExit(int(sys.argv[3]) if sys.argv[3].isdigit() else sys.argv[3])
@@ -116,13 +122,14 @@ print("after run_and_exit")  # never: it ends the process
 """
 
 
-@pytest.mark.parametrize("case", ["group", "torchrun_env", "single"])
+@pytest.mark.parametrize("case", ["group", "group_vllm", "torchrun_env", "single"])
 @pytest.mark.parametrize("status", ["0", "3", "a message"])
 def test_run_and_exit_ends_a_rank_with_its_status_after_the_atexit_handlers(case, status, tmp_path):
     """distributed.run_and_exit (the end of `python -m aepo_engine.train` and of the torchrun test
     scripts): a process in a group, or one of several torchrun ranks, ends by os._exit after
     destroying the group, running the atexit handlers and flushing its output, with main's exit
-    status (a message: printed, status 1); a lone process exits as usual."""
+    status (a message: printed, status 1); a lone process exits as usual, and so does one that
+    loaded vLLM (its CPU engines' shared memory is removed at a normal exit only)."""
     script = tmp_path / "ending.py"
     script.write_text(_ENDING)
     env = {**child_env(False), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -136,3 +143,4 @@ def test_run_and_exit_ends_a_rank_with_its_status_after_the_atexit_handlers(case
     assert proc.stdout.startswith("worked") and "atexit ran" in proc.stdout, proc.stdout
     assert "after run_and_exit" not in proc.stdout
     assert ("a message" in proc.stderr) == (status == "a message")
+    assert ("finalized" in proc.stdout) == (case in ("group_vllm", "single")), proc.stdout

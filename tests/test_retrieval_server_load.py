@@ -158,10 +158,11 @@ def test_a_failed_run_closes_its_tools():
         raise RuntimeError("the rollout process would not stop")
 
     trainer = SimpleNamespace(_run=fail, tools=SimpleNamespace(close=lambda: closed.append("tools")),
-                              source=SimpleNamespace(close=close_process))
+                              source=SimpleNamespace(close=close_process),
+                              agent_rollout=SimpleNamespace(close=lambda: closed.append("gateway")))
     with pytest.raises(RuntimeError, match="rollout process"):
         Trainer.run(trainer)
-    assert closed == ["process", "tools"]  # the tools close even when stopping the process fails
+    assert closed == ["process", "tools", "gateway"]  # the tools and an agent's gateway close even so
 
 
 def test_served_backend_that_cannot_start_says_why(tmp_path):
