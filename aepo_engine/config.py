@@ -260,10 +260,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         problems.append("tools.search.corpus_path is required with tools.search.backend='served' because the "
                         "server indexes that file (only the synthetic task brings a corpus of its own)")
     if cfg.agent.enabled and cfg.train.asynchronous:
-        problems.append("agent.function runs in synchronous training (train.mode = 'sync'): the gateway serves "
+        problems.append("an agent (agent.function or agent.command) runs in synchronous training (train.mode = 'sync'): the gateway serves "
                         "the trainer's own engine, which an asynchronous run does not have")
     if cfg.agent.enabled and cfg.eval.files:
-        problems.append("eval.files are asked by the engine's own tool loop; with agent.function the held-out "
+        problems.append("eval.files are asked by the engine's own tool loop; with an agent the held-out "
                         "questions are asked by the agent: leave eval.files empty")
     context = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.backend.kind == "vllm" and cfg.backend.max_model_len < context:

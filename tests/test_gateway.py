@@ -454,3 +454,34 @@ def test_in_the_tag_format_a_call_is_recorded_as_the_engines_own_tag_loop_record
     assert traj.prompt_ids == fmt.encode_prompt(MESSAGES)
     assert traj.response_ids[:len(call_ids) + len(tool_ids)] == call_ids + tool_ids
     assert traj.tool_log[0].payload == "Zovo age" and traj.finish_reason == "eos"
+
+
+def test_an_agent_that_is_a_program_gets_its_session_in_its_environment(hf_gateway, tmp_path):
+    """agent.command: the shell runs a program per episode with OPENAI_BASE_URL / OPENAI_API_KEY /
+    AEPO_MODEL / AEPO_TASK; its last printed line is the reward; a failing program or one that
+    prints no reward is a failed episode."""
+    from aepo_engine.gateway.agents import command_agent
+
+    program = tmp_path / "agent_program.py"
+    program.write_text('''
+import json, os, sys
+import openai
+task = json.loads(os.environ["AEPO_TASK"])
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+reply = client.chat.completions.create(model=os.environ["AEPO_MODEL"], messages=task["messages"], max_tokens=3)
+print("some log line")
+print(json.dumps({"reward": 0.5, "correct": False}) if sys.argv[1] == "ok" else "no reward here")
+''')
+    task = {"messages": MESSAGES}
+    done = {}
+    for mode, command in (("ok", f"{sys.executable} {program} ok"), ("bad", f"{sys.executable} {program} bad"),
+                          ("exits", "echo broken >&2; exit 3")):
+        (done[mode],) = run_episodes(hf_gateway, command_agent(command), [(task, {})], timeout_s=60)
+    assert done["ok"].reward == 0.5 and done["ok"].correct is False and done["ok"].error is None
+    assert sum(done["ok"].session.trajectory.loss_mask) >= 1  # its completion was recorded
+    assert "not a number or JSON" in done["bad"].error
+    assert "status 3" in done["exits"].error and "broken" in done["exits"].error
+    from aepo_engine.gateway.config import AgentConfig
+
+    with pytest.raises(ValueError, match="set one"):
+        AgentConfig(function="a.py:run", command="./agent")

@@ -6,6 +6,8 @@ dict: the question, the prompt's messages, the ground truth and the example's me
 It returns the episode's reward: a number, or ``{"reward": number, "correct": bool}``; it may
 instead post the reward to the session (``POST {base_url without /v1}/reward``) and return None.
 
+An agent can also be a program in any language (:func:`command_agent`, ``agent.command``).
+
 An agent that raises, returns something else or runs past ``timeout_s`` ends its episode as a
 failure (:attr:`Episode.error`, counted as ``agent/failed_episodes``): never the run.
 """
@@ -23,7 +25,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from aepo_engine.gateway.conversation import Session
 
-__all__ = ["AgentFunction", "Episode", "EpisodeRunner", "load_agent", "run_episodes"]
+__all__ = ["AgentFunction", "Episode", "EpisodeRunner", "command_agent", "load_agent", "run_episodes"]
 
 AgentFunction = Callable[[Any, Any], Awaitable[Any]]
 
@@ -60,6 +62,41 @@ def load_agent(spec: str) -> AgentFunction:
     if not inspect.iscoroutinefunction(function):
         raise ValueError(f"agent.function: {spec!r} must be an `async def run(task, client)` function")
     return function
+
+
+def command_agent(command: str, model_name: str = "policy") -> AgentFunction:
+    """An agent that is a program: ``command`` run by the shell once per episode, with
+    ``OPENAI_BASE_URL`` (the episode's session), ``OPENAI_API_KEY`` (the run's token),
+    ``AEPO_MODEL`` (the model name to ask for; the ``openai`` clients of most languages read the
+    first two by themselves) and ``AEPO_TASK`` (the task as JSON) in its environment. Its reward is
+    the last line it prints to stdout (a number, or ``{"reward": number, "correct": bool}``), or
+    one it posted to the session; a non-zero exit status is a failure (with its stderr's tail)."""
+    import json
+    import os
+
+    async def run(task: Any, client: Any) -> Any:
+        env = {**os.environ, "OPENAI_BASE_URL": str(client.base_url), "OPENAI_API_KEY": client.api_key,
+               "AEPO_MODEL": model_name, "AEPO_TASK": json.dumps(task, default=str)}
+        proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
+                                                     stderr=asyncio.subprocess.PIPE, env=env)
+        try:
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:  # the episode's timeout: the program goes too
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"agent.command exited with status {proc.returncode}: "
+                               f"{err.decode(errors='replace').strip()[-300:]}")
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return None
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            raise RuntimeError(f"agent.command's last line is not a number or JSON: {lines[-1][:200]!r}") from None
+
+    return run
 
 
 @dataclass

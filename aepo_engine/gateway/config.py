@@ -13,6 +13,9 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         function: ``"package.module:function"`` or ``"path/to/file.py:function"`` of an
             ``async def run(task, client) -> reward`` (``aepo_engine.gateway.agents``); "" (the
             default): no agent, the engine's own tool loop samples the rollouts.
+        command: instead of ``function``, a program run by the shell once per episode
+            (``aepo_engine.gateway.agents.command_agent``: the session's base URL, the API key and
+            the task in its environment; its reward the last line it prints). One of the two.
         timeout_s: an episode running longer ends as a failure (counted, left out of training).
         concurrency: episodes running at once (0: all of a step's, rollout.k per prompt).
         model_name: the model name the gateway serves (the agent's ``model=``).
@@ -28,6 +31,7 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """
 
     function: str = ""
+    command: str = ""
     timeout_s: float = 300.0
     concurrency: int = 0
     model_name: str = "policy"
@@ -37,6 +41,8 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     global_samples: int = 0
 
     def __post_init__(self) -> None:
+        if self.function and self.command:
+            raise ValueError("agent.function and agent.command are two ways to give the agent: set one")
         if self.timeout_s <= 0:
             raise ValueError(f"agent.timeout_s must be > 0, got {self.timeout_s}")
         if self.concurrency < 0:
@@ -54,4 +60,4 @@ class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.function)
+        return bool(self.function or self.command)

@@ -131,10 +131,10 @@ def build_agent_rollout(agent_cfg: AgentConfig, rollout_cfg: Any, backend: Any, 
                         corpus_path: str | None, max_prompt_tokens: int, tool_format: str) -> AgentRollout:
     """The run's gateway on ``backend`` (sampling as ``rollout_cfg`` says) and the agent rollout
     through it (``agent_cfg.function`` loaded now: a bad one fails before any step)."""
-    from aepo_engine.gateway.agents import load_agent
+    from aepo_engine.gateway.agents import command_agent, load_agent
     from aepo_engine.gateway.server import Gateway
 
-    agent = load_agent(agent_cfg.function)
+    agent = load_agent(agent_cfg.function) if agent_cfg.function else command_agent(agent_cfg.command, agent_cfg.model_name)
     gateway = Gateway(backend, tokenizer, model_name=agent_cfg.model_name,
                       max_tokens=min(rollout_cfg.max_tokens_per_segment, rollout_cfg.max_response_tokens),
                       max_context_tokens=agent_cfg.max_context_tokens or max_prompt_tokens + rollout_cfg.max_response_tokens,
