@@ -62,6 +62,24 @@ def _run_scenarios(model_dir: str, out_path: str) -> dict:
     elapsed = time.perf_counter() - t0
     report["throughput_tok_s"] = sum(len(o.token_ids) for o in outs) / elapsed
     report["many"] = _dump(outs)
+    # 4b. the gateway (issue 53) serves this engine: a chat completion through the openai client,
+    # recorded token for token with the engine's log-probs
+    import openai
+
+    from aepo_engine.gateway.server import Gateway
+
+    gateway = Gateway(backend, backend.tokenizer, max_tokens=8, max_context_tokens=1024, temperature=0.8)
+    try:
+        session = gateway.open_session()
+        client = openai.OpenAI(base_url=gateway.base_url(session), api_key=gateway.token, max_retries=0)
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello"}])
+        gateway.close_session(session)
+        traj = session.trajectory
+        report["gateway"] = {"finish": reply.choices[0].finish_reason, "completion_tokens": reply.usage.completion_tokens,
+                             "recorded": sum(traj.loss_mask), "logprobs": traj.logprobs,
+                             "prompt_tokens": reply.usage.prompt_tokens, "prompt_len": len(traj.prompt_ids)}
+    finally:
+        gateway.close()
     # 5. weight push changes the outputs: streamed in buckets of ~4 tensors, as the trainer does
     new_weights = perturbed_state_dict(model_dir)
     names = list(new_weights)
@@ -114,6 +132,16 @@ def test_engine_setup(run):
     assert rep["cache_after"]["hits"] > rep["cache_before"]["hits"]
     assert rep["engine_start_s"] > 0 and rep["throughput_tok_s"] > 0
     print(f"engine start {rep['engine_start_s']:.1f}s, {rep['throughput_tok_s']:.0f} tok/s, update {rep['update_s']:.2f}s")
+
+
+def test_the_gateway_serves_the_vllm_engine(run):
+    """A chat completion through the real openai client and the gateway over this vLLM engine:
+    recorded token for token (the sampled ids with the engine's log-probs)."""
+    _, rep = run
+    got = rep["gateway"]
+    assert got["finish"] in ("stop", "length") and 1 <= got["completion_tokens"] <= 8
+    assert got["recorded"] == got["completion_tokens"] and got["prompt_len"] == got["prompt_tokens"]
+    assert all(lp <= 0 and lp == lp for lp in got["logprobs"])
 
 
 def test_token_in_token_out_and_determinism(run):
