@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _INTERPRET, LOGITS_DTYPES, Launch, _tanh
+from .triton_kernels import _INTERPRET, LOGITS_DTYPES, Launch, _dlogits
 
 # The compute dtypes the kernels take (hidden's dtype; the weight and bias may be any of them).
 HEAD_DTYPES = LOGITS_DTYPES
@@ -127,17 +127,7 @@ def _head_dlogits_kernel(
     b_glp = tl.load(g_lp_ptr + o_t, mask=m_t, other=0.0)[:, None]
     b_gh = tl.load(g_h_ptr + o_t, mask=m_t, other=0.0)[:, None]
     y = tl.load(labels_ptr + o_t, mask=m_t, other=-1)
-    if SOFTCAP:
-        b_th = _tanh(b_z * tanh_scale)
-        b_u = b_th * inv_temperature
-        b_du = (1.0 - b_th * b_th) * (tanh_scale * inv_temperature)
-    else:
-        b_u = b_z * inv_temperature
-        b_du = inv_temperature
-    b_p = tl.exp(b_u - b_lse)
-    b_u = tl.where(b_p > 0, b_u, b_eu)  # u = -inf (a -inf bias) has p = 0: gradient 0, not 0 * inf
-    b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
-    b_d = tl.where(o_v[None, :] == y[:, None], b_d + b_glp, b_d) * b_du
+    b_d = _dlogits(b_z, b_lse, b_eu, b_glp, b_gh, o_v[None, :] == y[:, None], inv_temperature, tanh_scale, SOFTCAP)
     p_dz = dz_ptr + o_t[:, None] * stride_dz + (o_v - v0)[None, :]
     tl.store(p_dz, _cast(b_d, dz_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 

@@ -98,6 +98,24 @@ def _row_stats(p_row, vocab, inv_temperature, tanh_scale, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
+def _dlogits(b_z, b_lse, b_eu, b_glp, b_gh, is_target, inv_temperature, tanh_scale, SOFTCAP: tl.constexpr):
+    """``(g_lp (onehot(y) - p) + g_H p (Eu - u)) du/dz`` of fp32 logits ``b_z`` (any block shape the
+    per-token ``b_lse``, ``b_eu``, ``b_glp``, ``b_gh`` and the ``is_target`` mask broadcast to); the
+    row op's and the vocabulary-outer head's (``aepo_kernels.triton_head``) one definition."""
+    if SOFTCAP:
+        b_th = _tanh(b_z * tanh_scale)
+        b_u = b_th * inv_temperature
+        b_du = (1.0 - b_th * b_th) * (tanh_scale * inv_temperature)
+    else:
+        b_u = b_z * inv_temperature
+        b_du = inv_temperature
+    b_p = tl.exp(b_u - b_lse)
+    b_u = tl.where(b_p > 0, b_u, b_eu)  # u = -inf (a -inf bias) has p = 0: gradient 0, not 0 * inf
+    b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
+    return tl.where(is_target, b_d + b_glp, b_d) * b_du
+
+
+@triton.jit
 def _row_grad(p_row, p_drow, vocab, inv_temperature, tanh_scale, b_lse, b_eu, b_glp, b_gh, y,
               BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
     """Writes ``(g_lp (onehot(y) - p) + g_H p (Eu - u)) du/dz`` over one row (y = -1: no target)."""
@@ -105,17 +123,7 @@ def _row_grad(p_row, p_drow, vocab, inv_temperature, tanh_scale, b_lse, b_eu, b_
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < vocab
         b_z = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            b_th = _tanh(b_z * tanh_scale)
-            b_u = b_th * inv_temperature
-            b_du = (1.0 - b_th * b_th) * (tanh_scale * inv_temperature)
-        else:
-            b_u = b_z * inv_temperature
-            b_du = inv_temperature
-        b_p = tl.exp(b_u - b_lse)
-        b_u = tl.where(b_p > 0, b_u, b_eu)  # u = -inf has p = 0: gradient 0, not 0 * inf
-        b_d = b_p * (b_gh * (b_eu - b_u) - b_glp)
-        b_d = tl.where(o_v == y, b_d + b_glp, b_d) * b_du
+        b_d = _dlogits(b_z, b_lse, b_eu, b_glp, b_gh, o_v == y, inv_temperature, tanh_scale, SOFTCAP)
         # Same lanes as the load above: in-place mode (p_drow == p_row) is safe.
         tl.store(p_drow + o_v, b_d.to(p_drow.dtype.element_ty), mask=m_v)
 

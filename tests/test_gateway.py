@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -277,8 +278,10 @@ def test_a_second_request_while_the_first_runs_is_refused(model_dir):
         client = _client(gateway, session)
         first = threading.Thread(target=lambda: client.chat.completions.create(model="policy", messages=MESSAGES))
         first.start()
-        while session.requests == 0:
-            pass
+        deadline = time.monotonic() + 30
+        while session.requests == 0 and time.monotonic() < deadline:  # the first request is in
+            time.sleep(0.01)
+        assert session.requests == 1
         with pytest.raises(openai.ConflictError, match="still running"):
             client.chat.completions.create(model="policy", messages=MESSAGES)
         release.set()

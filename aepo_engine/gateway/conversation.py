@@ -207,40 +207,15 @@ class ToolSet:
         tool, arguments that are no object) gives ``problem`` and the whole text as content."""
         if not self.tools:
             return text, None, None
-        fmt = self.format
-        if fmt.syntax == "hermes":
-            start, end = text.rfind("<tool_call>"), text.rfind("</tool_call>")
-            if start < 0:
-                return text, None, None
-            if end < start:
-                return text, None, "unclosed <tool_call>"
-            if text[end + len("</tool_call>"):].strip():
-                return text, None, None  # a call quoted in free text, not one ending the turn
-            body, key = text[start + len("<tool_call>"):end].strip(), "arguments"
-        else:
-            start = fmt.call_start(text.rstrip())
-            if start < 0 or not text.rstrip().endswith("}"):
-                return text, None, None
-            body, key = text.rstrip()[start:], "parameters"
-        try:
-            value = json.loads(body)
-        except ValueError as exc:
-            return text, None, f"the tool call is not valid JSON ({exc})"
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return text, None, "the tool call is not an object with a name"
-        if value["name"] not in self.names:
-            return text, None, f"unknown tool {value['name']!r}"
-        arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return text, None, "the tool call's arguments are not JSON"
-        if not isinstance(arguments, dict):
-            return text, None, "the tool call's arguments are not an object"
-        return text[:start].strip(), {"name": value["name"], "arguments": arguments}, None
+        found = self.format.find_call(text)  # the engine's own parsing, for any tool's arguments
+        if found is None:
+            return text, None, None
+        if isinstance(found, MalformedToolCall):
+            return text, None, found.reason
+        decoded = self.format.decode_call(found[1], found[2])
+        if isinstance(decoded, MalformedToolCall):
+            return text, None, decoded.reason
+        return text[:found[0]].strip(), {"name": decoded[0], "arguments": decoded[1]}, None
 
     def tool_turn(self, result: str, ended_turn: bool) -> list[int]:
         """The ids after a call: the rest of the assistant turn, the tool turn holding ``result``,

@@ -251,6 +251,22 @@ class ChatTemplateFormat:
 
     def parse_call(self, text: str) -> ToolCall | MalformedToolCall | None:
         """The call a segment ends with (None: no call; malformed: a broken one)."""
+        found = self.find_call(text)
+        if found is None or isinstance(found, MalformedToolCall):
+            return found
+        decoded = self.decode_call(found[1], found[2])
+        if isinstance(decoded, MalformedToolCall):
+            return decoded
+        name, arguments = decoded
+        arg = TOOL_ARGUMENTS.get(name, _DEFAULT_ARGUMENT)[0]
+        if not isinstance(arguments.get(arg), str) or not arguments[arg].strip():
+            return MalformedToolCall(f"the {name} call needs a non-empty string argument {arg!r}", name)
+        return ToolCall(name, arguments[arg].strip())
+
+    def find_call(self, text: str) -> tuple[int, str, str] | MalformedToolCall | None:
+        """``(where the call starts, its JSON body, the arguments' key)`` of the call a segment
+        ends with in the template's syntax; None: no call (or one quoted earlier in free text);
+        malformed: an unclosed one."""
         if self.syntax == "llama_json":
             body = text.rstrip()
             if self._eos_text and body.endswith(self._eos_text):
@@ -258,7 +274,7 @@ class ChatTemplateFormat:
             start = self.call_start(body)
             if start < 0 or not body.endswith("}"):
                 return None  # an answer, not a call
-            return self._call_from_json(body[start:], "parameters")
+            return start, body[start:], "parameters"
         end = text.rfind("</tool_call>")
         start = text.rfind("<tool_call>")
         if start < 0:
@@ -267,9 +283,11 @@ class ChatTemplateFormat:
             return MalformedToolCall("unclosed <tool_call>: the segment ended inside the call")
         if text[end + len("</tool_call>"):].strip():
             return None  # a call quoted earlier in free text, not one that ends the segment
-        return self._call_from_json(text[start + len("<tool_call>"):end].strip(), "arguments")
+        return start, text[start + len("<tool_call>"):end].strip(), "arguments"
 
-    def _call_from_json(self, body: str, arguments_key: str) -> ToolCall | MalformedToolCall:
+    def decode_call(self, body: str, arguments_key: str) -> tuple[str, dict[str, Any]] | MalformedToolCall:
+        """``(tool name, arguments)`` of a call's JSON body: an object with a known tool's name and
+        an arguments object (a JSON string of one accepted; a one-element list, as SmolLM2 writes)."""
         try:
             value = json.loads(body)
         except ValueError as exc:
@@ -287,10 +305,9 @@ class ChatTemplateFormat:
                 arguments = json.loads(arguments)
             except ValueError as exc:
                 return MalformedToolCall(f"the {name} call's arguments are not valid JSON ({exc})", name)
-        arg = TOOL_ARGUMENTS.get(name, _DEFAULT_ARGUMENT)[0]
-        if not isinstance(arguments, dict) or not isinstance(arguments.get(arg), str) or not arguments[arg].strip():
-            return MalformedToolCall(f"the {name} call needs a non-empty string argument {arg!r}", name)
-        return ToolCall(name, arguments[arg].strip())
+        if not isinstance(arguments, dict):
+            return MalformedToolCall(f"the {name} call's arguments must be a JSON object", name)
+        return name, arguments
 
     # -- results ------------------------------------------------------------------------------
 
