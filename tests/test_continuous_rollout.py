@@ -15,6 +15,7 @@ import dataclasses
 import random
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 
 from aepo_engine.asynchronous.staleness import (admission_version, branching_version_gaps, staleness_metrics,
                                                 token_staleness)
+from aepo_engine.rollout.calls import PendingCall
 from aepo_engine.rollout.config import RolloutConfig, RolloutExperiments
 from aepo_engine.rollout.continuous import ContinuousRollout
 from aepo_engine.rollout.protocol import GenOutput
@@ -29,7 +31,7 @@ from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.segments import cut_at_stop
 from aepo_engine.rollout.state import state_key
 from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
-from aepo_engine.tools import Tool, ToolResult, ToolRunner
+from aepo_engine.tools import Tool, ToolCall, ToolResult, ToolRunner
 from aepo_engine.training.batch import TokenBatch
 from fakes import CharTokenizer, CutAfter, ScriptedBackend, tool_agent
 from test_rollout_scheduler import E2E_TEXTS, PROMPTS, FoundTool, PureRunner, random_tool_agent, tiny_hf  # noqa: F401
@@ -121,8 +123,9 @@ def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_la
                 return batch
 
         with ToolRunner({"search": ScriptedLatency(order)}, max_workers=16) as runner:
-            continuous = Recording(ScriptedBackend(random_tool_agent()), runner, config, max_batch=max_batch)
-            got = continuous.run_step(PROMPTS, step, poll_s=0.01, settle_s=0.0)  # no settling: rounds apart
+            continuous = Recording(ScriptedBackend(random_tool_agent()), runner, config, max_batch=max_batch,
+                                   settle_s=0.0)  # no settling: rounds apart
+            got = continuous.run_step(PROMPTS, step, poll_s=0.01)
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.m == expected.stats.m and got.stats.branches == expected.stats.branches
         assert got.stats.tool_calls_executed == expected.stats.tool_calls_executed
@@ -161,19 +164,96 @@ def test_a_slow_call_holds_back_no_other_trajectory_only_the_decisions_after_it(
     assert results[0].stats.branches == expected.stats.branches == 3
 
 
-def test_results_back_within_the_settling_window_join_the_next_round():
-    """At (near) zero tool latency the continuous schedule must not cost extra backend calls: the
-    results that come back within ``settle_s`` of each other join the next round, so a step takes
-    the round schedule's rounds (issue 52: never slower at zero latency; measured: 6 -> 10 rounds
-    per step of the embedded job without settling, the same tokens)."""
+class TimedBackend(ScriptedBackend):
+    """A scripted backend whose every call takes ``call_s`` whatever its batch (a decode step's
+    cost barely moves with the batch): extra, narrower calls cost time."""
+
+    def __init__(self, agent, call_s: float):
+        super().__init__(agent)
+        self.call_s = call_s
+
+    def generate(self, requests):
+        time.sleep(self.call_s)
+        return super().generate(requests)
+
+
+class Counted(ContinuousRollout):
+    """Records each round's width and how long it waited for tool results before sampling."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.widths, self.settled_s = [], []
+
+    def settle(self, window_s=None):
+        start = time.perf_counter()
+        taken = super().settle(window_s)
+        self.settled_s.append(time.perf_counter() - start)
+        return taken
+
+    def ready(self):
+        batch = super().ready()
+        self.widths.append(len(batch))
+        return batch
+
+
+def test_fast_tools_are_waited_for_so_a_step_takes_the_round_schedules_rounds():
+    """Issue 52, never slower at zero latency: tool calls of a few milliseconds against a round
+    that generates for 50 ms are expected back within a round, so :meth:`ContinuousRollout.settle`
+    (the ski-rental window: one round's generation time) waits for them and a step takes the round
+    schedule's rounds, not more and narrower ones (measured before this rule, with a fixed 10 ms
+    window: the embedded job's sandboxed calls of tens of ms made 6 -> 10 rounds a step)."""
     for step in range(3):
         expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
                                           RolloutConfig(**CONFIG)).rollout(PROMPTS, step=step)
-        with ToolRunner({"search": ScriptedLatency(step, most_s=0.001)}, max_workers=16) as runner:
-            continuous = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, RolloutConfig(**CONFIG))
-            got = continuous.run_step(PROMPTS, step, settle_s=0.05)
+        with ToolRunner({"search": ScriptedLatency(step, most_s=0.01)}, max_workers=16) as runner:
+            continuous = Counted(TimedBackend(random_tool_agent(), 0.05), runner, RolloutConfig(**CONFIG))
+            got = continuous.run_step(PROMPTS, step)
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.rounds == expected.stats.rounds
+        assert max(continuous.settled_s) < 0.05 + 0.03  # never more than a round's time (and the poll)
+
+
+def test_slow_tools_are_not_waited_for_once_their_durations_are_known():
+    """The other side of the rule: calls of ~0.3-0.4 s against rounds of 20 ms are not expected
+    back within a round once a few have been timed, so the ready trajectories sample without
+    waiting (more, narrower rounds than the round schedule: the barrier is gone) and no round
+    waits longer than its window; the trees stay the round schedule's."""
+    class Slow(Tool):
+        name = "search"
+
+        def __call__(self, payload: str) -> ToolResult:
+            time.sleep(0.3 + random.Random(payload).uniform(0.0, 0.1))
+            return ToolResult(f"search({payload})", ok=True)
+
+    expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                      RolloutConfig(**CONFIG)).rollout(PROMPTS, step=1)
+    with ToolRunner({"search": Slow()}, max_workers=64) as runner:
+        continuous = Counted(TimedBackend(random_tool_agent(), 0.02), runner, RolloutConfig(**CONFIG))
+        got = continuous.run_step(PROMPTS, 1)
+    assert _signature(got.trajectories) == _signature(expected.trajectories)
+    assert got.stats.rounds > expected.stats.rounds
+    assert continuous.round_s == pytest.approx(0.02, abs=0.015)
+    assert max(continuous.settled_s) < 0.1  # a round's window (~20 ms) and the wait's granularity
+    timed = sorted(continuous._durations["search"])
+    assert len(timed) == got.stats.tool_calls_executed and 0.3 <= timed[0] and timed[-1] < 0.6
+
+
+def test_settle_predicts_a_calls_return_from_its_tools_recorded_durations():
+    """The prediction itself: the median excess of the recorded durations longer than the call
+    has run; with none longer (none recorded, or all outrun), as long again as it has run."""
+    rollout = ContinuousRollout(ScriptedBackend(random_tool_agent()), PureRunner(), RolloutConfig(**CONFIG))
+    future = Future()
+    traj = Trajectory(prompt_ids=[1], prompt_index=0, traj_id=0, step=0, kind="global")
+    rollout._tools[future] = PendingCall(traj, ToolCall("search", "q"), False)
+    rollout._call_times[future] = [time.perf_counter() - 1.0]  # it has run for 1 s
+    assert not rollout._expected_within(0.9) and rollout._expected_within(1.1)  # no record: 1 s more
+    rollout._durations["search"] = deque([0.5, 0.9, 1.2, 1.4, 3.0])
+    assert rollout._expected_within(0.45)  # remaining 0.2, 0.4, 2.0: median 0.4
+    assert not rollout._expected_within(0.35)
+    rollout._durations["search"] = deque([0.5, 0.9])  # outrun: as long again
+    assert not rollout._expected_within(0.9) and rollout._expected_within(1.1)
+    future.set_result(None)
+    assert rollout._expected_within(0.0)  # back already
 
 
 def test_for_schedule_builds_the_round_or_the_continuous_scheduler():

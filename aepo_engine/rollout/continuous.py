@@ -13,7 +13,10 @@ asynchronous rollout process admits up to ``train.max_staleness`` steps ahead an
   ``train.max_staleness``); their seeds are those a synchronous run would use for that step.
 - **No round barrier on tools** (``tool_barrier=False``, ``rollout.schedule = "continuous"``): a
   tool call is submitted and the round returns; the trajectory samples again in the first round
-  after its result is back, while the others go on. With ``tool_barrier=True``
+  after its result is back, while the others go on. Before a round the scheduler waits for the
+  results expected back within one round's generation time, and for no others (:meth:`settle`,
+  the ski-rental rule): fast tools then cost no extra, narrower backend calls, slow ones hold
+  back nobody but their own trajectory. With ``tool_barrier=True``
   (``rollout.schedule = "rounds"``) each round waits for its calls, as
   :meth:`EntropyBalancedRollout.rollout` does (and then, admitting one step at a time, produces
   exactly its trajectories).
@@ -46,7 +49,9 @@ Deliberately left out: priorities beyond step order, and preemption of a running
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -59,10 +64,13 @@ from aepo_engine.rollout.scheduler import EntropyBalancedRollout, RolloutResult
 from aepo_engine.rollout.state import PromptState, state_key
 from aepo_engine.rollout.trajectory import Trajectory
 
-__all__ = ["ContinuousRollout", "SETTLE_S"]
+__all__ = ["ContinuousRollout", "TOOL_HISTORY"]
 
-# How long a continuous round waits for tool results still coming back (ContinuousRollout.settle).
-SETTLE_S = 0.01
+# Durations remembered per tool: the scheduler predicts when a running call returns from them
+# (ContinuousRollout.settle).
+TOOL_HISTORY = 64
+# Weight of the newest round in the running generation time of a round (ContinuousRollout.round_s).
+ROUND_EMA = 0.3
 
 
 @dataclass
@@ -89,18 +97,24 @@ class ContinuousRollout(EntropyBalancedRollout):
         tool_barrier: each round waits for its tool calls (the synchronous scheduler's rounds).
         max_batch: the most trajectories one round samples (e.g. the backend's batch); None = all
             that are ready.
+        settle_s: without the barrier, the longest a round waits for tool results before it
+            samples (:meth:`settle`); None (the default): as long as a round's generation takes.
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig, tokenizer: Any = None,
                  tool_names: Sequence[str] | None = None, tool_format: Any = None, *, tool_barrier: bool = False,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, settle_s: float | None = None) -> None:
         super().__init__(backend, tool_runner, config, tokenizer=tokenizer, tool_names=tool_names,
                          tool_format=tool_format)
         self.tool_barrier = tool_barrier
         self.max_batch = max_batch
+        self.settle_s = settle_s
+        self.round_s = 0.0  # running generation time of a round (ROUND_EMA), 0 before the first
         self.states: dict[tuple[int, int], PromptState] = {}
         self._steps: dict[int, list[tuple[int, int]]] = {}  # step -> its prompts' state keys
         self._tools: dict[Future, PendingCall] = {}
+        self._call_times: dict[Future, list[float]] = {}  # [submitted, returned] (perf_counter)
+        self._durations: dict[str, deque[float]] = {}  # per tool: its last TOOL_HISTORY calls' seconds
         self._in_flight: set[int] = set()  # ids of the trajectories whose tool call runs
         # without the barrier: each prompt's place in the round schedule, and the segments of
         # pre-sampled children waiting for their parent's decision before their calls are read
@@ -173,15 +187,11 @@ class ContinuousRollout(EntropyBalancedRollout):
         return batch if self.max_batch is None else batch[: self.max_batch]
 
     def run_step(self, prompts: list[list[int]], step: int, version: int | None = None,
-                 poll_s: float = 1.0, settle_s: float = SETTLE_S) -> RolloutResult:
+                 poll_s: float = 1.0) -> RolloutResult:
         """Sample step ``step``'s ``config.k`` trajectories per prompt, alone in flight: what
         :meth:`EntropyBalancedRollout.rollout` returns, on this scheduler (``poll_s``: the longest
-        wait for a tool result before looking again; it returns at the first result).
-
-        Before each round the tool results that come back within ``settle_s`` of each other join
-        it (:meth:`settle`): fast tools (an in-process search answers in about a millisecond) then
-        cost no extra backend calls, and a slow call costs the others at most ``settle_s`` a round
-        and holds back only its own trajectory. Timing decides batches, never trees.
+        wait for a tool result before looking again; it returns at the first result). Timing
+        decides batches, never trees.
 
         Args:
             prompts, step, version: as :meth:`EntropyBalancedRollout.rollout` (``version`` None:
@@ -190,8 +200,6 @@ class ContinuousRollout(EntropyBalancedRollout):
         self.policy_version = step if version is None else version
         self.admit(prompts, step)
         while True:
-            if not self.tool_barrier and self.waiting_on_tools:
-                self.settle(settle_s)
             sampled = self.round()
             for done, result in self.finished():
                 if done == step:
@@ -202,20 +210,56 @@ class ContinuousRollout(EntropyBalancedRollout):
                 raise RuntimeError(f"step {step}: nothing left to sample or wait for, yet not finished")
             self.take_tool_results(wait_s=poll_s)
 
-    def settle(self, settle_s: float) -> int:
-        """Take tool results while they keep coming back within ``settle_s`` of each other (at most
-        one wait of ``settle_s`` with none back); returns how many were taken."""
-        taken = 0
-        while self.waiting_on_tools:
-            got = self.take_tool_results(wait_s=settle_s)
+    def settle(self, window_s: float | None = None) -> int:
+        """Before a round without the barrier: wait for the tool results expected back soon, at
+        most ``window_s`` (None: :attr:`settle_s`, or when that is None the running generation
+        time of a round, :attr:`round_s`); returns how many were taken.
+
+        The rule is the ski-rental one: a result that comes back just after a round starts waits
+        for that whole round and then samples in the next, so waiting up to one round's generation
+        time for it costs the trajectories already ready at most what it saves the late one, and
+        never more than twice the best choice in hindsight. The wait stops as soon as no running
+        call is expected back within what is left of the window (each tool's recent durations
+        predict its calls' returns, given how long they have run: a 1 s search is not waited for
+        by a 0.1 s round, a 20 ms sandboxed call is) or a full batch is ready. At near-zero tool
+        latency a step then takes the round schedule's rounds (no extra, narrower backend calls);
+        at high latency rounds do not wait for slow calls."""
+        window = window_s if window_s is not None else self.settle_s if self.settle_s is not None else self.round_s
+        if window <= 0 or not self._tools:
+            return 0
+        deadline, taken = time.perf_counter() + window, 0
+        while self._tools:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not self._expected_within(left):
+                break
+            if self.max_batch is not None and len(self.ready()) >= self.max_batch:
+                break
+            got = self.take_tool_results(wait_s=left)
             if not got:
                 break
             taken += got
         return taken
 
+    def _expected_within(self, seconds: float) -> bool:
+        """Some running call is expected back within ``seconds``. A call's remaining time is
+        predicted from its tool's recorded durations longer than it has run so far (their median
+        excess); with no such record (none yet, or it has outrun them all) the guess is as long
+        again as it has run (a fresh call: at once; one running for 1 s: another second)."""
+        now = time.perf_counter()
+        for future, pending in self._tools.items():
+            if future.done():
+                return True
+            ran = now - self._call_times[future][0]
+            longer = [d - ran for d in self._durations.get(pending.call.tool, ()) if d > ran]
+            if (statistics.median(longer) if longer else ran) <= seconds:
+                return True
+        return False
+
     def round(self, abort: Any = None) -> bool:
         """One round over :meth:`ready` (``abort``: see the module docstring); then take the tool
         results that are back and advance the prompts. Returns False when nothing was ready."""
+        if not self.tool_barrier:
+            self.settle()
         batch = self.ready()
         if not batch:
             return False
@@ -226,6 +270,7 @@ class ContinuousRollout(EntropyBalancedRollout):
             calls = self._read_calls(self._sample(self.states, batch, abort))
         generated = time.perf_counter()
         self.generate_s += generated - start
+        self.round_s += ROUND_EMA * (generated - start - self.round_s) if self.round_s else generated - start
         if self.tool_barrier:
             if calls:
                 self._run_tools(self.states, calls)
@@ -255,6 +300,9 @@ class ContinuousRollout(EntropyBalancedRollout):
         for future in sorted(done, key=lambda f: _uid(self._tools[f].traj)):  # deterministic order
             pending = self._tools.pop(future)
             self._in_flight.discard(id(pending.traj))
+            submitted, *returned = self._call_times.pop(future)  # its callback may not have run yet
+            returned = returned[0] if returned else time.perf_counter()
+            self._durations.setdefault(pending.call.tool, deque(maxlen=TOOL_HISTORY)).append(returned - submitted)
             state = self.states.get(state_key(pending.traj))
             if state is None or not any(t is pending.traj for t in state.generating()):
                 # Its prompt discarded the trajectory (a speculative sample beyond m, a tentative
@@ -284,7 +332,11 @@ class ContinuousRollout(EntropyBalancedRollout):
     # -- the round schedule's order, without the barrier -----------------------------------------
 
     def _submit(self, pending: PendingCall) -> None:
-        self._tools[self.tool_runner.submit(pending.call)] = pending
+        times = [time.perf_counter()]
+        future = self.tool_runner.submit(pending.call)
+        future.add_done_callback(lambda _: times.append(time.perf_counter()))  # when it returned
+        self._tools[future] = pending
+        self._call_times[future] = times
         self._in_flight.add(id(pending.traj))
 
     def _read_calls(self, finished: list[tuple[Trajectory, GenOutput]]) -> list[PendingCall]:
