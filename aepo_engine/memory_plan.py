@@ -25,7 +25,9 @@ from the run's config. Per GPU (one FSDP2 rank), bytes:
   fp32 ``[V, D]`` weight-gradient accumulator and the ``[T, D]`` hidden-state gradient;
   vocab_outer (:func:`vocab_outer_head_bytes`), d_W in the weight dtype, the fp32 ``[T, D]``
   hidden-state accumulator and its copy in the compute dtype, one ``[rows, vocab_chunk]`` logits
-  block (dlogits written over it) and one fp32 ``[vocab_chunk, D]`` d_W block.
+  block (dlogits written over it) and one fp32 ``[vocab_chunk, D]`` d_W block; vocab_outer_lean
+  (:func:`lean_head_bytes`), d_W and d_hidden and within 64 MiB beside them on CUDA. Tree batches
+  plan the order the tree loss takes, as rows do.
 - **vLLM**: awake, ``backend.gpu_memory_utilization`` of the GPU (weights, KV cache, its
   activations; with ``backend.kv_cache_gib`` the weights/T + that cache); asleep (sleep mode), a
   residual the plan takes as :data:`VLLM_ASLEEP_RESIDUAL` (an assumption: not measured here);
@@ -69,8 +71,8 @@ from typing import Any
 
 from aepo_engine.layout_plan import layout_plan
 from aepo_kernels.fused_linear import (
-    CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, VOCAB_OUTER_BLOCK_BYTES, chunks_for_budget, default_head_backward,
-    vocab_outer_chunks,
+    CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunks_for_budget, default_head_backward, lean_workspace,
+    vocab_outer_workspace,
 )
 
 GIB = 1 << 30
@@ -367,17 +369,34 @@ def vocab_outer_head_bytes(vocab: int, dim: int, tokens: int, c: int, budget: in
                            cuda: bool = True) -> int:
     """What the vocabulary-outer head (``head_backward = "vocab_outer"``, docs/head.md) holds at its
     peak, in its gradient pass: d_W in the weight dtype (``c`` bytes; the compute dtype's, as FSDP
-    gathers it), the fp32 ``[T, D]`` d_hidden accumulator and its copy in the compute dtype (none
-    when that is fp32), the one reused ``[rows, vocab_chunk]`` logits block in the compute dtype
-    (its dlogits are written over it; ``fused_linear.vocab_outer_chunks`` of ``budget``, unset:
-    ``VOCAB_OUTER_BLOCK_BYTES``), the fp32 ``[vocab_chunk, D]`` d_W block and, off CUDA in a
-    low-precision run, the product added into it (``fused_linear.addmm_accumulate`` rounds it to the
-    compute dtype) and its fp32 conversion for the addition (CUDA's fp32-output GEMM makes neither). Measured on CPU within 1% (fp32, bf16: tests/test_kernels_vocab_outer.py)."""
-    rows, vocab_chunk = vocab_outer_chunks(tokens, vocab, budget or VOCAB_OUTER_BLOCK_BYTES)
-    low = c if c != 4 else 0  # copies in the compute dtype: none when it is fp32
-    product = 0 if cuda or not low else low + 4
-    block = rows * vocab_chunk * c + vocab_chunk * dim * (4 + product)
-    return vocab * dim * c + tokens * dim * (4 + low) + block
+    gathers it) and d_hidden, and its workspace (``fused_linear.vocab_outer_workspace``): the fp32
+    ``[T, D]`` d_hidden accumulator (none when the compute dtype is fp32), the one reused ``[rows,
+    vocab_chunk]`` logits block in the compute dtype (its dlogits are written over it;
+    ``fused_linear.vocab_outer_chunks`` of ``budget``, unset: ``VOCAB_OUTER_BLOCK_BYTES``), the fp32
+    ``[vocab_chunk, D]`` d_W block and, off CUDA in a low-precision run, the product added into it
+    (``fused_linear.addmm_accumulate`` rounds it to the compute dtype) and its fp32 conversion for
+    the addition (CUDA's fp32-output GEMM makes neither). Measured on CPU within 1% (fp32, bf16:
+    tests/test_kernels_vocab_outer.py)."""
+    return vocab * dim * c + tokens * dim * c + vocab_outer_workspace(tokens, vocab, dim, c, budget, cuda)
+
+
+def lean_head_bytes(vocab: int, dim: int, tokens: int, c: int, budget: int | None = None, cuda: bool = True) -> int:
+    """What ``head_backward = "vocab_outer_lean"`` (docs/head.md) holds at its peak: d_W in the
+    weight dtype and d_hidden, and its workspace (``fused_linear.lean_workspace``, blocks cut from
+    ``budget``, unset: ``HEAD_WORKSPACE_BYTES``, 64 MiB): the logits block and the larger of a
+    token chunk's fp32 ``[rows, D]`` d_hidden block and the fp32 ``[vocab_chunk, D]`` d_W block,
+    each with what ``addmm_accumulate`` adds off CUDA. Within 64 MiB of d_W + d_hidden on CUDA.
+    Measured on CPU (fp32, bf16: tests/test_kernels_head_lean.py)."""
+    return vocab * dim * c + tokens * dim * c + lean_workspace(tokens, vocab, dim, c, budget, cuda)
+
+
+# The head term of each vocabulary-outer order: its name in the plan and its bytes.
+VOCAB_OUTER_HEADS = {
+    "vocab_outer": ("fused-linear head, vocabulary-outer (d_W in the weight dtype, fp32 d_hidden accumulator + "
+                    "d_hidden, one vocabulary block)", vocab_outer_head_bytes),
+    "vocab_outer_lean": ("fused-linear head, vocabulary-outer lean (d_W in the weight dtype, d_hidden, one fp32 "
+                         "d_W block or a token chunk's fp32 d_hidden block, one logits block)", lean_head_bytes),
+}
 
 
 def micro_batch_tokens(cfg: Any) -> int:
@@ -456,17 +475,15 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
     final_grad = v * d * (c if c != 4 else 0)  # d_W handed to autograd in the weight's dtype (a copy unless fp32)
     budget = policy.fused_chunk_bytes or (CUDA_CHUNK_BYTES_MAX if cuda else DEFAULT_CHUNK_BYTES)
     head_order = policy.head_backward if policy.head_backward != "auto" else default_head_backward(
-        "cuda" if cuda else "cpu")
-    if policy.trees:  # the tree loss's head is token-outer whatever head_backward says
-        head_order = "token_outer"
+        "cuda" if cuda else "cpu", tokens, v, d, c)
     if policy.use_fused_linear and lora:  # a frozen head: the kernel computes no d_W (needs_input_grad)
         rows = max(1, budget // (v * c))
         add("head", "fused-linear head (logits block, d_hidden; no d_W: the head is frozen under LoRA)",
             min(rows, tokens) * v * c + tokens * d * c)
         add("head_saved", "the head's gradient kept for backward (d_hidden)", tokens * d * c)
-    elif policy.use_fused_linear and head_order == "vocab_outer":
-        add("head", "fused-linear head, vocabulary-outer (d_W in the weight dtype, fp32 d_hidden accumulator + "
-            "d_hidden, one vocabulary block)", vocab_outer_head_bytes(v, d, tokens, c, policy.fused_chunk_bytes, cuda))
+    elif policy.use_fused_linear and head_order in VOCAB_OUTER_HEADS:
+        name, head_bytes = VOCAB_OUTER_HEADS[head_order]
+        add("head", name, head_bytes(v, d, tokens, c, policy.fused_chunk_bytes, cuda))
         add("head_saved", "the head's gradients kept for backward (d_W, d_hidden)", (final_grad or 4 * v * d)
             + tokens * d * c)
     elif policy.use_fused_linear:

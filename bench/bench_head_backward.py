@@ -1,4 +1,4 @@
-"""CPU benchmark of the fused-linear AEPO head's two loop orders (issue 54, docs/head.md).
+"""CPU benchmark of the fused-linear AEPO head's three loop orders (issue 54, docs/head.md).
 
 Cases (forward + backward of :func:`aepo_kernels.fused_linear_aepo_policy_loss`, gradients for
 hidden ``[N, D]`` and weight ``[V, D]``, entropy statistics supplied: the trainer's path):
@@ -6,6 +6,9 @@ hidden ``[N, D]`` and weight ``[V, D]``, entropy statistics supplied: the traine
   ``[V, D]`` d_W accumulator; 3 matmuls = 6 N D V flops.
 - ``vocab_outer``: statistics pass, then vocabulary blocks outer (logits recomputed), each fp32
   d_W block finished over all tokens; 4 matmuls = 8 N D V flops.
+- ``vocab_outer_lean``: d_W as vocab_outer, d_hidden from a token-outer pass of its own (per token
+  chunk: statistics, head, an fp32 ``[rows, D]`` block over the vocabulary); no fp32 ``[N, D]``
+  accumulator either; 5 matmuls = 10 N D V flops.
 - ``vocab_outer@<MiB>x<vocab_chunk>``: the same with another block budget / vocabulary block.
 - ``vocab_outer~<eps>``: gradient filtering at ``filter_eps = eps`` (tiles skipped and the gradient
   error against float64 maths are in the row).
@@ -40,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, measure, print_table, run_case_subprocess, write_rows  # noqa: E402
 
-IMPLS = ["token_outer", "vocab_outer"]
+IMPLS = ["token_outer", "vocab_outer", "vocab_outer_lean"]
+MATMULS = {"token_outer": 3, "vocab_outer": 4, "vocab_outer_lean": 5}  # of 2 N D V flops, statistics supplied
 
 
 def parse(impl: str) -> dict:
@@ -114,7 +118,7 @@ def run_case(impl: str, n: int, d: int, vocab: int, dtype: str, repeats: int, lo
 
     row = measure(setup, body, warmup=0, repeats=repeats)
     out_bytes = weight.numel() * weight.element_size() + hidden.numel() * hidden.element_size()
-    matmuls = 4 if opts["head_backward"] == "vocab_outer" else 3
+    matmuls = MATMULS[opts["head_backward"]]
     if opts["two_phase"] and opts["head_backward"] == "token_outer":
         matmuls = 4
     row.update(impl=impl, n=n, d=d, vocab=vocab, dtype=dtype, logit_std=logit_std, zipf=zipf, matmuls=matmuls,

@@ -558,7 +558,9 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
     token_chunk = min(n, token_chunk_for_budget(vocab, chunk_bytes_for(hidden.device), hidden.element_size()))
     result = timed(lambda: fused("token_outer"), repeats)
     _free()
-    vocab_outer = timed(lambda: fused("vocab_outer"), repeats)  # issue 54: both orders, same inputs, same run
+    vocab_outer = timed(lambda: fused("vocab_outer"), repeats)  # issue 54: every order, same inputs, same run
+    _free()
+    vocab_outer_lean = timed(lambda: fused("vocab_outer_lean"), repeats)
     _free()
     # the Triton gradient pass (aepo_kernels.triton_head, asked for explicitly: never run on a GPU
     # before, so "auto" keeps the torch pass): the same loss and gradients first, then its time
@@ -587,6 +589,8 @@ def fused_linear_case(n: int, dim: int, vocab: int, repeats: int) -> list[dict]:
                         "+ d_W in the weight dtype + d_hidden + the logits block + per-token rows",
                         value=over, target=TARGETS["fused_over_floor"]))
     rows.extend(vocab_outer_rows(vocab_outer, result, gemm, n, dim, vocab, hidden.element_size(), shape))
+    rows.extend(vocab_outer_rows(vocab_outer_lean, result, gemm, n, dim, vocab, hidden.element_size(), shape,
+                                 "vocab_outer_lean"))
     rows.append(row("fused_linear", f"vocab_outer Triton gradient pass = torch pass {shape}", agree["status"],
                     agree["detail"], value=agree["error"]))
     if vocab_outer_triton is not None:
@@ -612,26 +616,34 @@ def head_kernels_agree(torch_pass, triton_pass, tolerance: float = 2e-2) -> dict
                       f"(tolerance {tolerance:g})"}
 
 
-def vocab_outer_floor(n: int, dim: int, vocab: int, element_size: int) -> int:
-    """Bytes the vocabulary-outer head (``head_backward="vocab_outer"``, docs/head.md) holds above its
-    inputs by design on CUDA: the memory plan's ``vocab_outer_head_bytes`` (d_W in the weight dtype,
-    the fp32 d_hidden accumulator and its copy, one block) and the fp32 ``[6, N]`` per-token rows."""
-    from aepo_engine.memory_plan import vocab_outer_head_bytes
+def vocab_outer_floor(n: int, dim: int, vocab: int, element_size: int, order: str = "vocab_outer") -> int:
+    """Bytes a vocabulary-outer head (``head_backward`` ``"vocab_outer"`` or ``"vocab_outer_lean"``,
+    docs/head.md) holds above its inputs by design on CUDA: the memory plan's term of that order
+    (``memory_plan.VOCAB_OUTER_HEADS``: d_W in the weight dtype, d_hidden and the order's workspace)
+    and the fp32 ``[6, N]`` per-token rows."""
+    from aepo_engine.memory_plan import VOCAB_OUTER_HEADS
 
-    return vocab_outer_head_bytes(vocab, dim, n, element_size, cuda=True) + 4 * 6 * n
+    return VOCAB_OUTER_HEADS[order][1](vocab, dim, n, element_size, cuda=True) + 4 * 6 * n
+
+
+# What each vocabulary-outer order runs (the INFO row's detail).
+VOCAB_OUTER_PASSES = {
+    "vocab_outer": "stats pass + vocabulary-outer gradient pass (4 matmuls)",
+    "vocab_outer_lean": "token-outer statistics + d_hidden pass, vocabulary-outer d_W pass (5 matmuls)",
+}
 
 
 def vocab_outer_rows(result: dict, token_outer: dict, gemm: dict, n: int, dim: int, vocab: int, element_size: int,
-                     shape: str) -> list[dict]:
-    """Issue 54 on a GPU: the vocabulary-outer head's time (4 matmuls by design against the three
-    GEMMs: 4/3 of token_outer's 1.3x target would be 1.73x) and peak against :func:`vocab_outer_floor`,
-    and both against the token-outer head's in the same run. INFO rows, no PASS/FAIL: the figures
-    that decide the CUDA default (``fused_linear.CUDA_HEAD_BACKWARD``, by the memory plan until a
-    GPU measures it; docs/head.md)."""
-    floor = vocab_outer_floor(n, dim, vocab, element_size)
+                     shape: str, order: str = "vocab_outer") -> list[dict]:
+    """Issue 54 on a GPU: a vocabulary-outer head's time (4 or 5 matmuls by design against the three
+    GEMMs: 4/3 or 5/3 of token_outer's 1.3x target would be 1.73x or 2.17x) and peak against
+    :func:`vocab_outer_floor`, and both against the token-outer head's in the same run. INFO rows,
+    no PASS/FAIL: the figures that decide the CUDA default (``fused_linear.default_head_backward``,
+    by the memory plan's rule until a GPU measures it; docs/head.md)."""
+    floor = vocab_outer_floor(n, dim, vocab, element_size, order)
     peak = result["peak_bytes"]
-    return [row("fused_linear", f"fused_linear_aepo_policy_loss vocab_outer {shape}", "INFO",
-                "stats pass + vocabulary-outer gradient pass (4 matmuls)" + (
+    return [row("fused_linear", f"fused_linear_aepo_policy_loss {order} {shape}", "INFO",
+                VOCAB_OUTER_PASSES[order] + (
                     "" if peak is None else f"; peak above the inputs {peak / GIB:.2f} GiB, floor {floor / GIB:.2f} GiB"),
                 value=result["seconds"], fwd_bwd_s=result["seconds"], spread_s=result["spread_s"], peak_bytes=peak,
                 over_gemms=result["seconds"] / gemm["seconds"], floor_bytes=floor,

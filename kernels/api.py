@@ -42,10 +42,7 @@ from torch import nn
 
 from . import contract
 from .config import LossConfig
-from .fused_linear import (
-    VOCAB_OUTER_BLOCK_BYTES, VOCAB_OUTER_CHUNK, chunk_bytes_for, fused_linear_aepo_loss, fused_linear_logprob_entropy,
-    resolve_head_backward, stats_pass, token_chunk_for_budget, vocab_outer_chunks,
-)
+from .fused_linear import fused_linear_aepo_loss, head_call, head_entropy
 from .logits_ops import as_3d, logprob_entropy
 from .loss_call import (
     DEFAULTS, LossOptions, as_3d_inputs, caller_aligned_stats, loss_options, prologue, takes_loss_options,
@@ -163,28 +160,35 @@ def fused_linear_aepo_policy_loss(
             fp32 ``d_W`` block finished over all tokens and written once in the weight's dtype:
             no ``[V, D]`` fp32 accumulator and no ``[rows, V]`` block, 4 matmuls (with the
             entropy statistics not supplied, its statistics pass is also the entropy pass: 4
-            matmuls for both orders).
+            matmuls for both orders). ``"vocab_outer_lean"``: d_W as vocab_outer, d_hidden from a
+            token-outer pass of its own (per token chunk: its statistics, its head, its fp32
+            ``[rows, D]`` d_hidden block over the vocabulary), no fp32 ``[N, D]`` accumulator
+            either: 5 matmuls (two-phase too). On CUDA ``None`` picks vocab_outer where its
+            workspace fits ``fused_linear.HEAD_WORKSPACE_BYTES`` (64 MiB), else vocab_outer_lean.
         chunk_bytes: the logits block's memory budget: token_outer, one ``[token_chunk, V]`` block in
             ``hidden``'s dtype (``token_chunk = chunk_bytes // (V * element size)``), unless
             ``token_chunk`` is given, None: 192 MiB off CUDA, from free memory on CUDA
             (``fused_linear.chunk_bytes_for``); vocab_outer, one fp32 ``[token_chunk, vocab_chunk]``
-            block (None: ``fused_linear.VOCAB_OUTER_BLOCK_BYTES``).
+            block (None: ``fused_linear.VOCAB_OUTER_BLOCK_BYTES``); vocab_outer_lean, its whole
+            workspace (``fused_linear.lean_chunks``; None: ``HEAD_WORKSPACE_BYTES``).
         vocab_chunk: token_outer: the vocab block of the no-grad entropy pass of the two-phase path
-            only; vocab_outer: the vocabulary block of both passes (None: ``VOCAB_OUTER_CHUNK``, 4096).
-        filter_eps: vocab_outer only, None (default): exact. Gradient filtering: a
-            ``[token_chunk, vocab_chunk]`` tile whose probability mass is below ``filter_eps`` for
-            every token skips its dlogits and gradient matmuls (its target entries are still added
-            exactly); measured error and time in docs/head.md.
+            only; vocab_outer: the vocabulary block of both passes (None: ``VOCAB_OUTER_CHUNK``, 4096);
+            vocab_outer_lean: of all its passes (None: from its budget and D, at most 4096).
+        filter_eps: vocab_outer and vocab_outer_lean (both gradient sweeps), None (default): exact.
+            Gradient filtering: a ``[token_chunk, vocab_chunk]`` tile whose probability mass is
+            below ``filter_eps`` for every token skips its dlogits and gradient matmuls (its target
+            entries are still added exactly); measured error and time in docs/head.md.
         **options: the keywords of :class:`LossOptions`. ``backend``: the row op on each logits
             block of token_outer, ``"auto"`` (triton on CUDA) | ``"torch"`` | ``"triton"``;
-            vocab_outer: ``"triton"`` (asked for explicitly) runs its gradient pass as the Triton
-            kernels of ``aepo_kernels.triton_head`` (fp32/bf16/fp16, no ``filter_eps``; compiled for
-            sm_80/90/100 and checked in the interpreter, not yet run on a GPU, so ``"auto"`` keeps
-            the torch pass on CUDA too), ``"torch"``/``"auto"`` the compiled torch block ops (its
-            statistics pass is torch's either way). ``shift_labels`` (required): True when
-            hidden row t predicts ``labels[t+1]`` (hidden states are not copied). ``logit_scale``,
-            ``softcap``: the model's logits are ``softcap * tanh(logit_scale * z / softcap)`` of
-            ``z = hidden @ weight.T + bias`` (pass the model config's values).
+            vocab_outer (not vocab_outer_lean, whose passes are torch): ``"triton"`` (asked for
+            explicitly) runs its gradient pass as the Triton kernels of ``aepo_kernels.triton_head``
+            (fp32/bf16/fp16, no ``filter_eps``; compiled for sm_80/90/100 and checked in the
+            interpreter, not yet run on a GPU, so ``"auto"`` keeps the torch pass on CUDA too),
+            ``"torch"``/``"auto"`` the compiled torch block ops (its statistics pass is torch's
+            either way). ``shift_labels`` (required): True when hidden row t predicts
+            ``labels[t+1]`` (hidden states are not copied). ``logit_scale``, ``softcap``: the
+            model's logits are ``softcap * tanh(logit_scale * z / softcap)`` of ``z = hidden @
+            weight.T + bias`` (pass the model config's values).
     Returns:
         ``(loss, stats)`` as :func:`aepo_policy_loss`; gradients flow to hidden, weight and bias.
     Cost (token_outer): 3 matmuls of 2 N D V flops (logits, d_hidden, d_weight) in ``hidden``'s
@@ -193,7 +197,8 @@ def fused_linear_aepo_policy_loss(
     weights), one ``[token_chunk, V]`` block in ``hidden``'s dtype. It pays off against
     materialised logits when the rows exceed one block (docs/library.md). vocab_outer: 4 matmuls,
     an fp32 ``[N, D]`` d_hidden accumulator, one fp32 ``[vocab_chunk, D]`` d_W block and the
-    logits/dlogits blocks (docs/head.md).
+    logits/dlogits blocks (docs/head.md). vocab_outer_lean: 5 matmuls, within 64 MiB beyond d_W
+    and d_hidden on CUDA (docs/head.md).
     """
     o = loss_options("fused_linear_aepo_policy_loss", options)
     contract.check_hidden("fused_linear_aepo_policy_loss", hidden, weight, labels, bias)
@@ -203,35 +208,18 @@ def fused_linear_aepo_policy_loss(
         raise ValueError("fused_linear_aepo_policy_loss(): backend='reference' is not offered from hidden states; "
                          "use aepo_policy_loss on materialised logits")
     labels = call.labels
-    order = resolve_head_backward(head_backward, hidden.device)
     n_tokens = labels.numel()
     flat_hidden = hidden.reshape(n_tokens, hidden.shape[-1])
-    made = {}
-    if order == "vocab_outer":
-        token_rows, vocab_chunk = vocab_outer_chunks(n_tokens, weight.shape[0], chunk_bytes or VOCAB_OUTER_BLOCK_BYTES,
-                                                     vocab_chunk or VOCAB_OUTER_CHUNK)
-        token_chunk = token_chunk or token_rows
-
-        def entropy_pass():  # the statistics pass, kept for the loss: 4 matmuls in all
-            flat = labels.reshape(-1).long()
-            valid = contract.target_mask(flat, weight.shape[0], o.ignore_index)
-            with torch.autocast(hidden.device.type, enabled=False):
-                made["stats"] = stats_pass(flat_hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                           flat, valid, call.inv_t, call.tanh_scale, token_chunk, vocab_chunk)
-            lse, eu, _ = made["stats"]
-            return (lse - eu).reshape(labels.shape)
-    else:
-        entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
-            hidden.detach(), weight.detach(), labels, o.temperature, bias=None if bias is None else bias.detach(),
-            shift_labels=False, ignore_index=o.ignore_index, vocab_chunk=vocab_chunk, chunk_bytes=chunk_bytes,
-            logit_scale=o.logit_scale, softcap=o.softcap)[1]
-        chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
-        token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
+    head = head_call(head_backward, flat_hidden, weight, chunk_bytes, token_chunk, vocab_chunk)
+    entropy_pass = lambda: head_entropy(  # noqa: E731
+        head, flat_hidden, weight, bias, labels.reshape(-1), o.ignore_index, o.temperature, o.logit_scale,
+        o.softcap).reshape(labels.shape)
     inputs = as_3d_inputs(call.row_inputs(entropy_pass), (1, n_tokens))
     loss, rows = fused_linear_aepo_loss(
         flat_hidden, weight, bias, labels.reshape(1, n_tokens).long(), inputs, call.config, call.inv_t,
-        o.ignore_index, call.backend, call.tanh_scale, head_backward=order, chunk_bytes=chunk_bytes,
-        token_chunk=token_chunk, vocab_chunk=vocab_chunk, filter_eps=filter_eps, stats=made.get("stats"),
+        o.ignore_index, call.backend, call.tanh_scale, head_backward=head.order, chunk_bytes=head.chunk_bytes,
+        token_chunk=head.token_chunk, vocab_chunk=head.vocab_chunk, filter_eps=filter_eps,
+        stats=head.made.get("stats"),
         head_kernel="triton" if o.backend == "triton" else "torch")  # "auto": torch until a GPU has run them
     return loss, call.stats(rows)
 

@@ -21,7 +21,10 @@ Its fp32 ``[V, D]`` accumulator is what :class:`FusedLinearAEPOVocabOuterFunctio
 docs/head.md): a statistics pass, the per-token head, then this module's vocabulary-outer
 gradient pass (:func:`gradient_pass`, or with ``backend="triton"`` asked for explicitly, the
 Triton kernels of :mod:`aepo_kernels.triton_head`: not the default before a GPU has run them) with the AEPO loss's ``g_lp``/``g_H`` -- 4
-matmuls, one logits recomputation; :func:`fused_linear_aepo_loss` picks the order (``head_backward``).
+matmuls, one logits recomputation. Its lean passes (:func:`lean_passes`, ``vocab_outer_lean``) avoid the
+fp32 ``[N, D]`` d_hidden accumulator too: d_hidden from a token-outer pass of its own (per token chunk:
+its statistics, its head, its fp32 ``[rows, D]`` block over the vocabulary), d_W as above -- 5 matmuls.
+:func:`fused_linear_aepo_loss` picks the order (``head_backward``; :func:`default_head_backward`).
 
 Matmul dtype: every matmul takes its operands in ``hidden``'s dtype (the compute dtype: bf16 in a
 bf16 run), the weight cast to it block by block where it is stored wider (fp32 master weights under
@@ -38,6 +41,7 @@ vocabulary slices of a rounded product elsewhere. Accumulators and outputs stay 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -201,7 +205,7 @@ def gradient_pass(hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t
     target entries (a row whose label lies in the block) are added, exactly, as a sparse update.
     The error is what the skipped ``p`` terms would have added (at most ``filter_eps`` times
     ``|g_lp| + |g_h| max|Eu - u|`` per row and block, times the operand norms). ``counts`` (a dict)
-    receives ``tiles`` and ``skipped``.
+    receives ``tiles`` and ``skipped``, added to the counts it already holds.
 
     ``in_place``: one ``[token_chunk, vocab_chunk]`` buffer in the compute dtype is reused for every
     block and the dlogits are written over the logits in it (as the token-outer loss does; its
@@ -251,8 +255,8 @@ def gradient_pass(hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t
         if d_bias is not None:
             d_bias[v0 : v0 + vocab_chunk].copy_(d_b)
         del d_w, d_b
-    if counts is not None:
-        counts.update(tiles=tiles, skipped=skipped)
+    if counts is not None:  # added to what it holds: a call of several passes sums them
+        counts.update(tiles=counts.get("tiles", 0) + tiles, skipped=counts.get("skipped", 0) + skipped)
     return None if d_hidden is None else d_hidden.to(hidden.dtype), d_weight, d_bias
 
 
@@ -435,13 +439,17 @@ class FusedLinearAEPOLossFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # The vocabulary-outer head: no fp32 [V, D] weight-gradient accumulator (docs/head.md).
 
-# The two orders of the AEPO loss's head (:func:`fused_linear_aepo_loss`); which one a call takes
-# when it names none is :func:`default_head_backward`'s, the one place the default lives.
-HEAD_BACKWARDS = ("vocab_outer", "token_outer")
+# The three orders of the AEPO loss's head (:func:`fused_linear_aepo_loss`, docs/head.md); which one
+# a call takes when it names none is :func:`default_head_backward`'s, the one place the default lives.
+HEAD_BACKWARDS = ("vocab_outer", "token_outer", "vocab_outer_lean")
 # The CPU default, by measurement at V = 151,936, D = 1,024, N = 2,048 (docs/head.md,
-# bench/bench_head_backward.py). CUDA: by the memory plan until a GPU measures it.
+# bench/bench_head_backward.py). CUDA: by the memory plan's rule until a GPU measures it
+# (:func:`default_head_backward`).
 CPU_HEAD_BACKWARD = "token_outer"
-CUDA_HEAD_BACKWARD = "vocab_outer"
+# What the head may hold beyond its outputs (d_W in the weight's dtype, d_hidden in hidden's): the
+# CUDA default's rule (:func:`default_head_backward`) and the budget vocab_outer_lean's blocks are
+# cut from (:func:`lean_chunks`). The one constant of both.
+HEAD_WORKSPACE_BYTES = 64 << 20
 # Blocks of the vocabulary-outer passes: ``VOCAB_OUTER_CHUNK`` vocabulary columns by as many token
 # rows as keep one fp32 ``[rows, VOCAB_OUTER_CHUNK]`` block within ``VOCAB_OUTER_BLOCK_BYTES``
 # (the logits block in the compute dtype and the bf16 copy of dlogits come beside it). Measured
@@ -450,16 +458,27 @@ VOCAB_OUTER_CHUNK = 4096
 VOCAB_OUTER_BLOCK_BYTES = 32 << 20
 
 
-def default_head_backward(device: torch.device | str) -> str:
-    """The head order a call on ``device`` takes when it names none (:data:`HEAD_BACKWARDS`); the
-    memory plan asks it with ``"cuda"`` / ``"cpu"``."""
-    return CUDA_HEAD_BACKWARD if torch.device(device).type == "cuda" else CPU_HEAD_BACKWARD
+def default_head_backward(device: torch.device | str, n_tokens: int, vocab: int, dim: int, element_size: int) -> str:
+    """The head order a call of ``n_tokens`` rows, ``weight [vocab, dim]`` and hidden states of
+    ``element_size`` bytes on ``device`` takes when it names none (:data:`HEAD_BACKWARDS`): off CUDA
+    :data:`CPU_HEAD_BACKWARD` (measured); on CUDA the memory plan's rule, "the head's workspace
+    beyond its outputs stays within :data:`HEAD_WORKSPACE_BYTES`": ``vocab_outer`` (4 matmuls)
+    where its fp32 ``[N, D]`` d_hidden accumulator and its default blocks fit
+    (:func:`vocab_outer_workspace`), else ``vocab_outer_lean`` (5 matmuls, blocks cut from that
+    budget). The kernels' dispatch and the memory plan (``"cuda"`` / ``"cpu"``) both ask it."""
+    if torch.device(device).type != "cuda":
+        return CPU_HEAD_BACKWARD
+    fits = vocab_outer_workspace(n_tokens, vocab, dim, element_size) <= HEAD_WORKSPACE_BYTES
+    return "vocab_outer" if fits else "vocab_outer_lean"
 
 
-def resolve_head_backward(head_backward: str | None, device: torch.device) -> str:
-    """``head_backward`` checked, or the device's default when None (or ``"auto"``)."""
+def resolve_head_backward(head_backward: str | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """``head_backward`` checked, or :func:`default_head_backward` of ``hidden [..., D]`` and
+    ``weight [V, D]`` when None (or ``"auto"``)."""
     if head_backward in (None, "auto"):
-        return default_head_backward(device)
+        dim = hidden.shape[-1]
+        return default_head_backward(hidden.device, hidden.numel() // max(1, dim), weight.shape[0], dim,
+                                     hidden.element_size())
     if head_backward not in HEAD_BACKWARDS:
         raise ValueError(f"head_backward={head_backward!r}: choose one of {HEAD_BACKWARDS} (or None / 'auto')")
     return head_backward
@@ -471,6 +490,71 @@ def vocab_outer_chunks(n_tokens: int, vocab: int, block_bytes: int = VOCAB_OUTER
     most V) and as many rows (at most ``n_tokens``) as keep an fp32 block within ``block_bytes``."""
     vocab_chunk = min(vocab, vocab_chunk)
     return max(1, min(n_tokens, block_bytes // (4 * vocab_chunk))), vocab_chunk
+
+
+def lean_chunks(n_tokens: int, vocab: int, dim: int, budget: int = HEAD_WORKSPACE_BYTES,
+                vocab_chunk: int | None = None) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` of ``vocab_outer_lean`` from its workspace ``budget``: half
+    of it for the fp32 ``[vocab_chunk, D]`` d_W block (a multiple of 64 columns, at least 64, at
+    most :data:`VOCAB_OUTER_CHUNK` and V; ``vocab_chunk`` when given), half for a token chunk's
+    rows: its fp32 ``[rows, D]`` d_hidden block with its copy in hidden's dtype (8 bytes per
+    element, an fp32 copy counted) and its ``[rows, vocab_chunk]`` logits block (4 bytes per
+    element). On CUDA in bf16 the workspace (:func:`lean_workspace`) stays within ``budget``:
+    1,600 columns x 708 rows, 33 MiB, at D = 5,120 and 64 MiB."""
+    half = budget // 2
+    if vocab_chunk is None:
+        vocab_chunk = min(VOCAB_OUTER_CHUNK, max(64, half // (4 * dim) // 64 * 64))
+    vocab_chunk = min(vocab, vocab_chunk)
+    return max(1, min(n_tokens, half // (8 * dim + 4 * vocab_chunk))), vocab_chunk
+
+
+def head_chunks(order: str, n_tokens: int, vocab: int, dim: int, chunk_bytes: int | None = None,
+                token_chunk: int | None = None, vocab_chunk: int | None = None) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` of a vocabulary-outer order: ``vocab_outer``,
+    :func:`vocab_outer_chunks` with ``chunk_bytes`` the fp32 block's budget (None:
+    :data:`VOCAB_OUTER_BLOCK_BYTES`); ``vocab_outer_lean``, :func:`lean_chunks` with ``chunk_bytes``
+    its workspace budget (None: :data:`HEAD_WORKSPACE_BYTES`). A given chunk wins."""
+    if order == "vocab_outer_lean":
+        rows, columns = lean_chunks(n_tokens, vocab, dim, chunk_bytes or HEAD_WORKSPACE_BYTES, vocab_chunk)
+    else:
+        rows, columns = vocab_outer_chunks(n_tokens, vocab, chunk_bytes or VOCAB_OUTER_BLOCK_BYTES,
+                                           vocab_chunk or VOCAB_OUTER_CHUNK)
+    return token_chunk or rows, columns
+
+
+def _product_bytes(element_size: int, cuda: bool) -> int:
+    """Bytes per element :func:`addmm_accumulate` makes beside an fp32 accumulator: off CUDA in a
+    low-precision run the rounded product and its fp32 conversion for the addition; none on CUDA
+    (the fp32-output GEMM) or in fp32 (an in-place ``addmm``)."""
+    return 0 if cuda or element_size == 4 else element_size + 4
+
+
+def vocab_outer_workspace(n_tokens: int, vocab: int, dim: int, element_size: int, block_bytes: int | None = None,
+                          cuda: bool = True) -> int:
+    """Bytes ``vocab_outer`` holds beyond its outputs at its peak (its gradient pass): the fp32
+    ``[N, D]`` d_hidden accumulator (none in fp32: it is d_hidden), the one ``[rows,
+    vocab_chunk]`` logits block in the compute dtype, the fp32 ``[vocab_chunk, D]`` d_W block and
+    what :func:`addmm_accumulate` adds to it (:func:`_product_bytes`); blocks from
+    :func:`vocab_outer_chunks` of ``block_bytes`` (None: :data:`VOCAB_OUTER_BLOCK_BYTES`)."""
+    rows, vocab_chunk = vocab_outer_chunks(n_tokens, vocab, block_bytes or VOCAB_OUTER_BLOCK_BYTES)
+    accumulator = 4 * n_tokens * dim if element_size != 4 else 0
+    return accumulator + rows * vocab_chunk * element_size + vocab_chunk * dim * (
+        4 + _product_bytes(element_size, cuda))
+
+
+def lean_workspace(n_tokens: int, vocab: int, dim: int, element_size: int, budget: int | None = None,
+                   cuda: bool = True) -> int:
+    """Bytes ``vocab_outer_lean`` holds beyond its outputs at its peak, the larger of its two
+    passes' (blocks from :func:`lean_chunks` of ``budget``, None: :data:`HEAD_WORKSPACE_BYTES`), each
+    with the one ``[rows, vocab_chunk]`` logits block in the compute dtype: the d_hidden pass, a
+    token chunk's fp32 ``[rows, D]`` block with what :func:`addmm_accumulate` adds to it, or at its
+    end its copy in hidden's dtype (none in fp32); the d_W pass, the fp32 ``[vocab_chunk, D]``
+    block with what :func:`addmm_accumulate` adds to it."""
+    rows, vocab_chunk = lean_chunks(n_tokens, vocab, dim, budget or HEAD_WORKSPACE_BYTES)
+    product = _product_bytes(element_size, cuda)
+    copy = element_size if element_size != 4 else 0
+    d_hidden_pass = rows * dim * (4 + max(product, copy))
+    return rows * vocab_chunk * element_size + max(d_hidden_pass, vocab_chunk * dim * (4 + product))
 
 
 def head_rows(logp, entropy, valid, inputs, hp):
@@ -488,6 +572,49 @@ def head_rows(logp, entropy, valid, inputs, hp):
     g_lp = torch.where(valid, d_logp * weight, torch.zeros_like(d_logp))
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return g_lp, d_h * weight, torch.stack([logp, entropy, loss, ratio, shaped, kl])
+
+
+def lean_passes(hidden, weight, bias, labels, valid, inputs, hp, inv_t, tanh_scale, token_chunk, vocab_chunk,
+                need=(True, True, True), filter_eps=None, counts=None, stats=None, block=None):
+    """``((d_hidden, d_weight, d_bias), rows [6, N])`` of the one-pass loss in the order
+    ``vocab_outer_lean`` (docs/head.md): neither an fp32 ``[V, D]`` nor an fp32 ``[N, D]`` tensor.
+
+    1. token chunks outer, ``token_chunk`` rows each: :func:`stats_pass` of the chunk, vocabulary
+       blocks inner (matmul 1; none when ``stats``, the two-phase path's entropy pass, are given);
+       :func:`head_rows` of the chunk (``g_lp``, ``g_H``, its rows; ``inputs``: :class:`RowInputs`
+       with ``[1, N]`` fields); :func:`gradient_pass` of the chunk for d_hidden only: the logits
+       again (matmul 2), dlogits over them, ``dh += dz @ W_block`` (matmul 3) into the chunk's fp32
+       ``[rows, D]`` block, written once in hidden's dtype;
+    2. :func:`gradient_pass` over all tokens for d_W (and d_b) only: vocabulary blocks outer, the
+       logits again (matmul 4), ``dW_block += dz.T @ h`` (matmul 5), each block written once in the
+       weight's dtype. None of it for a frozen weight without a bias gradient (``need``).
+    ``filter_eps`` skips tiles in both gradient sweeps; ``counts`` sums their tiles.
+    """
+    need_h, need_w, need_b = need
+    need_b = need_b and bias is not None
+    n_tokens = hidden.shape[0]
+    f32 = dict(dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
+    lse, eu, target = stats if stats is not None else (torch.empty(n_tokens, **f32) for _ in range(3))
+    g_lp, g_h, rows_out = torch.empty(n_tokens, **f32), torch.empty(n_tokens, **f32), torch.empty(6, n_tokens, **f32)
+    d_hidden = torch.empty_like(hidden) if need_h else None
+    for i0 in range(0, n_tokens, token_chunk):
+        rows = slice(i0, i0 + token_chunk)
+        h, y, ok = hidden[rows], labels[rows], valid[rows]
+        if stats is None:
+            lse[rows], eu[rows], target[rows] = stats_pass(h, weight, bias, y, ok, inv_t, tanh_scale, token_chunk,
+                                                           vocab_chunk, block)
+        logp = torch.where(ok, target[rows] - lse[rows], torch.zeros_like(lse[rows]))
+        g_lp[rows], g_h[rows], rows_out[:, rows] = head_rows(logp, lse[rows] - eu[rows], ok, inputs.rows(0, rows), hp)
+        if need_h:
+            d_hidden[rows] = gradient_pass(h, weight, bias, y, ok, lse[rows], eu[rows], g_lp[rows], g_h[rows], inv_t,
+                                           tanh_scale, token_chunk, vocab_chunk, need=(True, False, False),
+                                           filter_eps=filter_eps, counts=counts, in_place=True, block=block)[0]
+    d_weight = d_bias = None
+    if need_w or need_b:
+        _, d_weight, d_bias = gradient_pass(hidden, weight, bias, labels, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
+                                            token_chunk, vocab_chunk, need=(False, need_w, need_b),
+                                            filter_eps=filter_eps, counts=counts, in_place=True, block=block)
+    return (d_hidden, d_weight, d_bias), rows_out
 
 
 class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
@@ -512,35 +639,44 @@ class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
     :func:`aepo_kernels.triton_head.supports` the call (fp32/bf16/fp16, no ``filter_eps``); any
     other value, or a call it does not support, runs :func:`gradient_pass`. The statistics pass
     is the torch one either way.
+
+    ``lean``: the order ``vocab_outer_lean`` instead (:func:`lean_passes`: d_hidden from a
+    token-outer pass of its own, no fp32 ``[N, D]`` accumulator; 5 matmuls), its passes torch
+    whatever ``backend`` says.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, token_chunk, vocab_chunk,
-                tanh_scale=None, filter_eps=None, counts=None, stats=None, backend="torch"):
+                tanh_scale=None, filter_eps=None, counts=None, stats=None, backend="torch", lean=False):
         from .config import hyper_params
 
         with torch.autocast(hidden.device.type, enabled=False):
             flat = labels.reshape(-1)
             valid = contract.target_mask(flat, weight.shape[0], ignore_index)
             block = new_block(hidden, weight.shape[0], token_chunk, vocab_chunk)  # both passes' one logits block
-            if stats is None:  # else the two-phase path's entropy pass made them (the same stats_pass)
-                stats = stats_pass(hidden, weight, bias, flat, valid, inv_t, tanh_scale, token_chunk, vocab_chunk,
-                                   block)
-            lse, eu, target = stats
-            logp = torch.where(valid, target - lse, torch.zeros_like(lse))
-            hp = hyper_params(config, inputs.ref_logprobs is not None, lse.dtype, hidden.device)
-            g_lp, g_h, rows_out = head_rows(logp, lse - eu, valid, inputs.rows(0, slice(None)), hp)
-            if backend == "triton" and _triton_head().supports(hidden, weight, filter_eps):
-                del block  # the kernels' dlogits buffer takes its place
-                head = _triton_head()
-                columns = head.head_vocab_columns(hidden.shape[0], weight.shape[0], hidden.shape[1],
-                                                  hidden.element_size(), token_chunk, vocab_chunk)
-                grads = head.triton_gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t,
-                                                  tanh_scale, columns, need=ctx.needs_input_grad[:3])
+            hp = hyper_params(config, inputs.ref_logprobs is not None, accumulate_dtype(hidden.dtype), hidden.device)
+            need = ctx.needs_input_grad[:3]
+            if lean:
+                grads, rows_out = lean_passes(hidden, weight, bias, flat, valid, inputs, hp, inv_t, tanh_scale,
+                                              token_chunk, vocab_chunk, need, filter_eps, counts, stats, block)
             else:
-                grads = gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
-                                      token_chunk, vocab_chunk, need=ctx.needs_input_grad[:3], filter_eps=filter_eps,
-                                      counts=counts, in_place=True, block=block)
+                if stats is None:  # else the two-phase path's entropy pass made them (the same stats_pass)
+                    stats = stats_pass(hidden, weight, bias, flat, valid, inv_t, tanh_scale, token_chunk, vocab_chunk,
+                                       block)
+                lse, eu, target = stats
+                logp = torch.where(valid, target - lse, torch.zeros_like(lse))
+                g_lp, g_h, rows_out = head_rows(logp, lse - eu, valid, inputs.rows(0, slice(None)), hp)
+                if backend == "triton" and _triton_head().supports(hidden, weight, filter_eps):
+                    del block  # the kernels' dlogits buffer takes its place
+                    head = _triton_head()
+                    columns = head.head_vocab_columns(hidden.shape[0], weight.shape[0], hidden.shape[1],
+                                                      hidden.element_size(), token_chunk, vocab_chunk)
+                    grads = head.triton_gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t,
+                                                      tanh_scale, columns, need=need)
+                else:
+                    grads = gradient_pass(hidden, weight, bias, flat, valid, lse, eu, g_lp, g_h, inv_t, tanh_scale,
+                                          token_chunk, vocab_chunk, need=need, filter_eps=filter_eps, counts=counts,
+                                          in_place=True, block=block)
         ctx.mark_non_differentiable(rows_out)
         ctx.save_for_backward(*grads)
         loss = (rows_out[2] * inputs.weight[0].to(rows_out.dtype)).sum()
@@ -551,7 +687,7 @@ class FusedLinearAEPOVocabOuterFunction(torch.autograd.Function):
         from .one_pass import scale_gradient
 
         d_hidden, d_weight, d_bias = (scale_gradient(g, grad_loss) for g in ctx.saved_tensors)
-        return (d_hidden, d_weight, d_bias) + (None,) * 12
+        return (d_hidden, d_weight, d_bias) + (None,) * 13
 
 
 def _triton_head():
@@ -559,6 +695,55 @@ def _triton_head():
     from . import triton_head
 
     return triton_head
+
+
+class HeadCall(NamedTuple):
+    """One call's head order and blocks (:func:`head_call`) and what its two-phase entropy pass
+    leaves for the loss (``made["stats"]``: :func:`head_entropy`)."""
+
+    order: str
+    chunk_bytes: int | None
+    token_chunk: int
+    vocab_chunk: int | None
+    made: dict
+
+
+def head_call(head_backward: str | None, hidden, weight, chunk_bytes: int | None = None, token_chunk: int | None = None,
+              vocab_chunk: int | None = None) -> HeadCall:
+    """The order (:func:`resolve_head_backward`) and blocks of the head of ``hidden [N, D]`` and
+    ``weight [V, D]``, as the flat and the tree loss call :func:`fused_linear_aepo_loss`:
+    token_outer, ``[token_chunk, V]`` blocks of :func:`chunk_bytes_for` ``chunk_bytes``; the
+    vocabulary-outer orders, :func:`head_chunks`."""
+    order = resolve_head_backward(head_backward, hidden, weight)
+    if order == "token_outer":
+        chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
+        rows = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
+        return HeadCall(order, chunk_bytes, rows, vocab_chunk, {})
+    rows, columns = head_chunks(order, hidden.shape[0], weight.shape[0], hidden.shape[-1], chunk_bytes, token_chunk,
+                                vocab_chunk)
+    return HeadCall(order, chunk_bytes, rows, columns, {})
+
+
+def head_entropy(head: HeadCall, hidden, weight, bias, labels, ignore_index: int, temperature: float,
+                 logit_scale: float, softcap: float | None) -> torch.Tensor:
+    """``[N]`` entropies of the head call's logits (``hidden [N, D]``, ``labels [N]``), no
+    gradient: the two-phase path's entropy pass. token_outer: :func:`fused_linear_logprob_entropy`
+    (one more logits matmul); the vocabulary-outer orders: :func:`stats_pass` in the call's blocks,
+    its ``(lse, Eu, target)`` kept in ``head.made["stats"]`` for the loss, whose statistics pass
+    it then is (no matmul added)."""
+    detached = (hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+    if head.order == "token_outer":
+        return fused_linear_logprob_entropy(
+            detached[0], detached[1], labels, temperature, bias=detached[2], shift_labels=False,
+            ignore_index=ignore_index, vocab_chunk=head.vocab_chunk, chunk_bytes=head.chunk_bytes,
+            logit_scale=logit_scale, softcap=softcap)[1]
+    inv_t, tanh_scale = logit_map(temperature, logit_scale, softcap)
+    flat = labels.reshape(-1).long()
+    valid = contract.target_mask(flat, weight.shape[0], ignore_index)
+    with torch.autocast(hidden.device.type, enabled=False):
+        head.made["stats"] = stats_pass(*detached, flat, valid, inv_t, tanh_scale, head.token_chunk, head.vocab_chunk)
+    lse, eu, _ = head.made["stats"]
+    return lse - eu
 
 
 def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index, backend, tanh_scale, *,
@@ -575,20 +760,19 @@ def fused_linear_aepo_loss(hidden, weight, bias, labels, inputs, config, inv_t, 
     :data:`VOCAB_OUTER_BLOCK_BYTES`; ``filter_eps`` and ``stats`` -- a :func:`stats_pass` result
     already made by the caller's entropy pass -- only here; ``head_kernel`` ``"triton"`` runs its
     gradient pass as the Triton kernels of :mod:`aepo_kernels.triton_head`, ``"torch"`` as
-    :func:`gradient_pass`). ``labels``: ``[1, N]`` long, ``inputs``: :class:`RowInputs` with ``[1, N]`` fields."""
-    order = resolve_head_backward(head_backward, hidden.device)
-    if order == "token_outer":
+    :func:`gradient_pass`); ``"vocab_outer_lean"``: the same class's lean passes
+    (:func:`lean_passes`, blocks of :func:`lean_chunks` with ``chunk_bytes`` as the workspace budget,
+    else :data:`HEAD_WORKSPACE_BYTES`; ``filter_eps`` and ``stats`` too, torch passes only).
+    Blocks: :func:`head_call`. ``labels``: ``[1, N]`` long, ``inputs``: :class:`RowInputs` with
+    ``[1, N]`` fields."""
+    head = head_call(head_backward, hidden, weight, chunk_bytes, token_chunk, vocab_chunk)
+    if head.order == "token_outer":
         if filter_eps is not None:
-            raise ValueError("filter_eps (gradient filtering) needs head_backward='vocab_outer'")
-        budget = chunk_bytes_for(hidden.device, chunk_bytes)
-        rows = token_chunk or token_chunk_for_budget(weight.shape[0], budget, hidden.element_size())
+            raise ValueError("filter_eps (gradient filtering) needs head_backward='vocab_outer' or 'vocab_outer_lean'")
         return FusedLinearAEPOLossFunction.apply(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index,
-                                                 backend, rows, tanh_scale)
+                                                 backend, head.token_chunk, tanh_scale)
     if filter_eps is not None and not filter_eps > 0:
         raise ValueError(f"filter_eps={filter_eps}: must be > 0 (or None: no filtering)")
-    auto_tokens, auto_vocab = vocab_outer_chunks(hidden.shape[0], weight.shape[0],
-                                                 chunk_bytes or VOCAB_OUTER_BLOCK_BYTES,
-                                                 vocab_chunk or VOCAB_OUTER_CHUNK)
     return FusedLinearAEPOVocabOuterFunction.apply(hidden, weight, bias, labels, inputs, config, inv_t, ignore_index,
-                                                   token_chunk or auto_tokens, auto_vocab, tanh_scale, filter_eps,
-                                                   counts, stats, head_kernel)
+                                                   head.token_chunk, head.vocab_chunk, tanh_scale, filter_eps, counts,
+                                                   stats, head_kernel, head.order == "vocab_outer_lean")

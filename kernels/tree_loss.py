@@ -54,7 +54,7 @@ import torch
 
 from . import contract
 from .config import LossConfig, hyper_params
-from .fused_linear import FusedLinearAEPOLossFunction, chunk_bytes_for, fused_linear_logprob_entropy, token_chunk_for_budget
+from .fused_linear import fused_linear_aepo_loss, head_call, head_entropy
 from .logits_ops import logit_map, logprob_entropy, resolve_backend
 from .loss_call import _entropy_stats, _stats, loss_options, takes_loss_options
 from .one_pass import OnePassLossFunction, token_head
@@ -282,22 +282,24 @@ def fused_linear_aepo_tree_policy_loss(
     bias: torch.Tensor | None = None,
     chunk_bytes: int | None = None,
     token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+    head_backward: str | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AEPO loss of a rollout tree from its nodes' hidden states ``[N, D]`` (each node's
     parent's final state) and the lm_head ``weight [V, D]``: :func:`aepo_tree_policy_loss` without
-    ``[N, V]`` logits (:func:`aepo_kernels.fused_linear_aepo_policy_loss`'s three matmuls)."""
+    ``[N, V]`` logits. The head is the flat loss's (:func:`aepo_kernels.fused_linear_aepo_policy_loss`:
+    ``head_backward``, ``chunk_bytes``, ``token_chunk``, ``vocab_chunk`` as there, docs/head.md)."""
     function = "fused_linear_aepo_tree_policy_loss"
     o = loss_options(function, {"shift_labels": False, **options})
     contract.check_hidden(function, hidden, weight, labels, bias)
-    chunk_bytes = chunk_bytes_for(hidden.device, chunk_bytes)
-    entropy_pass = lambda: fused_linear_logprob_entropy(  # noqa: E731
-        hidden.detach(), weight.detach(), labels, o.temperature, shift_labels=False,
-        bias=None if bias is None else bias.detach(), ignore_index=o.ignore_index, chunk_bytes=chunk_bytes,
-        logit_scale=o.logit_scale, softcap=o.softcap)[1]
+    head = head_call(head_backward, hidden, weight, chunk_bytes, token_chunk, vocab_chunk)
+    entropy_pass = lambda: head_entropy(head, hidden, weight, bias, labels, o.ignore_index, o.temperature,  # noqa: E731
+                                        o.logit_scale, o.softcap)
     call = _prologue(function, hidden, weight.shape[0], labels, old_logprobs, occurrences, o, entropy_pass)
-    token_chunk = token_chunk or token_chunk_for_budget(weight.shape[0], chunk_bytes, hidden.element_size())
-    loss, rows = FusedLinearAEPOLossFunction.apply(hidden, weight, bias, labels.reshape(1, -1).long(), call.inputs,
-                                                   call.config, call.inv_t, o.ignore_index, call.backend, token_chunk,
-                                                   call.tanh_scale)
+    loss, rows = fused_linear_aepo_loss(
+        hidden, weight, bias, labels.reshape(1, -1).long(), call.inputs, call.config, call.inv_t, o.ignore_index,
+        call.backend, call.tanh_scale, head_backward=head.order, chunk_bytes=head.chunk_bytes,
+        token_chunk=head.token_chunk, vocab_chunk=head.vocab_chunk, stats=head.made.get("stats"),
+        head_kernel="triton" if o.backend == "triton" else "torch")
     return loss, _occurrence_stats(call, rows, occurrences, o)

@@ -167,6 +167,49 @@ def test_fused_linear_tree_loss_equals_the_row_loss(backend, rule):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+HEAD_ORDERS = ["token_outer", "vocab_outer", "vocab_outer_lean"]
+
+
+@pytest.mark.parametrize("order", HEAD_ORDERS)
+@pytest.mark.parametrize("rule", CLIP_RULES)
+def test_fused_linear_tree_loss_takes_every_head_order(order, rule):
+    """``head_backward`` on the tree loss: the flat loss's head (``fused_linear.head_call`` and
+    ``fused_linear_aepo_loss``, no second implementation). Hidden states, weight and bias in
+    float64, 7-row token chunks and 4 vocabulary blocks, entropy statistics not supplied (the
+    two-phase path: for the vocabulary-outer orders their statistics pass is the entropy pass):
+    the loss and the gradients of hidden, weight and bias are the float64 tree reference's on the
+    expanded rows (to 1e-7 of the largest gradient: the tree folds its per-occurrence weights and
+    advantages in fp32) and the token-outer tree loss's to 1e-12."""
+    tree, rows, valid, _, old, ref, advantages, mask, weights = _case(seed=31 + CLIP_RULES.index(rule), vocab=53)
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(tree.tokens.shape[0], 24, generator=gen, dtype=torch.float64)
+    weight = torch.randn(53, 24, generator=gen, dtype=torch.float64) * 0.5
+    bias = torch.randn(53, generator=gen, dtype=torch.float64) * 0.1
+    cfg = LossConfig(clip=rule, **CONFIGS["all-on"])
+    occ = _occurrences(rows, valid, advantages, mask)
+
+    def run(head_backward):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss, _ = fused_linear_aepo_tree_policy_loss(
+            leaves[0], leaves[1], tree.labels, old, occ, shift_labels=False, bias=leaves[2], config=cfg,
+            ref_logprobs=ref, token_weights=weights[valid], token_chunk=7, vocab_chunk=16, head_backward=head_backward)
+        return loss.detach(), torch.autograd.grad(loss, leaves)
+
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    h, w, b = leaves
+    want_loss = tree_loss_reference(h @ w.T + b, tree.tokens, old.double(), rows,
+                                    (advantages[:, None] * weights).double(), mask.double(), cfg,
+                                    node_ref_logprobs=ref.double())
+    want = torch.autograd.grad(want_loss, leaves)
+    loss, got = run(order)
+    token_loss, token_got = run("token_outer")
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(loss, token_loss, rtol=1e-12, atol=1e-14)
+    for name, g, e, t in zip(("hidden", "weight", "bias"), got, want, token_got):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7 * e.abs().max(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, t, rtol=1e-12, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
 def test_statistics_and_token_rows_count_occurrences():
     """The statistics are the row loss's (fast path on the expanded rows): clip fractions, ratio,
     KL, entropy, token counts, split masks, and the per-token rows of every occurrence."""

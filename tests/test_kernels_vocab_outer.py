@@ -232,10 +232,13 @@ def test_gradient_filtering_skips_tiles_within_its_bound():
 def test_the_order_is_one_option_with_one_default():
     from aepo_kernels.fused_linear import CPU_HEAD_BACKWARD, default_head_backward, resolve_head_backward
 
-    assert default_head_backward(torch.device("cpu")) == CPU_HEAD_BACKWARD == resolve_head_backward(None, "cpu")
-    assert default_head_backward("cuda") == "vocab_outer" == resolve_head_backward("auto", torch.device("cuda", 1))
-    assert resolve_head_backward("token_outer", "cuda") == "token_outer"
     hidden, weight, _, labels, old, adv, mask, _ = _inputs(8, 4, 13, torch.float32, seed=1)
+    assert default_head_backward(torch.device("cpu"), 8, 13, 4, 4) == CPU_HEAD_BACKWARD == resolve_head_backward(
+        None, hidden, weight) == resolve_head_backward("auto", hidden, weight)
+    # on CUDA by the plan's rule (tests/test_kernels_head_lean.py): a small head's workspace fits
+    assert default_head_backward("cuda", 8, 13, 4, 2) == "vocab_outer"
+    assert default_head_backward(torch.device("cuda", 1), 16384, 151936, 5120, 2) == "vocab_outer_lean"
+    assert resolve_head_backward("vocab_outer", hidden, weight) == "vocab_outer"
     with pytest.raises(ValueError, match="head_backward='rows'"):
         fused_linear_aepo_policy_loss(hidden, weight, labels, old, adv, mask, shift_labels=False, head_backward="rows")
     with pytest.raises(ValueError, match="filter_eps"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -309,29 +308,45 @@ def test_a_kv_budget_in_gib_starts_vllm_with_the_plans_share(tmp_path, monkeypat
 
 def test_the_head_term_follows_the_head_order():
     """Issue 54: the paper preset's head (Qwen3-14B, V = 151,936, D = 5,120, 16,384 micro-batch
-    tokens, bf16) is 6.50 GiB token-outer (its fp32 d_W accumulator alone 2.90 GiB) and, vocabulary-
-    outer (the CUDA default of ``head_backward = "auto"``), d_W in bf16, the fp32 d_hidden
-    accumulator and its bf16 copy and one block: 2.01 GiB; the update's end-of-forward phase drops
-    by the difference and the run fits an H100 either way. A CPU plan (cuda=False) keeps the CPU
-    default, token-outer; tree batches always plan token-outer (the tree loss's head)."""
+    tokens, bf16) is 6.50 GiB token-outer (its fp32 d_W accumulator alone 2.90 GiB); vocabulary-
+    outer, d_W in bf16, the fp32 d_hidden accumulator and its bf16 copy and one block: 2.01 GiB;
+    vocabulary-outer lean (the CUDA default of ``head_backward = "auto"`` here: vocab_outer's
+    workspace, 416 MiB, is above 64 MiB), d_W and d_hidden and 33 MiB of blocks: 1.64 GiB, within
+    the issue's d_W + d_hidden + 64 MiB. The update's end-of-forward phase drops by the difference
+    and the run fits an H100 either way. A CPU plan (cuda=False) keeps the CPU default,
+    token-outer; tree batches plan the order the tree loss takes, as rows do."""
     from aepo_engine.config import load_train_config
-    from aepo_engine.memory_plan import vocab_outer_head_bytes
+    from aepo_engine.memory_plan import lean_head_bytes, micro_batch_tokens, vocab_outer_head_bytes
+    from aepo_kernels.fused_linear import default_head_backward
 
     auto, token = _paper_plan(), _paper_plan("h100-80gb", 8, "--policy.head_backward=token_outer")
+    vocab_outer = _paper_plan("h100-80gb", 8, "--policy.head_backward=vocab_outer")
     v, d, tokens = 151936, 5120, 16384
+    outputs = v * d * 2 + tokens * d * 2  # d_W and d_hidden in bf16
     rows = (2 << 30) // (v * 2)  # the [rows, V] bf16 block of CUDA's 2 GiB budget: 7,067 rows
     assert token.terms["head"].bytes == rows * v * 2 + 4 * v * d + v * d * 2 + tokens * d * 2
     assert abs(token.terms["head"].bytes / GIB - 6.50) < 0.005
-    assert auto.terms["head"].bytes == vocab_outer_head_bytes(v, d, tokens, 2) and "vocabulary-outer" in \
-        auto.terms["head"].name
-    assert abs(auto.terms["head"].bytes / GIB - 2.01) < 0.005
+    head = vocab_outer.terms["head"]
+    assert head.bytes == vocab_outer_head_bytes(v, d, tokens, 2) and "vocabulary-outer (" in head.name
+    assert abs(head.bytes / GIB - 2.01) < 0.005
     # above d_W and d_hidden: the fp32 d_hidden accumulator (320 MiB) and one block (96 MiB)
-    assert auto.terms["head"].bytes - (v * d * 2 + tokens * d * 2) == tokens * d * 4 + 2048 * 4096 * 2 + 4096 * d * 4
+    assert head.bytes - outputs == tokens * d * 4 + 2048 * 4096 * 2 + 4096 * d * 4
+    head = auto.terms["head"]
+    assert head.bytes == lean_head_bytes(v, d, tokens, 2) and "vocabulary-outer lean" in head.name
+    assert abs(head.bytes / GIB - 1.64) < 0.005 and head.bytes - outputs <= 64 << 20
     phase = "update: end of forward (the head)"
-    assert token.phase_bytes(phase) - auto.phase_bytes(phase) == token.terms["head"].bytes - auto.terms["head"].bytes
-    assert auto.fits and token.fits
+    for plan in (vocab_outer, auto):
+        saved = token.terms["head"].bytes - plan.terms["head"].bytes
+        assert token.phase_bytes(phase) - plan.phase_bytes(phase) == saved
+        assert plan.fits
+    assert token.fits
     cfg = load_train_config(["--preset", "qwen3_14b_deep_research"])
     cpu = plan_memory(cfg, ModelShape.from_config(QWEN3_14B), 8, cuda=False)
     assert "token-outer" in cpu.terms["head"].name
     trees = _paper_plan("h100-80gb", 8, "--policy.tree_batches=on")
-    assert "token-outer" in trees.terms["head"].name
+    tree_cfg = load_train_config(["--preset", "qwen3_14b_deep_research", "--policy.tree_batches=on"])
+    nodes = micro_batch_tokens(tree_cfg)
+    assert default_head_backward("cuda", nodes, v, d, 2) == "vocab_outer_lean"
+    assert trees.terms["head"].bytes == lean_head_bytes(v, d, nodes, 2)
+    assert "token-outer" in _paper_plan("h100-80gb", 8, "--policy.tree_batches=on",
+                                        "--policy.head_backward=token_outer").terms["head"].name

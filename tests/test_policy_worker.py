@@ -340,11 +340,12 @@ def test_kl_to_reference_is_reported_and_zero_at_the_reference(tiny_model):
         worker.update(with_old_policy(worker, batch))
 
 
-@pytest.mark.parametrize("fused, head", [(True, "token_outer"), (True, "vocab_outer"), (False, "auto")])
+@pytest.mark.parametrize("fused, head", [(True, "token_outer"), (True, "vocab_outer"), (True, "vocab_outer_lean"),
+                                        (False, "auto")])
 def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, fused, head, monkeypatch):
     """The worker's in-forward one-pass loss and gradient == policy_loss_from_logprobs on the
-    model's log-probs/entropies (the former two-stage path), with the global statistics, in both
-    loop orders of the fused head (``policy.head_backward``, docs/head.md); and no extra no-grad
+    model's log-probs/entropies (the former two-stage path), with the global statistics, in the
+    three loop orders of the fused head (``policy.head_backward``, docs/head.md); and no extra no-grad
     pass runs inside the loss (the statistics are supplied)."""
     from aepo_engine.training.layout import LossInputs, RowModelInputs
     from aepo_kernels import entropy_moments, entropy_stats_from_moments, policy_loss_from_logprobs
@@ -381,7 +382,8 @@ def test_worker_loss_is_the_one_pass_loss_of_the_two_stage_formula(tiny_model, f
     got = grads(one_pass)
     if fused:  # the order asked for is the one that ran
         assert orders == [{"token_outer": "FusedLinearAEPOLossFunction",
-                           "vocab_outer": "FusedLinearAEPOVocabOuterFunction"}[head]]
+                           "vocab_outer": "FusedLinearAEPOVocabOuterFunction",
+                           "vocab_outer_lean": "FusedLinearAEPOVocabOuterFunction"}[head]]
     assert stats_one["clipfrac_high"] + stats_one["clipfrac_low"] > 0
     torch.testing.assert_close(one_pass, two_stage, rtol=1e-5, atol=1e-7)
     for key in ("entropy", "ratio", "clipfrac_high", "clipfrac_low"):

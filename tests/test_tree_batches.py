@@ -221,6 +221,24 @@ def test_tree_update_equals_rows_for_every_clip_rule(tiny_model, clip):
     _assert_same(_run(tiny_model, batch, False, **config), _run(tiny_model, batch, True, **config))
 
 
+def test_tree_update_takes_the_head_order(tiny_model, monkeypatch):
+    """``policy.head_backward`` reaches the tree loss as it reaches the row loss (docs/head.md): with
+    ``vocab_outer_lean`` both layouts run the lean head, and the tree update equals the rows'."""
+    import aepo_kernels.fused_linear as fused_linear
+
+    ran = []
+    real = fused_linear.lean_passes
+    monkeypatch.setattr(fused_linear, "lean_passes", lambda *a, **k: ran.append(1) or real(*a, **k))
+    batch = hand_made_batch()
+    config = dict(loss=LossConfig(clip="aepo"), micro_batch_size=6, ppo_mini_batch_size=2,
+                  head_backward="vocab_outer_lean")
+    rows = _run(tiny_model, batch, False, **config)
+    in_rows = len(ran)
+    tree = _run(tiny_model, batch, True, **config)
+    assert 0 < in_rows < len(ran)
+    _assert_same(rows, tree)
+
+
 def test_deterministic_mode_runs_the_tree_update_and_repeats_it_bit_for_bit(tiny_model, monkeypatch):
     """GPU review 2, point 11: ``policy.deterministic`` turns on torch's deterministic algorithms
     when the worker starts (every op of the tree update has a deterministic kernel: none raises),

@@ -39,14 +39,17 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             CUDA, an eighth of the free memory within 192 MiB-2 GiB (each block re-reads and
             re-writes the fp32 [V, D] weight-gradient accumulator: few large blocks on a GPU).
             With head_backward "vocab_outer" it is the budget of the fp32 [rows, 4096] block instead
-            (none = 32 MiB).
+            (none = 32 MiB); with "vocab_outer_lean" the budget of its whole workspace (none = 64 MiB).
         head_backward: Loop order of the fused-linear head's gradient (docs/head.md): "token_outer"
             (token chunks of [rows, V] logits, 3 matmuls, an fp32 [V, D] weight-gradient
             accumulator), "vocab_outer" (a statistics pass, then vocabulary blocks outer with the
             logits recomputed: 4 matmuls, each fp32 d_W block finished over all tokens, no [V, D]
-            accumulator), or "auto": the kernels' default for the device
-            (aepo_kernels.fused_linear.default_head_backward: vocab_outer on CUDA, by the memory
-            plan; token_outer on CPU, by measurement). The memory plan's head term follows it.
+            accumulator but an fp32 [N, D] d_hidden one), "vocab_outer_lean" (d_W as vocab_outer,
+            d_hidden from a token-outer pass of its own: 5 matmuls, within 64 MiB beyond d_W and
+            d_hidden on CUDA), or "auto": the kernels' default for the device and the micro-batch
+            (aepo_kernels.fused_linear.default_head_backward: on CUDA, by the memory plan's rule,
+            vocab_outer where its workspace fits 64 MiB, else vocab_outer_lean; token_outer on
+            CPU, by measurement). The memory plan's head term follows it, for rows and trees alike.
         entropy_stats_scope: "global": entropy mean/std of the entropy-aware advantage are
             all-reduced over all micro-batches and ranks of the mini-batch, so the loss does not
             depend on micro-batching or world size; "micro_batch": per micro-batch, like the reference code.
@@ -103,7 +106,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ppo_epochs: int = 1
     use_fused_linear: bool = True
     fused_chunk_bytes: int | None = None
-    head_backward: Literal["auto", "vocab_outer", "token_outer"] = "auto"
+    head_backward: Literal["auto", "vocab_outer", "token_outer", "vocab_outer_lean"] = "auto"
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
     sharded_load: bool = True

@@ -174,7 +174,8 @@ class PolicyModel(nn.Module):
         args = (tree.labels, inputs.old_logprobs, inputs.occurrences)
         if self.fused:
             return fused_linear_aepo_tree_policy_loss(hidden, head.weight, *args, bias=head.bias,
-                                                      chunk_bytes=self.chunk_bytes, shift_labels=False, **kwargs)
+                                                      chunk_bytes=self.chunk_bytes, shift_labels=False,
+                                                      head_backward=self.head_backward, **kwargs)
         # logits [N, V]; node row n predicts labels[n] (the tree loss refuses shift_labels=True)
         return aepo_tree_policy_loss(head(hidden), *args, inplace_backward=True, shift_labels=False, **kwargs)
 
