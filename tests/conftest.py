@@ -31,6 +31,11 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # its threads follow OMP_NUM_THREADS
+    # Inductor's on-disk cache, one per worker: two workers compiling the same graph into the
+    # shared default directory at once left one of them loading a half-written .so (CI, "file too
+    # short" from torch.compile in a fresh process). Children (fresh processes, torchrun) inherit it.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
