@@ -116,8 +116,9 @@ class RetrievalApp:
             hits = await loop.run_in_executor(self._pool, self._score, request.queries, topk)
         except Exception as exc:  # noqa: BLE001 - answer the client instead of dropping it
             return 500, {"error": f"retrieval failed: {type(exc).__name__}: {exc}"}
-        left = wait - (time.perf_counter() - start)
-        if left > 0:
+        # at least the draw: the event loop's timers may fire early by up to a millisecond (uvloop
+        # and libuv read a cached clock; an answer 46 us short failed a suite run), so sleep again
+        while (left := start + wait - time.perf_counter()) > 0:
             await asyncio.sleep(left)
         return 200, RetrieveResponse(result=hits)
 
