@@ -53,6 +53,7 @@ def test_eta_zero_is_the_synchronous_run_bit_for_bit(tiny_run, tmp_path):
     proc = _train(run_dir, "--train.mode=async", "--train.max_staleness=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[async] rollout process" in proc.stdout
+    assert "max staleness 0, rounds wait for their tool calls" in proc.stdout  # rollout.schedule "auto"
     got, expected = _rows(run_dir), _rows(tiny_run)
     assert len(got) == len(expected) == 3
     for got_row, expected_row in zip(got, expected):
@@ -108,6 +109,8 @@ def test_eta_one_stays_within_one_version_and_a_killed_run_resumes(tmp_path):
     killed = _train(run_dir, "--train.mode=async", "--train.max_staleness=1", fault="after_step:2")
     assert killed.returncode == -9, killed.stderr[-2000:]
     pid = int(re.search(r"\[async\] rollout process (\d+)", killed.stdout).group(1))
+    # rollout.schedule "auto" where steps overlap: the process's rounds do not wait for tool calls
+    assert "max staleness 1, tool calls in the background" in killed.stdout
     assert _gone(pid), "the rollout process outlived its killed trainer"
     resumed = _train(run_dir, "--train.mode=async", "--train.max_staleness=1")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -213,6 +213,26 @@ def test_fast_tools_are_waited_for_so_a_step_takes_the_round_schedules_rounds():
         assert max(continuous.settled_s) < 0.05 + 0.03  # never more than a round's time (and the poll)
 
 
+def test_settle_s_from_the_config_sets_the_window_and_zero_never_waits():
+    """``rollout.experimental.settle_s`` reaches the scheduler through ``for_schedule`` (the one
+    constructor the trainer and the rollout process use): 0 turns the wait off, so the same fast
+    calls as above cost extra, narrower rounds, with the same trees; a bad value is refused."""
+    from aepo_engine.rollout.config import RolloutExperiments
+
+    expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
+                                      RolloutConfig(**CONFIG)).rollout(PROMPTS, step=0)
+    config = RolloutConfig(**CONFIG, schedule="continuous", experimental=RolloutExperiments(settle_s=0.0))
+    with ToolRunner({"search": ScriptedLatency(0, most_s=0.01)}, max_workers=16) as runner:
+        continuous = Counted.for_schedule(TimedBackend(random_tool_agent(), 0.05), runner, config)
+        assert continuous.settle_s == 0.0 and not continuous.tool_barrier
+        got = continuous.run_step(PROMPTS, 0)
+    assert _signature(got.trajectories) == _signature(expected.trajectories)
+    assert got.stats.rounds > expected.stats.rounds
+    assert max(continuous.settled_s) < 0.005
+    with pytest.raises(ValueError, match="experimental.settle_s must be seconds >= 0"):
+        RolloutExperiments(settle_s=float("nan"))
+
+
 def test_slow_tools_are_not_waited_for_once_their_durations_are_known():
     """The other side of the rule: calls of ~0.3-0.4 s against rounds of 20 ms are not expected
     back within a round once a few have been timed, so the ready trajectories sample without
@@ -266,6 +286,17 @@ def test_for_schedule_builds_the_round_or_the_continuous_scheduler():
                                                 RolloutConfig(**CONFIG, schedule="continuous"))
     assert (rounds.tool_barrier, rounds.max_batch) == (True, None)
     assert (continuous.tool_barrier, continuous.max_batch) == (False, 7)
+    # "auto", the default: rounds for a synchronous step (and eta = 0), continuous where steps
+    # overlap -- the asynchronous mode ran on rounds after the default changed, and its gain at 1 s
+    # search latency went with it (65.6 s for 6 steps against 34.8 s; docs/async.md)
+    auto = RolloutConfig(**CONFIG)
+    assert auto.schedule == "auto"
+    assert [auto.resolved_schedule(eta) for eta in (0, 1, 2)] == ["rounds", "continuous", "continuous"]
+    assert ContinuousRollout.for_schedule(Batched(random_tool_agent()), PureRunner(), auto).tool_barrier
+    assert not ContinuousRollout.for_schedule(Batched(random_tool_agent()), PureRunner(), auto, 1).tool_barrier
+    for eta in (0, 1):  # a schedule named is kept
+        assert RolloutConfig(**CONFIG, schedule="rounds").resolved_schedule(eta) == "rounds"
+        assert RolloutConfig(**CONFIG, schedule="continuous").resolved_schedule(eta) == "continuous"
     expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
                                       RolloutConfig(**CONFIG)).rollout(PROMPTS, step=2)
     got = rounds.run_step(PROMPTS, 2)  # the round schedule through run_step: the same call, round for round

@@ -125,8 +125,8 @@ class AsynchronousSource:
         cores = torch.get_num_threads()
         eta = parts["max_staleness"]
         mine, theirs = cpu_thread_split(cores, eta, torch_threads, torch.cuda.is_available())
-        process = RolloutProcess(dataclasses.replace(spec, threads=theirs))
-        rounds = spec.rollout.schedule == "rounds"
+        process = RolloutProcess(dataclasses.replace(spec, threads=theirs, max_staleness=eta))
+        rounds = spec.rollout.resolved_schedule(eta) == "rounds"
         tools = "rounds wait for their tool calls" if rounds else "tool calls in the background"
         print(f"[async] rollout process {process.pid}: max staleness {eta}, {tools}; "
               f"torch threads: trainer {mine}, rollout process {theirs} (its evaluations {cores}); "

@@ -65,6 +65,7 @@ class WorkerSpec:
         environment: variables set before anything is built (e.g. ``CUDA_VISIBLE_DEVICES`` of the
             engine's GPUs).
         lora: the policy's adapters (``policy.lora``): with them enabled the engine takes adapter pushes.
+        max_staleness: ``train.max_staleness`` (``rollout.schedule = "auto"`` resolves by it).
     """
 
     backend: BackendConfig
@@ -76,6 +77,7 @@ class WorkerSpec:
     threads: int
     environment: tuple[tuple[str, str], ...] = ()
     lora: LoraConfig | None = None
+    max_staleness: int = 0
 
 
 # What torchrun gives each rank to find the others (torch.distributed.run, torchelastic). A spawned
@@ -113,8 +115,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         backend = build_backend(spec.backend, spec.model_dir, tokenizer, seed=spec.engine_seed, lora=spec.lora)
         tools = ToolRunner(build_tools(spec.tools), max_workers=spec.tools.max_workers)
         tool_format = build_tool_format(spec.tools.format, tokenizer, spec.tools.enabled)  # as the trainer's
-        rollout = ContinuousRollout.for_schedule(backend, tools, spec.rollout, tokenizer=tokenizer,
-                                                 tool_format=tool_format)
+        rollout = ContinuousRollout.for_schedule(backend, tools, spec.rollout, spec.max_staleness,
+                                                 tokenizer=tokenizer, tool_format=tool_format)
         outbox.put(Ready(os.getpid(), backend.weight_dtype, capabilities=backend.capabilities,
                          eos_token_ids=tuple(backend.eos_token_ids)))
         _EngineLoop(rollout, backend, inbox, outbox).run()

@@ -8,6 +8,7 @@ they exist.
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
 import msgspec
@@ -84,6 +85,10 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
             docs/algorithm.md §1a (m once the whole probe has ended); 1 = m from the probe's
             first reaction to a tool result (a different, faster rule: it does not wait for the
             probe's later tool calls).
+        settle_s: Under ``schedule = "continuous"`` (and in the asynchronous rollout process), the
+            longest a round waits for tool results expected back before it samples
+            (``ContinuousRollout.settle``; only how batches form, never the trees). None = one
+            round's generation time, the ski-rental window; 0 = never wait; seconds = that window.
     """
 
     reuse_probe_as_sample: bool = True
@@ -92,9 +97,14 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     speculative_branches: int = 1
     presample_children: bool = False
     monitor_tool_steps: int | None = None
+    settle_s: float | None = None
 
     def __post_init__(self) -> None:
         # speculative_global_samples <= k - 1 needs k: RolloutConfig checks it.
+        if self.settle_s is not None:
+            require(math.isfinite(self.settle_s) and self.settle_s >= 0,
+                   f"experimental.settle_s must be seconds >= 0 (or none for one round's generation "
+                   f"time), got {self.settle_s}")
         require(self.speculative_branches >= 0,
                f"experimental.speculative_branches must be >= 0, got {self.speculative_branches}")
         if self.monitor_tool_steps is not None:
@@ -139,15 +149,16 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             "continuous" moves each trajectory on as soon as its own tool call returns (tool calls
             run beside generation; each backend call takes whatever is ready, up to the backend's
             batch); "rounds" samples every ready trajectory, then waits for all their tool calls
-            (each round waits for its slowest call), the default until the continuous schedule is
-            never slower (measured, docs/async.md: 1.37-1.42x the steps/h at 0.3 s search
-            latency, 1.56-1.63x at 1 s, 0.86-0.96x at none). Both grow the same trees, m, branches and counts for
-            the same sampled tokens (the continuous schedule takes each prompt's branch
-            decisions, budget slots, ids and refills in the round schedule's order, whatever the
-            tool latencies; only ``rounds`` and the seconds differ). Only
-            "rounds" makes two runs bit-identical: continuous batches depend on when results
-            arrive, and a backend whose numbers depend on its batch (HF on CPU: log-probs within
-            ~1e-5) may then sample another token, rarely.
+            (each round waits for its slowest call); "auto" (the default, :meth:`resolved_schedule`)
+            is "continuous" in an asynchronous run's rollout process with ``train.max_staleness >=
+            1`` and "rounds" otherwise: a synchronous step keeps the barrier until the continuous
+            schedule is never slower there (measured on CPU, docs/async.md: faster with slow tools,
+            slower with none). Both grow the same trees, m, branches and counts for the same
+            sampled tokens (the continuous schedule takes each prompt's branch decisions, budget
+            slots, ids and refills in the round schedule's order, whatever the tool latencies;
+            only ``rounds`` and the seconds differ). Only "rounds" makes two runs bit-identical:
+            continuous batches depend on when results arrive, and a backend whose numbers depend
+            on its batch (HF on CPU: log-probs within ~1e-5) may then sample another token, rarely.
         experimental: Scheduling ablations and variants, for experiments; a run leaves them at
             their defaults (``RolloutExperiments``).
     """
@@ -170,8 +181,17 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
-    schedule: Literal["continuous", "rounds"] = "rounds"
+    schedule: Literal["auto", "continuous", "rounds"] = "auto"
     experimental: RolloutExperiments = msgspec.field(default_factory=RolloutExperiments)
+
+    def resolved_schedule(self, max_staleness: int = 0) -> Literal["continuous", "rounds"]:
+        """``schedule`` with "auto" resolved for a rollout whose steps may be ``max_staleness``
+        versions ahead of the update (0: a synchronous step, or the asynchronous eta = 0 run,
+        which then gives the synchronous run bit for bit): "continuous" where steps overlap,
+        "rounds" otherwise."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "continuous" if max_staleness >= 1 else "rounds"
 
     # Keys that moved into ``experimental`` (the config loader names the new place).
     MOVED_KEYS: ClassVar[dict[str, str]] = {name: f"experimental.{name}" for name in EXPERIMENTAL_FIELDS}

@@ -125,11 +125,15 @@ class ContinuousRollout(EntropyBalancedRollout):
 
     @classmethod
     def for_schedule(cls, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
-                     **kwargs: Any) -> "ContinuousRollout":
-        """The scheduler ``config.schedule`` asks for: "rounds" waits for each round's tool calls
-        and samples every ready trajectory; "continuous" does not wait and samples at most the
-        backend's batch (``max_batch_size``; all that are ready when it has none) per round."""
-        barrier = config.schedule == "rounds"
+                     max_staleness: int = 0, **kwargs: Any) -> "ContinuousRollout":
+        """The scheduler ``config.schedule`` asks for (``RolloutConfig.resolved_schedule`` of
+        ``max_staleness``: "auto" is "continuous" only where steps overlap): "rounds" waits for
+        each round's tool calls and samples every ready trajectory; "continuous" does not wait
+        and samples at most the backend's batch (``max_batch_size``; all that are ready when it
+        has none) per round, after waiting for the results expected back within
+        ``config.experimental.settle_s``."""
+        barrier = config.resolved_schedule(max_staleness) == "rounds"
+        kwargs.setdefault("settle_s", config.experimental.settle_s)
         return cls(backend, tool_runner, config, tool_barrier=barrier,
                    max_batch=None if barrier else getattr(backend, "max_batch_size", None), **kwargs)
 
