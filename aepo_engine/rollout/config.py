@@ -16,8 +16,10 @@ import msgspec
 from aepo_engine.errors import require
 
 
+# The keys of [rollout.experimental]: set in [rollout] (where the first six once were), each is
+# refused with its place named (RolloutConfig.MOVED_KEYS).
 EXPERIMENTAL_FIELDS = ("reuse_probe_as_sample", "speculative_global_samples", "branch_before_m",
-                       "speculative_branches", "presample_children", "monitor_tool_steps")
+                       "speculative_branches", "presample_children", "monitor_tool_steps", "settle_s")
 
 
 class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
