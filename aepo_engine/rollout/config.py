@@ -87,8 +87,8 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
             docs/algorithm.md §1a (m once the whole probe has ended); 1 = m from the probe's
             first reaction to a tool result (a different, faster rule: it does not wait for the
             probe's later tool calls).
-        settle_s: Under ``schedule = "continuous"`` (and in the asynchronous rollout process), the
-            longest a round waits for tool results expected back before it samples
+        settle_s: Under the continuous schedule (``rollout.schedule``: "continuous", or "auto" in
+            an asynchronous run), the longest a round waits for tool results expected back before it samples
             (``ContinuousRollout.settle``; only how batches form, never the trees). None = one
             round's generation time, the ski-rental window; 0 = never wait; seconds = that window.
     """
