@@ -18,6 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import msgspec
 import pytest
 import torch
 
@@ -123,8 +124,10 @@ def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_la
                 return batch
 
         with ToolRunner({"search": ScriptedLatency(order)}, max_workers=16) as runner:
-            continuous = Recording(ScriptedBackend(random_tool_agent()), runner, config, max_batch=max_batch,
-                                   settle_s=0.0)  # no settling: rounds apart
+            unsettled = msgspec.structs.replace(config, experimental=msgspec.structs.replace(config.experimental,
+                                                                                             settle_s=0.0))
+            continuous = Recording(ScriptedBackend(random_tool_agent()), runner, unsettled,
+                                   max_batch=max_batch)  # no settling: rounds apart
             got = continuous.run_step(PROMPTS, step, poll_s=0.01)
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.m == expected.stats.m and got.stats.branches == expected.stats.branches

@@ -88,7 +88,9 @@ class _Round:
 
 
 class ContinuousRollout(EntropyBalancedRollout):
-    """Entropy-balanced rollouts of many steps at once (module docstring).
+    """Entropy-balanced rollouts of many steps at once (module docstring). Without the barrier a
+    round first waits for the tool results expected back soon, at most
+    ``config.experimental.settle_s`` (:meth:`settle`; None: as long as a round's generation takes).
 
     Args:
         backend, tool_runner, config, tokenizer, tool_names, tool_format: as
@@ -97,18 +99,16 @@ class ContinuousRollout(EntropyBalancedRollout):
         tool_barrier: each round waits for its tool calls (the synchronous scheduler's rounds).
         max_batch: the most trajectories one round samples (e.g. the backend's batch); None = all
             that are ready.
-        settle_s: without the barrier, the longest a round waits for tool results before it
-            samples (:meth:`settle`); None (the default): as long as a round's generation takes.
     """
 
     def __init__(self, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig, tokenizer: Any = None,
                  tool_names: Sequence[str] | None = None, tool_format: Any = None, *, tool_barrier: bool = False,
-                 max_batch: int | None = None, settle_s: float | None = None) -> None:
+                 max_batch: int | None = None) -> None:
         super().__init__(backend, tool_runner, config, tokenizer=tokenizer, tool_names=tool_names,
                          tool_format=tool_format)
         self.tool_barrier = tool_barrier
         self.max_batch = max_batch
-        self.settle_s = settle_s
+        self.settle_s = config.experimental.settle_s
         self.round_s = 0.0  # running generation time of a round (ROUND_EMA), 0 before the first
         self.states: dict[tuple[int, int], PromptState] = {}
         self._steps: dict[int, list[tuple[int, int]]] = {}  # step -> its prompts' state keys
@@ -133,7 +133,6 @@ class ContinuousRollout(EntropyBalancedRollout):
         has none) per round, after waiting for the results expected back within
         ``config.experimental.settle_s``."""
         barrier = config.resolved_schedule(max_staleness) == "rounds"
-        kwargs.setdefault("settle_s", config.experimental.settle_s)
         return cls(backend, tool_runner, config, tool_barrier=barrier,
                    max_batch=None if barrier else getattr(backend, "max_batch_size", None), **kwargs)
 
