@@ -298,6 +298,7 @@ class Trainer:
         if stats:
             metrics.update({f"time/rollout_{part}_s": sum(getattr(st, f"{part}_s") for st in stats) / len(stats)
                             for part in ("generate", "tool", "tail")})
+            metrics["time/rollout_tool_chain_s"] = max(st.tool_chain_s for st in stats)  # the slowest rank's
         return metrics
 
     def learn(self, step: int, examples: list[Example], trajectories, rewards, correct, answers,

@@ -11,7 +11,8 @@ start from the same model. Then each mode runs ``python -m aepo_engine.train --p
 (plus ``--preset web_search`` and ``--tools.search.latency.median_s`` when the latency is > 0: the
 search tool behind the retrieval server with a log-normal latency), one after the other, modes
 interleaved per seed. A mode is ``sync`` or ``async:ETA`` (``train.mode=async``,
-``train.max_staleness=ETA``), either with ``:rounds`` or ``:continuous`` (``rollout.schedule``).
+``train.max_staleness=ETA``), either with ``:rounds`` or ``:continuous`` (``rollout.schedule``), and
+any ``+KEY=VALUE`` settings of its own.
 
 Per run, one row in ``bench/results/<results>.jsonl``: steps per hour over the training loop
 (``time/loop_s`` of the last step, evaluation excluded, checkpoints included) and in steady state
@@ -37,21 +38,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, write_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TIME_KEYS = ("time/rollout_generate_s", "time/rollout_tool_s", "time/rollout_tail_s", "time/update_s",
+TIME_KEYS = ("time/rollout_generate_s", "time/rollout_tool_s", "time/rollout_tail_s", "time/rollout_tool_chain_s",
+             "time/update_s",
              "time/wait_for_rollouts_s", "time/weight_push_s", "engine/generate_s", "engine/tool_wait_s",
              "engine/idle_s", "engine/weight_load_s", "time/step_s")
 
 
 def mode_args(mode: str) -> list[str]:
     """``sync`` (the config's schedule), ``sync:rounds`` / ``sync:continuous`` (``rollout.schedule``),
-    ``async:ETA`` (on the config's schedule) or ``async:ETA:SCHEDULE``."""
-    match = re.fullmatch(r"(sync|async:(\d+))(?::(rounds|continuous))?", mode)
-    if not match:
+    ``async:ETA`` (on the config's schedule) or ``async:ETA:SCHEDULE``; each may end with
+    ``+KEY=VALUE`` settings of that mode's runs alone (``sync:continuous+rollout.experimental.sample_ahead=true``)."""
+    base, *settings = mode.split("+")
+    match = re.fullmatch(r"(sync|async:(\d+))(?::(rounds|continuous))?", base)
+    if not match or not all(re.fullmatch(r"[a-z_][a-z0-9_.]*=\S+", s) for s in settings):
         raise SystemExit(f"mode {mode!r}: use sync, sync:SCHEDULE, async:ETA or async:ETA:SCHEDULE "
-                         "(SCHEDULE: rounds or continuous)")
+                         "(SCHEDULE: rounds or continuous), then any +KEY=VALUE")
     args = (["--train.mode=sync"] if match.group(2) is None else
             ["--train.mode=async", f"--train.max_staleness={match.group(2)}"])
-    return args + ([f"--rollout.schedule={match.group(3)}"] if match.group(3) else [])
+    return args + ([f"--rollout.schedule={match.group(3)}"] if match.group(3) else []) + [f"--{s}" for s in settings]
 
 
 def build_setup(seed: int, folder: Path, extra: list[str]) -> Path:
@@ -146,7 +150,7 @@ def main() -> None:
         setup = build_setup(seed, args.base_dir / f"seed{seed}", args.extra)
         for latency in args.latency_median_s:
             for mode in args.modes:
-                name = f"{mode.replace(':', '')}_lat{latency:g}"
+                name = re.sub(r"[^A-Za-z0-9_.=-]", "", mode.replace("+", "_")) + f"_lat{latency:g}"
                 row = run_one(seed, mode, latency, setup, args.base_dir / f"seed{seed}" / name, args.extra)
                 print(json.dumps(row), flush=True)
                 if args.results:

@@ -24,6 +24,10 @@ def test_modes_and_run_rows(tmp_path):
                                                        "--rollout.schedule=rounds"]
     with pytest.raises(SystemExit, match="SCHEDULE"):
         bench_async.mode_args("sync:fast")
+    assert bench_async.mode_args("sync:continuous+rollout.experimental.sample_ahead=true") == [
+        "--train.mode=sync", "--rollout.schedule=continuous", "--rollout.experimental.sample_ahead=true"]
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_async.mode_args("sync+sample_ahead")
     with pytest.raises(SystemExit, match="async:ETA"):
         bench_async.mode_args("async")
     logs = tmp_path / "logs"

@@ -31,7 +31,8 @@ from aepo_engine.rollout.protocol import GenOutput
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.segments import cut_at_stop
 from aepo_engine.rollout.state import state_key
-from aepo_engine.rollout.trajectory import BranchDecision, Trajectory
+from aepo_engine.rollout.stats import RolloutCounters, rollout_stats
+from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
 from aepo_engine.tools import Tool, ToolCall, ToolResult, ToolRunner
 from aepo_engine.training.batch import TokenBatch
 from fakes import CharTokenizer, CutAfter, ScriptedBackend, tool_agent
@@ -103,15 +104,19 @@ def _counts(stats):
 @pytest.mark.parametrize("order", [0, 1, 2])
 @pytest.mark.parametrize("max_batch", [None, 3])
 @pytest.mark.parametrize("experiments", list(EXPERIMENTS))
-def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_latencies(order, max_batch, experiments):
+@pytest.mark.parametrize("ahead", [False, True], ids=["by_rounds", "sample_ahead"])
+def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_latencies(order, max_batch, experiments,
+                                                                                        ahead):
     """Issue 52: without the round barrier each trajectory samples again as soon as its own call is
     back, in batches of whatever is ready (at most ``max_batch``), so the rounds' batches differ
     from the round schedule's; the branch decisions wait for their evidence, never for other
     trajectories, so the trees (kinds, parents, tokens, log-probs, decisions), m and the branch
     counts are the round schedule's for the same seeds and sampled tokens (and every counter but
     the rounds: the same tokens sampled and discarded, the same calls run), with each
-    scheduling variant of ``rollout.experimental``."""
-    config = RolloutConfig(**CONFIG, experimental=EXPERIMENTS[experiments])
+    scheduling variant of ``rollout.experimental``. With ``sample_ahead`` the trajectories m may
+    discard sample ahead too: the same trees, and at least the round schedule's discarded tokens."""
+    experimental = msgspec.structs.replace(EXPERIMENTS[experiments], sample_ahead=ahead)
+    config = RolloutConfig(**CONFIG, experimental=experimental)
     for step in range(3):
         expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(),
                                           config).rollout(PROMPTS, step=step)
@@ -129,13 +134,21 @@ def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_la
             continuous = Recording(ScriptedBackend(random_tool_agent()), runner, unsettled,
                                    max_batch=max_batch)  # no settling: rounds apart
             got = continuous.run_step(PROMPTS, step, poll_s=0.01)
+            assert not continuous.states
+            while continuous.waiting_on_tools:  # calls of trajectories m discarded while they ran
+                continuous.take_tool_results(wait_s=1.0)
+        assert continuous.dropped_tool_results == 0 or ahead  # by rounds, nothing m discards has a call
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.m == expected.stats.m and got.stats.branches == expected.stats.branches
-        assert got.stats.tool_calls_executed == expected.stats.tool_calls_executed
-        assert _counts(got.stats) == _counts(expected.stats)
+        if ahead:  # what m discards may hold more; what is kept is the same
+            assert got.stats.discarded_tokens >= expected.stats.discarded_tokens
+            assert (got.stats.tokens_generated - got.stats.discarded_tokens
+                    == expected.stats.tokens_generated - expected.stats.discarded_tokens)
+        else:
+            assert got.stats.tool_calls_executed == expected.stats.tool_calls_executed
+            assert _counts(got.stats) == _counts(expected.stats)
         assert max_batch is None or max(widths) <= max_batch
         assert got.stats.rounds > expected.stats.rounds  # the calls came back apart: more, narrower rounds
-        assert not continuous.states and continuous.waiting_on_tools == 0
 
 
 def test_a_slow_call_holds_back_no_other_trajectory_only_the_decisions_after_it():
@@ -525,3 +538,56 @@ def test_a_training_run_on_the_continuous_schedule(tmp_path):
         assert row["rollout/rounds"] >= 1 and row["loss/tokens"] > 0  # sampled, then trained on
         assert row["time/rollout_s"] >= row["time/rollout_generate_s"] > 0
     assert "accuracy" in json.loads((run_dir / "summary.json").read_text())["eval_after"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The longest chain of tool calls: no schedule returns a step sooner
+
+
+def _called(traj, seconds):
+    traj.append_model_segment([5], [-0.1], [1.0], 2)
+    traj.tool_log.append(ToolCallRecord("search", "q", "r", True, seconds))
+    traj.append_tool_result([7])
+    traj.tool_calls += 1
+
+
+def test_the_longest_chain_counts_the_calls_before_a_branch_point_hand_worked():
+    parent = Trajectory(prompt_ids=[1, 2], prompt_index=0, traj_id=0, step=0, kind="global")
+    _called(parent, 0.2)
+    child = parent.fork(2, traj_id=1)  # after the parent's first result: its 0.2 s is the child's too
+    _called(parent, 0.5)  # parent: 0.2 + 0.5 = 0.7
+    _called(child, 0.9)  # child: 0.2 + 0.9 = 1.1
+    other = Trajectory(prompt_ids=[1, 2], prompt_index=0, traj_id=2, step=0, kind="global")
+    _called(other, 0.3)
+    _called(other, 0.6)  # 0.9
+    stats = rollout_stats([2], [None], [None], [parent, child, other], RolloutCounters())
+    assert stats.tool_chain_s == pytest.approx(1.1)
+    assert rollout_stats([1], [None], [None], [], RolloutCounters()).tool_chain_s == 0.0
+
+
+class FixedLatency(Tool):
+    name = "search"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, payload: str) -> ToolResult:
+        time.sleep(self.seconds)
+        return ToolResult(f"search({payload})", ok=True)
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_no_schedule_returns_a_step_sooner_than_its_longest_chain_of_calls(barrier):
+    """Each call of a chain waits for the one before it: a step takes at least its longest
+    chain's seconds, on either schedule, and the chain is the most calls behind a returned
+    trajectory times each call's latency."""
+    config = RolloutConfig(**CONFIG)
+    with ToolRunner({"search": FixedLatency(0.02)}, max_workers=32) as runner:
+        rollout = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, config, tool_barrier=barrier)
+        start = time.perf_counter()
+        got = rollout.run_step(PROMPTS, 0, poll_s=0.01)
+        wall = time.perf_counter() - start
+    calls = max(len(t.tool_log) for t in got.trajectories)
+    assert calls >= 2
+    assert got.stats.tool_chain_s == pytest.approx(calls * 0.02, abs=0.5 * calls * 0.02)
+    assert got.stats.tool_chain_s >= calls * 0.02 and wall >= got.stats.tool_chain_s

@@ -76,12 +76,10 @@ def test_tool_entropy_and_when_the_probe_has_told_enough():
     assert tool_entropy([2.0, 1.0, 3.0], None) == 2.0
     assert tool_entropy([2.0, 1.0, 3.0], 1) == 1.0
     assert tool_entropy([0.7], None) == 0.7
-    probe = Trajectory(prompt_ids=[5], prompt_index=0, traj_id=0, step=0, kind="probe")
-    probe.segment_entropies = [2.0, 1.0]  # one post-tool segment so far, still running
-    assert not evidence_ready(probe, None)  # the rule of §1a: m once the whole probe has ended
-    assert evidence_ready(probe, 1) and not evidence_ready(probe, 2)
-    probe.finish_reason = "eos"
-    assert evidence_ready(probe, None) and evidence_ready(probe, 2)
+    seen = [2.0, 1.0]  # one post-tool segment so far, still running
+    assert not evidence_ready(False, seen, None)  # the rule of §1a: m once the whole probe has ended
+    assert evidence_ready(False, seen, 1) and not evidence_ready(False, seen, 2)
+    assert evidence_ready(True, seen, None) and evidence_ready(True, seen, 2)  # ended
 
 
 def test_most_global_samples_hand_worked():

@@ -19,7 +19,8 @@ from aepo_engine.errors import require
 # The keys of [rollout.experimental]: set in [rollout] (where the first six once were), each is
 # refused with its place named (RolloutConfig.MOVED_KEYS).
 EXPERIMENTAL_FIELDS = ("reuse_probe_as_sample", "speculative_global_samples", "branch_before_m",
-                       "speculative_branches", "presample_children", "monitor_tool_steps", "settle_s")
+                       "speculative_branches", "presample_children", "monitor_tool_steps", "settle_s",
+                       "sample_ahead")
 
 
 class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -91,6 +92,15 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
             an asynchronous run), the longest a round waits for tool results expected back before it samples
             (``ContinuousRollout.settle``; only how batches form, never the trees). None = one
             round's generation time, the ski-rental window; 0 = never wait; seconds = that window.
+        sample_ahead: Under the continuous schedule, the trajectories their prompt may still
+            discard (before m: the probe, the speculative globals and their branches; the reserve)
+            sample on as soon as their own tool result is back, as those kept for certain do,
+            instead of round by round with their prompt (which waits for the prompt's slowest
+            call of each round until the probe has ended). The trees, m and every decision are
+            the same (the rules read each trajectory as of the round they belong to); what m
+            then discards holds the segments and tool calls sampled ahead, so the discarded
+            tokens and the calls run grow. False: nothing is sampled that the round schedule
+            would have discarded first (docs/rollouts.md, "The continuous schedule").
     """
 
     reuse_probe_as_sample: bool = True
@@ -100,6 +110,7 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     presample_children: bool = False
     monitor_tool_steps: int | None = None
     settle_s: float | None = None
+    sample_ahead: bool = False
 
     def __post_init__(self) -> None:
         # speculative_global_samples <= k - 1 needs k: RolloutConfig checks it.

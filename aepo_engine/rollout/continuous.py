@@ -32,14 +32,19 @@ asynchronous rollout process admits up to ``train.max_staleness`` steps ahead an
   pre-sampled children) sample a round only once the prompt has reached it, so they do not sample
   what the round schedule would discard before sampling it. So the trees, m, the branch counts
   and every counter but ``rounds`` and the seconds are the round schedule's, whatever the tool
-  latencies and the batches (a segment a weight update cuts stays in its round too).
+  latencies and the batches (a segment a weight update cuts stays in its round too). With
+  ``rollout.experimental.sample_ahead`` the probe, the speculative globals, their branches and
+  the reserve sample ahead too (the rules read every trajectory as of the round they belong to,
+  ``PromptState.as_of``): the same trees, and m discards what they sampled ahead (more discarded
+  tokens and calls; a call still running for a discarded trajectory is dropped when it returns).
 - **Oldest first.** A round samples at most ``max_batch`` trajectories (the backend's batch), those
   of the oldest step first: the trainer waits for the oldest step.
 - **Late results.** Without the barrier a prompt discards a trajectory (a speculative sample
   beyond m, a tentative child) only at the end of a round, once that round's results are back,
   and reads a pre-sampled child's call only once a decision has taken it: no call runs for a
-  trajectory its prompt has discarded. A result that nothing takes would be dropped and counted
-  (``dropped_tool_results``), not taken.
+  trajectory its prompt has discarded (by rounds; with ``sample_ahead`` a trajectory m discards
+  may have sampled ahead and have a call running). A result that nothing takes is dropped and
+  counted (``dropped_tool_results``), not taken.
 - **Partial rollouts.** :meth:`round` takes the ``abort`` event a backend with
   ``capabilities.abort`` checks every token; a weight update sets it, the segments it cuts are
   kept and continued from their prefix under the new weights (``policy_version`` is stamped on
@@ -174,18 +179,24 @@ class ContinuousRollout(EntropyBalancedRollout):
 
     def ready(self) -> list[Trajectory]:
         """What the next round samples: trajectories not waiting on a tool, oldest step first,
-        at most ``max_batch``; without the barrier, those a prompt keeps for certain and the
+        at most ``max_batch``; without the barrier, those a prompt keeps for certain (with
+        ``sample_ahead``, all but the children that wait on or anticipate a decision) and the
         others of the round it has reached (module docstring)."""
         if self.tool_barrier:
             batch = self._next_batch(self.states)
         else:
             batch = []
+            ahead = self.config.experimental.sample_ahead
             for key, state in self.states.items():
                 now = self._rounds[key]
-                certain = {id(t) for t in state.members} if state.m is not None else set()
+                if ahead:  # all but the children that wait on or anticipate a decision
+                    free = {id(t) for t in state.generating()} - {id(t) for t in state.tentative.values()} \
+                        - {id(t) for t in state.presampled.values()}
+                else:
+                    free = {id(t) for t in state.members} if state.m is not None else set()
                 batch += [t for t in state.generating() if id(t) not in self._in_flight
                           and _uid(t) not in self._held
-                          and (id(t) in certain or state.rounds_sampled(t) <= now.number)]
+                          and (id(t) in free or state.rounds_sampled(t) <= now.number)]
         batch.sort(key=lambda t: (t.step, t.prompt_index, t.traj_id))
         return batch if self.max_batch is None else batch[: self.max_batch]
 

@@ -37,10 +37,10 @@ def tool_entropy(segment_entropies: Sequence[float], monitor_tool_steps: int | N
     return sum(after_tool) / len(after_tool) if after_tool else segment_entropies[0]
 
 
-def evidence_ready(probe: Trajectory, monitor_tool_steps: int | None) -> bool:
-    """The probe has ended, or has the post-tool segments ``monitor_tool_steps`` asks for."""
-    return probe.done or (monitor_tool_steps is not None
-                          and len(probe.segment_entropies) - 1 >= monitor_tool_steps)
+def evidence_ready(ended: bool, segment_entropies: Sequence[float], monitor_tool_steps: int | None) -> bool:
+    """The probe has ended, or has (with these model segments' entropies) the post-tool segments
+    ``monitor_tool_steps`` asks for."""
+    return ended or (monitor_tool_steps is not None and len(segment_entropies) - 1 >= monitor_tool_steps)
 
 
 class PreMonitoring:
@@ -73,7 +73,9 @@ class PreMonitoring:
         """After a round: finish pre-monitoring, or refill a prompt whose trajectories all ended."""
         stats = state.stats
         if state.m is None:
-            if not evidence_ready(state.probe, self.config.experimental.monitor_tool_steps):
+            probe = state.probe  # as of the round the rules read (it may have sampled ahead)
+            if not evidence_ready(state.ended(probe), state.seen_entropies(probe),
+                                  self.config.experimental.monitor_tool_steps):
                 if state.certain_slots is None and state.probe.segment_entropies:  # after its first segment
                     self._bound_m(state)
                 return
@@ -106,7 +108,7 @@ class PreMonitoring:
         start the missing ones; let the decisions that waited for m claim what is left."""
         cfg, probe, stats = self.config, state.probe, state.stats
         state.h_root = probe.segment_entropies[0]
-        state.h_tool = tool_entropy(probe.segment_entropies, cfg.experimental.monitor_tool_steps)
+        state.h_tool = tool_entropy(state.seen_entropies(probe), cfg.experimental.monitor_tool_steps)
         state.m = global_sample_count(cfg.k, cfg.beta, state.h_root, state.h_tool)
         reused = cfg.experimental.reuse_probe_as_sample
         wanted = state.m - int(reused)
@@ -148,7 +150,8 @@ class PreMonitoring:
 
     def _decide_late(self, state: PromptState, traj: Trajectory) -> None:
         """Take the decisions of every model segment of ``traj`` that reacts to a tool result,
-        in order (a resumed reserve sample has taken none)."""
-        model_segments = [j for j, s in enumerate(traj.segments) if s.kind == "model"]
+        in order (a resumed reserve sample has taken none), as of the round the rules read: a
+        later segment's decision is taken in its own round."""
+        model_segments = [j for j, s in enumerate(state.seen_segments(traj)) if s.kind == "model"]
         for n_model, seg_index in enumerate(model_segments[1:], start=1):
             self.branching.decide(state, traj, seg_index, traj.segment_entropies[n_model])

@@ -116,6 +116,14 @@ class PromptState:
             seen.append(segment)
         return seen
 
+    def seen_entropies(self, traj: Trajectory) -> list[float]:
+        """The head entropies of ``traj``'s model segments (by the end of round ``as_of``, when
+        set: those of :meth:`seen_segments`)."""
+        if self.as_of is None:
+            return traj.segment_entropies
+        birth, inherited = self.births[traj.traj_id]
+        return traj.segment_entropies[: max(0, inherited + self.as_of + 1 - birth)]
+
     def count_discarded_child(self, child: Trajectory) -> None:
         """Count a child thrown away: one discarded speculative trajectory, and the tokens it
         sampled itself (those after its branch point)."""

@@ -70,6 +70,10 @@ class RolloutStats:
         generate_s, tool_s: seconds in the backend and waiting for tool calls (the slowest call
             of each round); tail_s: the part of both spent in rounds less than half as wide as
             the widest before them (the slowest trajectories, with the rest finished).
+        tool_chain_s: the longest chain of tool calls behind a returned trajectory: the sum of
+            its calls' seconds, those its ancestors made before its branch point included. Each
+            call of a chain waits for the one before it, so no schedule that grows these trees
+            returns them sooner (docs/async.md, "No round barrier").
     """
 
     m: list[int]
@@ -95,6 +99,7 @@ class RolloutStats:
     generate_s: float = 0.0
     tool_s: float = 0.0
     tail_s: float = 0.0
+    tool_chain_s: float = 0.0
 
 
 def rollout_stats(m: list[int], h_root: list[float | None], h_tool: list[float | None],
@@ -133,4 +138,5 @@ def rollout_stats(m: list[int], h_root: list[float | None], h_tool: list[float |
         generate_s=counters.generate_s,
         tool_s=counters.tool_s,
         tail_s=counters.tail_s,
+        tool_chain_s=max((sum(call.elapsed_s for call in t.tool_log) for t in trajectories), default=0.0),
     )
