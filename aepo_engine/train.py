@@ -458,6 +458,7 @@ def _rollout_metrics(stats: list[RolloutStats], trajectories) -> dict[str, float
         "rollout/branches": total("branches"),
         "rollout/branch_decisions": total("branch_decisions"),
         "rollout/tool_calls": total("tool_calls_executed"),
+        "rollout/tool_calls_dropped": total("tool_calls_dropped"),
         "rollout/tool_errors": total("tool_errors"),
         "rollout/malformed_calls": total("malformed_calls"),
         "rollout/tokens_generated": total("tokens_generated"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -27,10 +26,12 @@ from aepo_engine.asynchronous.staleness import (admission_version, branching_ver
 from aepo_engine.rollout.calls import PendingCall
 from aepo_engine.rollout.config import RolloutConfig, RolloutExperiments
 from aepo_engine.rollout.continuous import ContinuousRollout
+from aepo_engine.rollout.decisions import Branching
+from aepo_engine.rollout.monitoring import PreMonitoring
 from aepo_engine.rollout.protocol import GenOutput
 from aepo_engine.rollout.scheduler import EntropyBalancedRollout
 from aepo_engine.rollout.segments import cut_at_stop
-from aepo_engine.rollout.state import state_key
+from aepo_engine.rollout.state import PromptState, state_key
 from aepo_engine.rollout.stats import RolloutCounters, rollout_stats
 from aepo_engine.rollout.trajectory import BranchDecision, ToolCallRecord, Trajectory
 from aepo_engine.tools import Tool, ToolCall, ToolResult, ToolRunner
@@ -137,6 +138,7 @@ def test_the_continuous_schedule_grows_the_round_schedules_trees_whatever_the_la
             assert not continuous.states
             while continuous.waiting_on_tools:  # calls of trajectories m discarded while they ran
                 continuous.take_tool_results(wait_s=1.0)
+        assert got.stats.tool_calls_dropped == continuous.dropped_tool_results  # each counted once
         assert continuous.dropped_tool_results == 0 or ahead  # by rounds, nothing m discards has a call
         assert _signature(got.trajectories) == _signature(expected.trajectories)
         assert got.stats.m == expected.stats.m and got.stats.branches == expected.stats.branches
@@ -591,3 +593,44 @@ def test_no_schedule_returns_a_step_sooner_than_its_longest_chain_of_calls(barri
     assert calls >= 2
     assert got.stats.tool_chain_s == pytest.approx(calls * 0.02, abs=0.5 * calls * 0.02)
     assert got.stats.tool_chain_s >= calls * 0.02 and wall >= got.stats.tool_chain_s
+
+
+@pytest.mark.parametrize("step", [4, 22, 26])
+def test_sampled_ahead_reserve_samples_resumed_by_a_refill_decide_as_of_their_round(step):
+    """A reserve sample samples ahead of its prompt's rounds (``sample_ahead``); a refill that
+    resumes it takes its late, blocked decisions for the segments of the rounds up to the
+    refill only (``PromptState.as_of``), the later ones in their own rounds: the round
+    schedule's trees, in steps whose prompts refill from the reserve (7 speculative globals)."""
+    fields = dict(k=8, n_entropy_tokens=4, max_response_tokens=400, max_tokens_per_segment=100)
+    expected = EntropyBalancedRollout(ScriptedBackend(random_tool_agent()), PureRunner(), RolloutConfig(
+        **fields, experimental=RolloutExperiments(speculative_global_samples=7))).rollout(PROMPTS, step=step)
+    assert expected.stats.fresh_global_samples > 0  # a refill resumed reserve samples
+    config = RolloutConfig(**fields, experimental=RolloutExperiments(speculative_global_samples=7,
+                                                                     sample_ahead=True, settle_s=0.0))
+    with ToolRunner({"search": ScriptedLatency(step)}, max_workers=32) as runner:
+        got = ContinuousRollout(ScriptedBackend(random_tool_agent()), runner, config).run_step(PROMPTS, step, poll_s=0.01)
+    assert _signature(got.trajectories) == _signature(expected.trajectories)
+    assert got.stats.m == expected.stats.m and got.stats.fresh_global_samples == expected.stats.fresh_global_samples
+
+
+def test_a_refill_reads_a_reserve_sample_as_of_the_round_that_resumes_it():
+    """Hand-built: k = 2, m = 1; the member has ended and the reserve sample has sampled its
+    reactions to two tool results, the second one round ahead of the prompt (sample_ahead). The
+    refill at the end of round 1 resumes it and takes its late decision for round 1's reaction
+    only; round 2's reaction takes its decision in round 2."""
+    config = RolloutConfig(k=2, n_entropy_tokens=1, max_response_tokens=400, max_tokens_per_segment=100)
+    state = PromptState(0, [1, 2])
+    state.m = 1
+    member, reserve = state.new("global"), state.new("global")
+    state.members, state.reserve = [member], [reserve]
+    state.note_births(0)  # both start in round 0
+    member.append_model_segment([5], [-0.1], [1.0], 1)
+    member.finish_reason = "eos"
+    for _ in range(2):  # rounds 0 and 1: a segment ending with a call, and its result
+        reserve.append_model_segment([5], [-0.1], [1.0], 1)
+        reserve.append_tool_result([7])
+    reserve.append_model_segment([6], [-0.1], [1.0], 1)  # round 2's reaction, sampled ahead
+    state.as_of = 1
+    PreMonitoring(config, Branching(config, seed=0)).advance(state)
+    assert state.members == [member, reserve] and not state.reserve  # the refill resumed it
+    assert [d.tool_step for d in reserve.decisions] == [1]  # round 1's reaction only

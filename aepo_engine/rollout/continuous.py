@@ -169,6 +169,10 @@ class ContinuousRollout(EntropyBalancedRollout):
             if (any(state.generating() for state in states) if self.tool_barrier
                     else not all(self._rounds[key].ended for key in self._steps[step])):
                 continue
+            # calls still running for its trajectories: those of discarded ones (sample_ahead),
+            # counted here, dropped when they return
+            keys = set(self._steps[step])  # its prompts share one set of counters
+            states[0].stats.tool_calls_dropped += sum(state_key(p.traj) in keys for p in self._tools.values())
             done.append((step, self._result(states)))
             for key in self._steps.pop(step):
                 del self.states[key]
@@ -188,13 +192,13 @@ class ContinuousRollout(EntropyBalancedRollout):
             batch = []
             ahead = self.config.experimental.sample_ahead
             for key, state in self.states.items():
-                now = self._rounds[key]
+                now, pool = self._rounds[key], state.generating()
                 if ahead:  # all but the children that wait on or anticipate a decision
-                    free = {id(t) for t in state.generating()} - {id(t) for t in state.tentative.values()} \
-                        - {id(t) for t in state.presampled.values()}
-                else:
+                    free = {id(t) for t in pool} - {id(t) for t in (*state.tentative.values(),
+                                                                     *state.presampled.values())}
+                else:  # those the prompt keeps for certain
                     free = {id(t) for t in state.members} if state.m is not None else set()
-                batch += [t for t in state.generating() if id(t) not in self._in_flight
+                batch += [t for t in pool if id(t) not in self._in_flight
                           and _uid(t) not in self._held
                           and (id(t) in free or state.rounds_sampled(t) <= now.number)]
         batch.sort(key=lambda t: (t.step, t.prompt_index, t.traj_id))
@@ -320,8 +324,11 @@ class ContinuousRollout(EntropyBalancedRollout):
             state = self.states.get(state_key(pending.traj))
             if state is None or not any(t is pending.traj for t in state.generating()):
                 # Its prompt discarded the trajectory (a speculative sample beyond m, a tentative
-                # child) while the call ran, and may have ended with its step: nothing takes it.
+                # child) while the call ran, and may have ended with its step (which counted it
+                # then): nothing takes it.
                 self.dropped_tool_results += 1
+                if state is not None:
+                    state.stats.tool_calls_dropped += 1
                 continue
             self.calls.take_result(pending, future.result(), state.stats)
         self._advance_all()

@@ -28,6 +28,7 @@ class RolloutCounters:
     discarded_speculative: int = 0
     discarded_tokens: int = 0
     waited_decisions: int = 0
+    tool_calls_dropped: int = 0
     generate_s: float = 0.0
     tool_s: float = 0.0
     tail_s: float = 0.0
@@ -65,6 +66,9 @@ class RolloutStats:
             no slot (``speculative_branches``), and pre-sampled children no decision took
             (``presample_children``);
             waited_decisions: branch decisions that waited for m (``branch_before_m``);
+            tool_calls_dropped: calls that ran for a trajectory discarded while they ran (the
+            continuous schedule's ``sample_ahead``): not in tool_calls_executed, their results
+            untaken;
             discarded_tokens: model tokens sampled in discarded trajectories (part of
             tokens_generated; the rest is what the returned trajectories hold).
         generate_s, tool_s: seconds in the backend and waiting for tool calls (the slowest call
@@ -96,6 +100,7 @@ class RolloutStats:
     discarded_speculative: int
     discarded_tokens: int
     waited_decisions: int
+    tool_calls_dropped: int = 0
     generate_s: float = 0.0
     tool_s: float = 0.0
     tail_s: float = 0.0
@@ -135,6 +140,7 @@ def rollout_stats(m: list[int], h_root: list[float | None], h_tool: list[float |
         discarded_speculative=counters.discarded_speculative,
         discarded_tokens=counters.discarded_tokens,
         waited_decisions=counters.waited_decisions,
+        tool_calls_dropped=counters.tool_calls_dropped,
         generate_s=counters.generate_s,
         tool_s=counters.tool_s,
         tail_s=counters.tail_s,
