@@ -98,9 +98,10 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
             instead of round by round with their prompt (which waits for the prompt's slowest
             call of each round until the probe has ended). The trees, m and every decision are
             the same (the rules read each trajectory as of the round they belong to); what m
-            then discards holds the segments and tool calls sampled ahead, so the discarded
-            tokens and the calls run grow. False: nothing is sampled that the round schedule
-            would have discarded first (docs/rollouts.md, "The continuous schedule").
+            then discards may hold segments and tool calls sampled ahead (more discarded tokens;
+            ``rollout/tool_calls_dropped`` counts the calls). False: nothing is sampled that the
+            round schedule would have discarded first, at the price of the prompt's round waits
+            (docs/async.md, "No round barrier", has both measured).
     """
 
     reuse_probe_as_sample: bool = True
@@ -110,7 +111,7 @@ class RolloutExperiments(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     presample_children: bool = False
     monitor_tool_steps: int | None = None
     settle_s: float | None = None
-    sample_ahead: bool = False
+    sample_ahead: bool = True
 
     def __post_init__(self) -> None:
         # speculative_global_samples <= k - 1 needs k: RolloutConfig checks it.
