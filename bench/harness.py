@@ -13,6 +13,7 @@ commit, the shape and the figures; ``print_table`` prints the short summary last
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -40,6 +41,11 @@ def machine() -> dict[str, Any]:
                 break
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "commit": git_commit(__file__),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for dist in ("transformers", "tokenizers"):  # what the task set-up (a trained tokenizer, the warm start) runs on
+        try:
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
