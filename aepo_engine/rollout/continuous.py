@@ -33,10 +33,11 @@ asynchronous rollout process admits up to ``train.max_staleness`` steps ahead an
   what the round schedule would discard before sampling it. So the trees, m, the branch counts
   and every counter but ``rounds`` and the seconds are the round schedule's, whatever the tool
   latencies and the batches (a segment a weight update cuts stays in its round too). With
-  ``rollout.experimental.sample_ahead`` (the default) the probe, the speculative globals, their branches and
-  the reserve sample ahead too (the rules read every trajectory as of the round they belong to,
-  ``PromptState.as_of``): the same trees, and m discards what they sampled ahead (more discarded
-  tokens and calls; a call still running for a discarded trajectory is dropped when it returns).
+  ``rollout.experimental.sample_ahead`` (the default) the probe, the speculative globals, their
+  branches and the reserve sample ahead too (the rules read every trajectory as of the round
+  they belong to, ``PromptState.as_of``): the same trees, and m discards what they sampled ahead
+  (more discarded tokens and calls; a call still running for a discarded trajectory is dropped
+  when it returns, ``rollout/tool_calls_dropped``).
 - **Oldest first.** A round samples at most ``max_batch`` trajectories (the backend's batch), those
   of the oldest step first: the trainer waits for the oldest step.
 - **Late results.** Without the barrier a prompt discards a trajectory (a speculative sample
