@@ -46,6 +46,7 @@ def machine() -> dict[str, Any]:
             info[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # AVX2 / AVX512 kernels sum floats apart
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -41,8 +41,10 @@ def test_matches_reference(backend, dtype, shape, vocab, temperature):
     logp, ent, grad = _run(logits, labels, temperature, backend, g_lp, g_h)
     logp_ref, ent_ref, grad_ref = _run(logits, labels, temperature, "reference", g_lp, g_h)
     assert logp.dtype == ent.dtype == torch.float32 and grad.dtype == dtype
-    torch.testing.assert_close(logp, logp_ref, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, ent_ref, atol=2e-5, rtol=1e-5)
+    # float32 sums over up to 151,936 logits in blocks: 1.3e-5 relative on one log-prob on an
+    # AVX2-only CPU (the interpreter's numpy reductions), over a 1e-5 bound
+    torch.testing.assert_close(logp, logp_ref, atol=2e-5, rtol=3e-5)
+    torch.testing.assert_close(ent, ent_ref, atol=2e-5, rtol=3e-5)
     assert (logp[labels == -100] == 0).all()
     torch.testing.assert_close(grad.float(), grad_ref.float(), **GRAD_TOL[dtype])
 
