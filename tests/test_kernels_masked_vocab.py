@@ -132,8 +132,9 @@ def test_soft_cap_maps_minus_inf_to_the_floor(backend):
     (logp64 * g_lp.double() + entropy64 * g_h.double()).sum().backward()
     assert torch.isfinite(leaf.grad).all() and (leaf.grad[~torch.isfinite(logits)] == 0).all()
     # fp32 sums of ~40,000 equal terms (the capped -inf tokens): a few 1e-5 relative off float64
-    torch.testing.assert_close(logp.double(), logp64.detach(), atol=2e-5, rtol=3e-5)
-    torch.testing.assert_close(entropy.double(), entropy64.detach(), atol=2e-5, rtol=3e-5)
+    # (3.7e-5 on an AVX2-only CPU)
+    torch.testing.assert_close(logp.double(), logp64.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(entropy.double(), entropy64.detach(), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(leaf.grad.double(), leaf64.grad, atol=2e-6, rtol=1e-4)
 
 
