@@ -44,8 +44,8 @@ asynchronous rollout process admits up to ``train.max_staleness`` steps ahead an
   beyond m, a tentative child) only at the end of a round, once that round's results are back,
   and reads a pre-sampled child's call only once a decision has taken it: no call runs for a
   trajectory its prompt has discarded (by rounds; with ``sample_ahead`` a trajectory m discards
-  may have sampled ahead and have a call running). A result that nothing takes is dropped and
-  counted (``dropped_tool_results``), not taken.
+  may have sampled ahead and have a call running). A result that nothing takes is dropped, not
+  taken, and counted in its step's ``tool_calls_dropped``.
 - **Partial rollouts.** :meth:`round` takes the ``abort`` event a backend with
   ``capabilities.abort`` checks every token; a weight update sets it, the segments it cuts are
   kept and continued from their prefix under the new weights (``policy_version`` is stamped on
@@ -127,7 +127,6 @@ class ContinuousRollout(EntropyBalancedRollout):
         self._rounds: dict[tuple[int, int], _Round] = {}
         self._held: dict[tuple[int, int, int], tuple[Trajectory, GenOutput]] = {}
         self.generate_s = self.tool_wait_s = 0.0  # seconds in the backend / waiting on tools alone
-        self.dropped_tool_results = 0  # results whose trajectory was discarded while the call ran
 
     @classmethod
     def for_schedule(cls, backend: GenerationBackend, tool_runner: Any, config: RolloutConfig,
@@ -325,9 +324,8 @@ class ContinuousRollout(EntropyBalancedRollout):
             state = self.states.get(state_key(pending.traj))
             if state is None or not any(t is pending.traj for t in state.generating()):
                 # Its prompt discarded the trajectory (a speculative sample beyond m, a tentative
-                # child) while the call ran, and may have ended with its step (which counted it
-                # then): nothing takes it.
-                self.dropped_tool_results += 1
+                # child) while the call ran, and may have ended with its step (which counted the
+                # call then, finished()): nothing takes it.
                 if state is not None:
                     state.stats.tool_calls_dropped += 1
                 continue

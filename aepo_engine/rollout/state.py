@@ -106,8 +106,7 @@ class PromptState:
         that round's, and the tool result that followed it)."""
         if self.as_of is None:
             return traj.segments
-        birth, inherited = self.births[traj.traj_id]
-        models, seen = inherited + self.as_of + 1 - birth, []
+        models, seen = self._models_seen(traj), []
         for segment in traj.segments:
             if segment.kind == "model":
                 if models <= 0:
@@ -121,8 +120,13 @@ class PromptState:
         set: those of :meth:`seen_segments`)."""
         if self.as_of is None:
             return traj.segment_entropies
+        return traj.segment_entropies[: max(0, self._models_seen(traj))]
+
+    def _models_seen(self, traj: Trajectory) -> int:
+        """How many model segments ``traj`` has by the end of round ``as_of`` (its inherited ones
+        and one per round from its birth)."""
         birth, inherited = self.births[traj.traj_id]
-        return traj.segment_entropies[: max(0, inherited + self.as_of + 1 - birth)]
+        return inherited + self.as_of + 1 - birth
 
     def count_discarded_child(self, child: Trajectory) -> None:
         """Count a child thrown away: one discarded speculative trajectory, and the tokens it
