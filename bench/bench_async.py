@@ -39,9 +39,8 @@ from harness import machine, write_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIME_KEYS = ("time/rollout_generate_s", "time/rollout_tool_s", "time/rollout_tail_s", "time/rollout_tool_chain_s",
-             "time/update_s",
-             "time/wait_for_rollouts_s", "time/weight_push_s", "engine/generate_s", "engine/tool_wait_s",
-             "engine/idle_s", "engine/weight_load_s", "time/step_s")
+             "time/update_s", "time/wait_for_rollouts_s", "time/weight_push_s", "engine/generate_s",
+             "engine/tool_wait_s", "engine/idle_s", "engine/weight_load_s", "time/step_s")
 
 
 def mode_args(mode: str) -> list[str]:
