@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aepo_engine.memory_plan import DTYPE_BYTES, GIB, ModelShape, plan_memory
+from aepo_engine.native_dtype import resolve_train_dtypes
 
 __all__ = ["CPU_BASELINE", "CpuMemoryPlan", "plan_cpu_memory"]
 
@@ -53,6 +54,7 @@ class CpuMemoryPlan:
 
 def plan_cpu_memory(cfg: Any, shape: ModelShape) -> CpuMemoryPlan:
     """The CPU plan of ``cfg`` (a resolved ``TrainConfig``) for ``shape`` (module docstring)."""
+    cfg = resolve_train_dtypes(cfg, "cpu")  # "bfloat16_if_native": this CPU's dtype (aepo_engine.native_dtype)
     policy, backend, rollout = cfg.policy, cfg.backend, cfg.rollout
     p = shape.params()
     gpu_terms = plan_memory(cfg, shape, world=1, gpu=0, cuda=False).terms

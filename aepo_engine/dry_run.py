@@ -84,6 +84,7 @@ def check_run(cfg: TrainConfig, gpu: str | None = None, world_size: str | None =
     """
     report = DryRunReport()
     report.problems += config_problems(cfg)
+    cfg = _native_dtypes(cfg, gpu, report)
     cfg, readable = _with_model_dir(cfg, report)
     files_task = cfg.task.source == "files"
     encode_prompt = None
@@ -146,6 +147,24 @@ def dry_run(cfg: TrainConfig, source: str = "", out=None, err=None, gpu: str | N
 
 
 # --- checks ---------------------------------------------------------------------------------------
+
+def _native_dtypes(cfg: TrainConfig, gpu: str | None, report: DryRunReport) -> TrainConfig:
+    """``cfg`` with "bfloat16_if_native" resolved for the run planned (a GPU's when ``--gpu`` names
+    one or this machine has CUDA, else this CPU's: :mod:`aepo_engine.native_dtype`), noted in the
+    report; the config printed keeps the value, which resolves again where it runs."""
+    import torch
+
+    from aepo_engine.native_dtype import NATIVE_BF16, resolve_train_dtypes
+
+    device = "cuda" if gpu or torch.cuda.is_available() else "cpu"
+    resolved = resolve_train_dtypes(cfg, device)
+    if resolved is not cfg:
+        dtype = resolved.policy.param_dtype if cfg.policy.param_dtype == NATIVE_BF16 else (
+            resolved.backend.dtype if cfg.backend.dtype == NATIVE_BF16 else resolved.task.warm_start.compute_dtype)
+        where = "a GPU" if device == "cuda" else "this CPU"
+        report.notes.append(f"dtype: {NATIVE_BF16} is {dtype} on {where} (aepo_engine/native_dtype.py)")
+    return resolved
+
 
 def _with_model_dir(cfg: TrainConfig, report: DryRunReport) -> tuple[TrainConfig, bool]:
     """``cfg`` with a GGUF ``model.path`` replaced by its converted HF folder (converted now, once:

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from aepo_engine.layout_plan import layout_plan
+from aepo_engine.native_dtype import resolve_train_dtypes
 from aepo_kernels.fused_linear import (
     CUDA_CHUNK_BYTES_MAX, DEFAULT_CHUNK_BYTES, chunks_for_budget, default_head_backward, lean_workspace,
     vocab_outer_workspace,
@@ -419,6 +420,7 @@ def plan_memory(cfg: Any, shape: ModelShape, world: int, gpu: int = 0, cuda: boo
         cache_emptied: PyTorch's cache is emptied before the engine wakes (what the trainer
             does); False plans the update's cached blocks carried into the sync and the rollout.
     """
+    cfg = resolve_train_dtypes(cfg, "cuda" if cuda else "cpu")  # "bfloat16_if_native": aepo_engine.native_dtype
     policy, backend = cfg.policy, cfg.backend
     p, w = shape.params(), world
     c = DTYPE_BYTES[policy.param_dtype]

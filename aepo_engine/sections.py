@@ -151,7 +151,9 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
         schedule: after warm-up: "cosine" decays to lr * min_lr_ratio by the last step, "constant" keeps lr.
         min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
         compute_dtype: "bfloat16" runs forward and backward under CPU/GPU autocast (the weights
-            and optimizer stay float32): ~4x less CPU time per matmul where the CPU has AMX.
+            and optimizer stay float32): ~4x less CPU time per matmul where the CPU has AMX, many
+            times more where it has neither AMX nor AVX512-BF16. "bfloat16_if_native": bfloat16
+            where the device has it natively, float32 elsewhere (``aepo_engine.native_dtype``).
         steps: optimizer steps; with ``decay_at_score``, the most it may take.
         decay_steps: 0: ``schedule`` over all ``steps``; > 0 (``schedule = "cosine"``): constant lr
             after warm-up, then the cosine over the last ``decay_steps`` steps (or from when
@@ -183,7 +185,7 @@ class SFTConfig(OptimConfig, forbid_unknown_fields=True, frozen=True):
     batch_size: int = 16
     max_length: int = 512
     seed: int | None = None
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16", "bfloat16_if_native"] = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from aepo_engine.data import encode_chat_prompt
+from aepo_engine.native_dtype import native_dtype
 from aepo_engine.seeding import section_seed
 from aepo_engine.tools.base import ToolCall
 from aepo_engine.tools.parsing import find_tool_call
@@ -266,7 +267,8 @@ def train_sft(model: torch.nn.Module, examples: Sequence[SFTExample], config: SF
         for group in optimizer.param_groups:
             group["lr"] = lr
         device = next(model.parameters()).device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=config.compute_dtype == "bfloat16"):
+        with torch.autocast(device, dtype=torch.bfloat16,
+                            enabled=native_dtype(config.compute_dtype, device) == "bfloat16"):
             loss = masked_nll(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -53,6 +53,7 @@ from aepo_engine.faults import fault_point
 from aepo_engine.files import write_text_atomic
 from aepo_engine.metrics import ProgressBar, RunLogger, plot_metrics
 from aepo_engine.models.lora import is_adapter
+from aepo_engine.native_dtype import resolve_train_dtypes
 from aepo_engine.rewards import build_reward_fn
 from aepo_engine.rollout.backends import build_backend, engine_group, engine_layout
 from aepo_engine.rollout.measures import (branching_metrics, depth_metrics, diversity_metrics, entropy_tail_metrics,
@@ -106,6 +107,9 @@ class Trainer:
         problems = config_problems(cfg)
         if problems:
             raise ConfigError("the config cannot run:\n" + "\n".join(f"- {p}" for p in problems))
+        # "bfloat16_if_native" becomes the dtype this machine runs, in config.toml too (a resumed
+        # run keeps it): aepo_engine.native_dtype.
+        cfg = resolve_train_dtypes(cfg, "cuda" if torch.cuda.is_available() else "cpu")
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.config_text = dump_config(cfg)

@@ -59,6 +59,7 @@ def test_cpu_memory_plan_terms():
     from aepo_engine.config import load_train_config
     from aepo_engine.cpu_memory_plan import CPU_BASELINE, plan_cpu_memory
     from aepo_engine.memory_plan import GIB, ModelShape
+    from aepo_engine.native_dtype import cpu_multiplies_bfloat16
 
     shape = ModelShape.from_config({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
                                     "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
@@ -93,7 +94,8 @@ def test_cpu_memory_plan_terms():
     # (4 prompts x 4), 40 questions -> a decode batch of 40 (max_batch_size 64), not 16
     few = load_train_config(["--preset", "smollm2", "--model.path=/m", "--train.prompts_per_step=4",
                              "--eval.num_questions=40", "--backend.max_batch_size=64"])
-    kv = 30 * 2 * 192 * 2
+    # (the preset's engine dtype: bf16 where this CPU multiplies it natively, else float32)
+    kv = 30 * 2 * 192 * (2 if cpu_multiplies_bfloat16() else 4)
     assert plan_cpu_memory(few, shape).rollout["decode cache (a batch's keys and values)"] == 40 * row * kv
 
 

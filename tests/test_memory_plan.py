@@ -24,6 +24,7 @@ from runs import REPO, dist_tests, launch_torchrun
 
 from aepo_engine.config import TrainConfig
 from aepo_engine.memory_plan import GIB, ModelShape, gpu_bytes, plan_memory
+from aepo_engine.native_dtype import cpu_multiplies_bfloat16
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "memory_measure.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -180,13 +181,15 @@ def test_the_log_prob_pass_term_matches_its_measured_peak():
     """The fused log-prob pass at Qwen3's vocabulary (bf16, D = 1024) holds its logits block and one
     temporary of its size, whatever the budget leaves of the tokens: planned within 15% of malloc's
     peak above the inputs (the former term, half the budget, was 1.4-2.9x the measured peak; on
-    CUDA's 2 GiB blocks it would have planned 1 GiB for ~0.5)."""
+    CUDA's 2 GiB blocks it would have planned 1 GiB for ~0.5). The term has no D in it: where the
+    CPU has no native bf16 (aepo_engine/native_dtype.py) D = 64, since at D = 1024 the bf16 matmuls
+    alone took 360 s of a 2-core AVX2 VM's suite."""
     from memory_measure import HeapMeter
 
     from aepo_engine.memory_plan import logprob_block_bytes
     from aepo_kernels import fused_linear_logprob_entropy
 
-    vocab, dim = 151936, 1024
+    vocab, dim = 151936, (1024 if cpu_multiplies_bfloat16() else 64)
     weight = (torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     meter = HeapMeter()
     for tokens, budget in ((512, 192 << 20), (2048, 192 << 20), (2048, 96 << 20)):
@@ -254,6 +257,10 @@ def test_terms_match_one_measured_step_of_the_tiny_model(tiny_model, tmp_path, w
 
 @pytest.mark.slow
 @dist_tests
+@pytest.mark.skipif(not cpu_multiplies_bfloat16(), reason=(
+    "this CPU has neither AMX nor AVX512-BF16: its bf16 matmuls run ~64x slower than float32 (0.8 "
+    "GFLOP/s on a 2-core AVX2 VM), so this bf16 step at Qwen3-0.6B's widths would take over 20 minutes; "
+    "the tiny model's bf16 measurements above check the same terms (aepo_engine/native_dtype.py)"))
 def test_terms_match_one_measured_step_at_qwen3_06b_widths(tmp_path):
     """Qwen3-0.6B's widths (vocabulary 151,936, hidden 1,024, the tied embedding as the largest
     tensor) with 4 of its 24 layers (~0.22B): every term of the 0.53B model at a sixth of its

@@ -62,7 +62,8 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             are not the model's parameter names). Without FSDP the whole model is loaded either way.
         param_dtype: Compute dtype of parameters in forward/backward (master weights stay float32);
             FSDP2 MixedPrecisionPolicy when sharded, torch.autocast otherwise. No float16: it would
-            need loss scaling, which is left out.
+            need loss scaling, which is left out. "bfloat16_if_native": bfloat16 on CUDA and on a
+            CPU with AMX or AVX512-BF16, float32 on other CPUs (``aepo_engine.native_dtype``).
         reduce_dtype: dtype of the FSDP2 gradient reduce-scatter.
         activation_checkpointing: Recompute each decoder layer in backward (HF gradient
             checkpointing, non-reentrant) to save activation memory.
@@ -110,7 +111,7 @@ class PolicyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     entropy_stats_scope: Literal["global", "micro_batch"] = "global"
     fsdp: Literal["auto", "on", "off"] = "auto"
     sharded_load: bool = True
-    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16", "bfloat16_if_native"] = "bfloat16"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "varlen", "flash_attention_2"] = "sdpa"

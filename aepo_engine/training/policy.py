@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from aepo_engine.distributed import init_distributed
 from aepo_engine.models.lora import apply_lora, initial_adapter, is_adapter
+from aepo_engine.native_dtype import native_dtype
 from aepo_engine.training import counterfactual
 from aepo_engine.training.attention import packed_row_kwargs
 from aepo_engine.training.loading import build_meta_model, load_hf_model, load_sharded_weights
@@ -291,7 +292,7 @@ class PolicyWorker:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[self.config.param_dtype],
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[native_dtype(self.config.param_dtype, self.device.type)],
                                   reduce_dtype=DTYPES[self.config.reduce_dtype])
         for layer in self.policy.decoder.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -303,7 +304,7 @@ class PolicyWorker:
         fully_shard(self.policy, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
 
     def _autocast(self):
-        dtype = DTYPES[self.config.param_dtype]
+        dtype = DTYPES[native_dtype(self.config.param_dtype, self.device.type)]
         if self.use_fsdp or dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from aepo_engine.native_dtype import native_dtype
 from aepo_engine.rollout.backends.config import BackendConfig
 from aepo_engine.rollout.backends.registry import backend_builder, backend_names, register_backend
 
@@ -183,7 +184,8 @@ def _build_vllm(cfg: BackendConfig, model_dir: str, tokenizer: Any, *, seed: int
     sleep_level = cfg.sleep_level if cfg.sleeps(torch.cuda.is_available()) else None
     return VLLMBackend(model_dir, seed=seed, max_model_len=cfg.max_model_len,
                        gpu_memory_utilization=utilization, logprobs_topk=cfg.logprobs_topk,
-                       enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
+                       enable_prefix_caching=cfg.enable_prefix_caching,
+                       dtype=native_dtype(cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu"),
                        enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
                        in_process=cfg.in_process, sleep_level=sleep_level, group=group, lora=lora, **extra)
 
@@ -202,7 +204,7 @@ def _build_hf(cfg: BackendConfig, model_dir: str, tokenizer: Any, *, seed: int, 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     extra: dict[str, Any] = {}
     if cfg.dtype != "auto":
-        extra["dtype"] = getattr(torch, cfg.dtype)
+        extra["dtype"] = getattr(torch, native_dtype(cfg.dtype, torch.device(device).type))
     if not cfg.enable_prefix_caching:
         extra["prefix_cache_gib"] = 0.0
     elif cfg.kv_cache_gib is not None:

@@ -29,6 +29,8 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             engine per rank; the ranks per node: one engine per node (see ``engine_layout``).
         dtype: the engine's model dtype: vLLM's ("auto": the checkpoint's); the HF backend's
             ("auto": float32 on CPU, bfloat16 on GPU; its sampling maths is float32 either way).
+            "bfloat16_if_native": bfloat16 on CUDA and on a CPU with AMX or AVX512-BF16, float32
+            on other CPUs (``aepo_engine.native_dtype``).
         enforce_eager: vLLM without CUDA graphs / torch.compile; none = eager on CPU only (where
             compilation costs start-up time and buys nothing for tiny models).
         max_num_seqs: most sequences one vLLM engine schedules at once; none = vLLM's default.
@@ -75,7 +77,7 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     max_model_len: int = 8192
     logprobs_topk: int = 20
     tensor_parallel_size: int = 1
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32", "bfloat16_if_native"] = "auto"
     enforce_eager: bool | None = None
     max_num_seqs: int | None = None
     kv_cache_gib: float | None = None
