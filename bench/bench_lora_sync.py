@@ -62,7 +62,7 @@ from harness import PeakMemory, machine, print_table, write_rows  # noqa: E402
 RESULTS_NAME = "lora_sync"
 MODES = ("hf-full", "hf-lora", "vllm-full", "vllm-lora")
 RANK, ALPHA = 16, 32.0
-ENGINE_DTYPE = torch.bfloat16  # the smollm2 preset's backend.dtype
+ENGINE_DTYPE = torch.bfloat16  # the smollm2 preset's backend.dtype where the CPU has native bf16 (bf16 pushes on any CPU here)
 # The Qwen3 built here when SmolLM2 is not installed (--model qwen3): ~113M parameters.
 QWEN3_SHAPE = dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, head_dim=64,
                    intermediate_size=2304)
