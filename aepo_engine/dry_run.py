@@ -154,15 +154,13 @@ def _native_dtypes(cfg: TrainConfig, gpu: str | None, report: DryRunReport) -> T
     report; the config printed keeps the value, which resolves again where it runs."""
     import torch
 
-    from aepo_engine.native_dtype import NATIVE_BF16, resolve_train_dtypes
+    from aepo_engine.native_dtype import NATIVE_BF16, native_dtype, resolve_train_dtypes
 
     device = "cuda" if gpu or torch.cuda.is_available() else "cpu"
     resolved = resolve_train_dtypes(cfg, device)
     if resolved is not cfg:
-        dtype = resolved.policy.param_dtype if cfg.policy.param_dtype == NATIVE_BF16 else (
-            resolved.backend.dtype if cfg.backend.dtype == NATIVE_BF16 else resolved.task.warm_start.compute_dtype)
-        where = "a GPU" if device == "cuda" else "this CPU"
-        report.notes.append(f"dtype: {NATIVE_BF16} is {dtype} on {where} (aepo_engine/native_dtype.py)")
+        report.notes.append(f"dtype: {NATIVE_BF16} is {native_dtype(NATIVE_BF16, device)} on "
+                            f"{'a GPU' if device == 'cuda' else 'this CPU'} (aepo_engine/native_dtype.py)")
     return resolved
 
 
